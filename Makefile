@@ -1,0 +1,43 @@
+# One entry point for users and CI. A fresh machine needs only python3 (>= 3.8) with venv and pip:
+# the first target that needs them creates .venv and installs colossalai (which brings its torch pin) and this package.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: install install-test demo test bench lint format clean
+
+$(VENV)/.stamp-base: setup.py requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e .
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-base
+	$(PY) -m pip install -e ".[test,dev]"
+	touch $@
+
+install: $(VENV)/.stamp-base
+
+install-test: $(VENV)/.stamp-test
+
+demo: install
+	$(VENV)/bin/colossalai run --nproc_per_node $(NPROC) examples/quickstart.py
+
+test: install-test
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests
+
+bench: install
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/run.py
+
+lint: install-test
+	$(PY) -m black --check -l 120 colossalai_cmap tests examples benchmarks setup.py
+	$(PY) -m isort --check-only --profile black -l 120 colossalai_cmap tests examples benchmarks setup.py
+
+format: install-test
+	$(PY) -m black -l 120 colossalai_cmap tests examples benchmarks setup.py
+	$(PY) -m isort --profile black -l 120 colossalai_cmap tests examples benchmarks setup.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,149 @@
+"""The public ``cmap`` function: arguments, docstring and decorator forms. The mechanics live in ``pipeline``."""
+
+import functools
+from typing import Any, Callable, Optional, Union
+
+from .execute import MODES, RANDOMNESS
+from .specs import call_name, check_in_dims_type
+
+__all__ = ["cmap"]
+
+
+def cmap(
+    func: Optional[Callable] = None,
+    in_dims: Any = 0,
+    out_dims: Any = 0,
+    *,
+    group: Any = None,
+    dst: Union[int, str] = -1,
+    src: Union[int, str, None] = None,
+    randomness: str = "error",
+    chunk_size: Optional[int] = None,
+    mode: str = "vmap",
+    axis_name: Optional[str] = None,
+    timeout: Optional[float] = None,
+    check_inputs: bool = False,
+) -> Callable:
+    """``torch.vmap`` across the processes of a ``torch.distributed`` group, like ``jax.pmap``.
+
+    ``cmap(f)(*args)`` splits the batch (the dims given by ``in_dims``) across the group, runs ``torch.vmap(f)``
+    on each rank's share, and gathers the results. On every rank that receives output it returns exactly what
+    ``torch.vmap(f, in_dims, out_dims)(*args)`` returns in one process: same values, pytree structure, shapes,
+    dtypes and device, with every example computed once and returned in order, for any group size and any batch
+    size (including 0 and sizes that do not divide by the group size).
+
+    Args:
+        func: the per-example function (any callable or ``nn.Module``). Omit it to use ``cmap`` as a decorator
+            with options: ``@cmap(in_dims=(0, None))``.
+        in_dims: as in ``torch.vmap``: an int, None, or a pytree prefix of the positional args saying which dim
+            of each input is the batch dim. Negative dims count from the end. Keyword arguments are not mapped.
+        out_dims: as in ``torch.vmap``: where the batch dim goes in each output. ``None`` marks an output that is
+            the same for every example (it is returned once, not stacked).
+        group: where the work runs. None: the default (world) group, or this process alone when
+            ``torch.distributed`` is not initialised. A ``ProcessGroup``. ``(ProcessGroupMesh, axis)`` with an int
+            or a tuple of ints: map over those mesh axes; the other axes run independent cmaps. A colossalai
+            ``Booster`` or booster ``Plugin``: its data-parallel group.
+        dst: where results go. -1: every rank gets the full result. A group rank r: only r gets it, the others
+            return None and never allocate the full output. "local": no gather; each rank gets its own shard's
+            result (concatenated along ``out_dims``).
+        src: where inputs are. None: every rank passes the same full inputs and slices its share (no
+            communication). A group rank r: only r holds the mapped inputs, others may pass None for them, and r
+            scatters the shards. "local": each rank passes its own shard; the global batch is the shards
+            concatenated in group-rank order, and shard sizes may differ.
+        randomness: "error" (as in vmap), "different" (no two examples draw the same numbers, across ranks too;
+            reproducible for a fixed seed and group size) or "same" (every example on every rank draws the same).
+        chunk_size: vmap's ``chunk_size``, per rank: bounds the peak memory of each rank's share.
+        mode: "vmap" (default) runs ``torch.vmap(func)`` on the shard; "batched" calls ``func`` once on the shard
+            (it already takes a batch, like a model's forward); "loop" calls it once per example and stacks.
+        axis_name: names the mapped axis for ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``,
+            ``axis_index`` and ``axis_size`` inside ``func``.
+        timeout: seconds each collective of the call may wait before every rank raises ``CmapError``. Default: the
+            ``COLOSSALAI_CMAP_TIMEOUT`` environment variable, else the process group's own timeout.
+        check_inputs: with ``src=None``, also check that every rank passed the same input *values* (a checksum in
+            the status exchange). Shapes, dtypes and batch sizes are always checked.
+
+    Returns:
+        A function with the same call signature as ``func`` that runs the batch across the group.
+
+    Raises:
+        ValueError, TypeError: for bad arguments, on every rank, before any communication.
+        CmapError: on every rank of the group, when ``func`` raised on any rank, ranks passed different inputs,
+            or a peer died or timed out. The message names the failing rank(s).
+
+    Examples:
+        >>> import torch
+        >>> from colossalai import cmap
+        >>> x, y = torch.randn(64, 128), torch.randn(64, 128)
+        >>> cmap(torch.dot)(x, y).shape
+        torch.Size([64])
+        >>> @cmap(in_dims=(0, None), dst=0)
+        ... def batch_dot(a, b):
+        ...     return torch.dot(a, b)
+        >>> batch_dot(x, y[0]).shape  # None on every rank but group rank 0
+        torch.Size([64])
+    """
+    options = dict(
+        in_dims=in_dims,
+        out_dims=out_dims,
+        group=group,
+        dst=dst,
+        src=src,
+        randomness=randomness,
+        chunk_size=chunk_size,
+        mode=mode,
+        axis_name=axis_name,
+        timeout=timeout,
+        check_inputs=check_inputs,
+    )
+    if func is None:
+        return functools.partial(cmap, **options)
+    if not callable(func):
+        raise TypeError(f"cmap: expected a callable or nn.Module as func, got {type(func).__name__}.")
+    call = call_name(func, in_dims)
+    _check_options(call, **options)
+
+    from .pipeline import Cmapped
+
+    runner = Cmapped(func, call=call, **options)
+
+    @functools.wraps(func)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return runner(*args, **kwargs)
+
+    wrapped.cmap_runner = runner  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _check_options(
+    call: str,
+    *,
+    in_dims: Any,
+    dst: Any,
+    src: Any,
+    randomness: str,
+    chunk_size: Optional[int],
+    mode: str,
+    axis_name: Optional[str],
+    timeout: Optional[float],
+    **_: Any,
+) -> None:
+    """Checks that need no group; ``dst``/``src`` ranges are checked per call against the group size."""
+    check_in_dims_type(call, in_dims)
+    if mode not in MODES:
+        raise ValueError(f"{call}: unknown mode={mode!r}; expected one of {', '.join(map(repr, MODES))}.")
+    if randomness not in RANDOMNESS:
+        raise ValueError(
+            f"{call}: unknown randomness={randomness!r}; expected one of {', '.join(map(repr, RANDOMNESS))}."
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"{call}: chunk_size should be None or a positive int, got {chunk_size!r}.")
+    for name, value, allowed in (("dst", dst, (-1, "local")), ("src", src, (None, "local"))):
+        if value in allowed and not isinstance(value, bool):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            choices = ", ".join(repr(a) for a in allowed)
+            raise ValueError(f"{call}: {name}={value!r} is not valid; expected {choices} or a group rank >= 0.")
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise TypeError(f"{call}: axis_name must be a str or None, got {type(axis_name).__name__}.")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"{call}: timeout must be a positive number of seconds, got {timeout!r}.")

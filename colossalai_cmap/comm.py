@@ -1,0 +1,120 @@
+"""Collectives with bounded waits, and the per-call status exchange.
+
+Every collective cmap issues goes through here, so a peer that died or never arrived turns into a ``CmapError``
+within the timeout instead of a hang.
+"""
+
+import os
+import zlib
+from datetime import timedelta
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import CmapError, RankFailure
+from .groups import Group
+
+TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
+
+# Header fields of the status exchange, one int64 row per rank.
+STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, HEADER_LEN = 0, 1, 2, 3, 4, 5
+OK, EMPTY, FAILED = 0, 1, 2
+
+COUNTS = {"collectives": 0}
+
+
+def default_timeout() -> Optional[float]:
+    value = os.environ.get(TIMEOUT_ENV)
+    return float(value) if value else None
+
+
+def digest(obj: Any) -> int:
+    """A digest of ``repr(obj)`` that is the same in every process (``hash`` of a str is salted per process)."""
+    return zlib.crc32(repr(obj).encode()) or 1
+
+
+def _wait(work: Any, group: Group, call: str, what: str, timeout: Optional[float]) -> None:
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # a peer died, or the wait timed out
+        raise CmapError(
+            f"{call}: {what} failed on group rank {group.rank} (global rank {group.global_rank}): "
+            f"{type(exc).__name__}: {exc}. A peer rank may have died or not reached this cmap call."
+        ) from exc
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]) -> None:
+    COUNTS["collectives"] += 1
+    _wait(dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True), group, call, "all_gather", timeout)
+
+
+def gather_to(
+    inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
+) -> None:
+    COUNTS["collectives"] += 1
+    work = dist.gather(inp, outs, dst=group.ranks[dst], group=group.pg, async_op=True)
+    _wait(work, group, call, "gather", timeout)
+
+
+def scatter_from(
+    out: torch.Tensor, ins: Optional[List[torch.Tensor]], src: int, group: Group, call: str, timeout: Optional[float]
+) -> None:
+    COUNTS["collectives"] += 1
+    work = dist.scatter(out, ins, src=group.ranks[src], group=group.pg, async_op=True)
+    _wait(work, group, call, "scatter", timeout)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Group, call: str, timeout: Optional[float]) -> None:
+    COUNTS["collectives"] += 1
+    _wait(dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True), group, call, "broadcast", timeout)
+
+
+def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float], op: Any = None) -> None:
+    COUNTS["collectives"] += 1
+    op = dist.ReduceOp.SUM if op is None else op
+    _wait(dist.all_reduce(t, op=op, group=group.pg, async_op=True), group, call, "all_reduce", timeout)
+
+
+def broadcast_object(obj: Any, src: int, group: Group, call: str) -> Any:
+    """Broadcast a picklable object from group rank ``src`` (rare paths only: it has no bounded wait)."""
+    COUNTS["collectives"] += 1
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=group.ranks[src], group=group.pg)
+    except Exception as exc:
+        raise CmapError(f"{call}: broadcast of metadata from group rank {src} failed: {exc}") from exc
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Group, call: str) -> List[Any]:
+    COUNTS["collectives"] += 1
+    out: List[Any] = [None] * group.size
+    try:
+        dist.all_gather_object(out, obj, group=group.pg)
+    except Exception as exc:
+        raise CmapError(f"{call}: exchange of error details failed: {exc}") from exc
+    return out
+
+
+def exchange_status(
+    header: Sequence[int], group: Group, device: torch.device, call: str, timeout: Optional[float]
+) -> List[List[int]]:
+    """All-gather every rank's small int64 header; returns one row per group rank."""
+    mine = torch.tensor(list(header), dtype=torch.int64, device=device)
+    rows = torch.empty(group.size * HEADER_LEN, dtype=torch.int64, device=device)
+    all_gather_into(rows, mine, group, call, timeout)
+    return rows.view(group.size, HEADER_LEN).tolist()
+
+
+def raise_failures(
+    rows: List[List[int]], failure: Optional[RankFailure], group: Group, call: str, cause: Optional[BaseException]
+) -> None:
+    """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``."""
+    if not any(row[STATUS] == FAILED for row in rows):
+        return
+    failures = [f for f in all_gather_object(failure, group, call) if f is not None]
+    raise CmapError.from_failures(call, failures, group.rank) from cause

@@ -1,0 +1,127 @@
+"""The gather strategy layer: all-gather (``dst=-1``), gather to one rank (``dst=r``), or none (``dst="local"``).
+
+All output leaves travel in one collective. Leaves are packed, each rank's block padded to the largest shard (gloo
+aborts on unequal sizes), and unpacked into one preallocated buffer per leaf. A single batched leaf with even shards
+skips the packing: the gather buffer already is the result.
+"""
+
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+
+from . import comm
+from .groups import Group
+from .layout import BATCHED, CONSTANT, REPLICATED, OutLayout
+from .sharding import rows_first
+
+
+def _typed(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    return buf.narrow(0, offset, nbytes).view(dtype).view(*shape)
+
+
+def pack(flat_local: Sequence[Any], layout: OutLayout, rows: int, cap: int, device: torch.device) -> torch.Tensor:
+    """One rank's outputs as a byte block sized for ``cap`` rows; rows past ``rows`` are padding."""
+    offsets, block = layout.segments(cap)
+    buf = torch.empty(block, dtype=torch.uint8, device=device)
+    for value, leaf, offset in zip(flat_local, layout.leaves, offsets):
+        if leaf.kind == BATCHED and rows:
+            _typed(buf, offset, leaf.dtype, (rows, *leaf.shape)).copy_(rows_first(value, leaf.out_dim))
+        elif leaf.kind == REPLICATED and value is not None:
+            _typed(buf, offset, leaf.dtype, leaf.shape).copy_(value)
+    return buf
+
+
+def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], cap: int) -> List[Any]:
+    """Per-leaf global outputs from the gathered ``[P, block]`` bytes, each written into one new buffer."""
+    offsets, _ = layout.segments(cap)
+    first = next((r for r, n in enumerate(sizes) if n), 0)
+    total = sum(sizes)
+    out: List[Any] = []
+    for leaf, offset in zip(layout.leaves, offsets):
+        if leaf.kind == CONSTANT:
+            out.append(leaf.value)
+        elif leaf.kind == REPLICATED:
+            out.append(_typed(blocks[first], offset, leaf.dtype, leaf.shape).clone())
+        else:
+            result = torch.empty((total, *leaf.shape), dtype=leaf.dtype, device=blocks.device)
+            start = 0
+            for r, n in enumerate(sizes):
+                if n:
+                    result.narrow(0, start, n).copy_(_typed(blocks[r], offset, leaf.dtype, (n, *leaf.shape)))
+                start += n
+            out.append(result.movedim(0, leaf.out_dim))
+    return out
+
+
+def _direct_leaf(layout: OutLayout, sizes: Sequence[int]) -> Optional[int]:
+    """The index of the only tensor leaf when it can be gathered in place (even shards, nothing replicated)."""
+    tensors = [i for i, leaf in enumerate(layout.leaves) if leaf.kind != CONSTANT]
+    if len(tensors) != 1 or layout.leaves[tensors[0]].kind != BATCHED or len(set(sizes)) != 1 or not sizes[0]:
+        return None
+    return tensors[0]
+
+
+def gather(
+    flat_local: Sequence[Any],
+    layout: OutLayout,
+    sizes: Sequence[int],
+    dst: Union[int, str],
+    group: Group,
+    device: torch.device,
+    call: str,
+    timeout: Optional[float],
+) -> Optional[List[Any]]:
+    """Gather every rank's outputs in group-rank order; returns the flat global outputs, or None off ``dst``."""
+    rank, world = group.rank, group.size
+    all_ranks = dst == -1
+    receives = all_ranks or dst == rank
+    direct = _direct_leaf(layout, sizes)
+    if direct is not None:
+        leaf = layout.leaves[direct]
+        n = sizes[0]
+        send = rows_first(flat_local[direct], leaf.out_dim).contiguous()
+        recv = torch.empty((world * n, *leaf.shape), dtype=leaf.dtype, device=device) if receives else None
+        if all_ranks:
+            comm.all_gather_into(recv, send, group, call, timeout)
+        else:
+            comm.gather_to(send, list(recv.chunk(world)) if receives else None, dst, group, call, timeout)
+        if not receives:
+            return None
+        out = list(flat_local)
+        out[direct] = recv.movedim(0, leaf.out_dim)
+        return out
+    cap = max(sizes)
+    block = pack(flat_local, layout, sizes[rank], cap, device)
+    blocks = torch.empty((world, block.numel()), dtype=torch.uint8, device=device) if receives else None
+    if all_ranks:
+        comm.all_gather_into(blocks.view(-1), block, group, call, timeout)
+    else:
+        comm.gather_to(block, list(blocks.unbind(0)) if receives else None, dst, group, call, timeout)
+    return unpack(blocks, layout, sizes, cap) if receives else None
+
+
+def share_replicated(
+    flat_local: List[Any],
+    layout: OutLayout,
+    sizes: Sequence[int],
+    group: Group,
+    device: torch.device,
+    call: str,
+    timeout: Optional[float],
+) -> List[Any]:
+    """For ``dst="local"``: ranks with empty shards receive the replicated leaves from the first rank with data."""
+    if not any(leaf.kind == REPLICATED for leaf in layout.leaves) or all(sizes):
+        return flat_local
+    first = next(r for r, n in enumerate(sizes) if n)
+    block = pack(flat_local, layout, 0, 0, device)
+    comm.broadcast(block, first, group, call, timeout)
+    offsets, _ = layout.segments(0)
+    out = list(flat_local)
+    for i, (leaf, offset) in enumerate(zip(layout.leaves, offsets)):
+        if leaf.kind == REPLICATED and out[i] is None:
+            out[i] = _typed(block, offset, leaf.dtype, leaf.shape).clone()
+    return out

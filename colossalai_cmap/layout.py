@@ -1,0 +1,92 @@
+"""The output layout of a cmapped function: what one example's outputs look like.
+
+A rank with an empty shard never calls ``func``; it learns the layout from a rank that has data (or from its cache),
+so it can still take part in the gather and return correctly shaped empty outputs.
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from .comm import digest
+
+BATCHED, REPLICATED, CONSTANT = "batched", "replicated", "constant"
+_ALIGN = 16  # bytes; every leaf's segment starts aligned for any dtype
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """One output leaf: a batched tensor, a replicated tensor (``out_dims=None``), or a non-tensor constant."""
+
+    kind: str
+    shape: Tuple[int, ...]  # per-example shape for batched leaves, the full shape for replicated ones
+    dtype: Optional[torch.dtype]
+    out_dim: Optional[int]
+    value: Any = None
+
+    @property
+    def row_bytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * (self.dtype.itemsize if self.dtype is not None else 0)
+
+
+@dataclass(frozen=True)
+class OutLayout:
+    spec: TreeSpec
+    leaves: Tuple[LeafLayout, ...]
+
+    @property
+    def digest(self) -> int:
+        return digest((self.spec, self.leaves))
+
+    @property
+    def batched(self) -> List[int]:
+        return [i for i, leaf in enumerate(self.leaves) if leaf.kind == BATCHED]
+
+    def segments(self, rows: int) -> Tuple[List[int], int]:
+        """Byte offset of each tensor leaf in one rank's packed row block of ``rows`` examples, and the block size."""
+        offsets, acc = [], 0
+        for leaf in self.leaves:
+            offsets.append(acc)
+            if leaf.kind == BATCHED:
+                acc += _aligned(rows * leaf.row_bytes)
+            elif leaf.kind == REPLICATED:
+                acc += _aligned(leaf.row_bytes)
+        return offsets, acc
+
+    def empty_outputs(self, device: torch.device) -> Any:
+        """Outputs of an empty shard: size-0 batched leaves; replicated leaves are filled in by the gather."""
+        leaves = []
+        for leaf in self.leaves:
+            if leaf.kind == BATCHED:
+                shape = list(leaf.shape)
+                shape.insert(leaf.out_dim, 0)
+                leaves.append(torch.empty(shape, dtype=leaf.dtype, device=device))
+            elif leaf.kind == REPLICATED:
+                leaves.append(None)
+            else:
+                leaves.append(leaf.value)
+        return tree_unflatten(leaves, self.spec)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def infer_layout(flat_out: Sequence[Any], out_dims: Sequence[Optional[int]], spec: TreeSpec) -> OutLayout:
+    """The layout of local outputs whose batch dims already sit at ``out_dims``."""
+    leaves = []
+    for value, dim in zip(flat_out, out_dims):
+        if not isinstance(value, torch.Tensor):
+            leaves.append(LeafLayout(CONSTANT, (), None, None, value))
+        elif dim is None:
+            leaves.append(LeafLayout(REPLICATED, tuple(value.shape), value.dtype, None))
+        else:
+            shape = list(value.shape)
+            del shape[dim]
+            leaves.append(LeafLayout(BATCHED, tuple(shape), value.dtype, dim))
+    return OutLayout(spec, tuple(leaves))

@@ -1,0 +1,450 @@
+"""One cmap call, step by step (DESIGN.md §3): resolve the group, check and shard the inputs, run the shard,
+exchange status, gather, unflatten.
+"""
+
+import zlib
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import autograd, comm, context
+from .comm import BATCH, EMPTY, FAILED, HEADER_LEN, INPUT_SIG, LAYOUT_SIG, OK, ROWS, STATUS
+from .errors import CmapError, RankFailure
+from .execute import rng_scope, run_shard
+from .gather import gather, pack, share_replicated
+from .groups import Group, group_device, resolve_group
+from .layout import BATCHED, LeafLayout, OutLayout, infer_layout
+from .sharding import plan, take_local
+from .specs import FlatArgs, check_placement, flatten_args, flatten_out_dims, normalise_out_dim
+
+Placement = Union[int, str, None]
+_CACHE_SIZE = 64
+
+
+class Cmapped:
+    """The callable ``cmap(func, ...)`` returns. Holds the options and a small per-signature layout cache."""
+
+    def __init__(
+        self,
+        func: Callable,
+        in_dims: Any,
+        out_dims: Any,
+        group: Any,
+        dst: Placement,
+        src: Placement,
+        randomness: str,
+        chunk_size: Optional[int],
+        mode: str,
+        axis_name: Optional[str],
+        timeout: Optional[float],
+        check_inputs: bool,
+        call: str,
+    ) -> None:
+        self.func = func
+        self.in_dims = in_dims
+        self.out_dims = out_dims
+        self.group = group
+        self.dst = dst
+        self.src = src
+        self.randomness = randomness
+        self.chunk_size = chunk_size
+        self.mode = mode
+        self.axis_name = axis_name
+        self.timeout = timeout if timeout is not None else comm.default_timeout()
+        self.check_inputs = check_inputs
+        self.call = call
+        self._layouts: "OrderedDict[int, OutLayout]" = OrderedDict()
+
+    # ------------------------------------------------------------------ entry
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.call
+        group = resolve_group(call, self.group)
+        check_placement(call, "dst", self.dst, group.size, (-1, "local"))
+        check_placement(call, "src", self.src, group.size, (None, "local"))
+        if isinstance(self.src, int):
+            return self._call_from_src(group, args, kwargs)
+        flat = flatten_args(self.func, args, self.in_dims, call)
+        if group.pg is None:
+            return self._single(flat, kwargs)
+        return self._distributed(group, flat, kwargs)
+
+    # -------------------------------------------------------- no distributed
+    def _single(self, flat: FlatArgs, kwargs: Dict[str, Any]) -> Any:
+        """One process: exactly ``torch.vmap`` (or the batched/loop equivalent) on the whole batch."""
+        with context.axis_scope(self.axis_name, context.AxisFrame(None, flat.batch_size, 0, flat.batch_size)):
+            return run_shard(
+                self.func,
+                flat,
+                flat.leaves,
+                flat.batch_size,
+                kwargs,
+                self.in_dims,
+                self.out_dims,
+                self.mode,
+                self.randomness,
+                self.chunk_size,
+                self.call,
+            )
+
+    # ------------------------------------------------------------ main path
+    def _distributed(self, group: Group, flat: FlatArgs, kwargs: Dict[str, Any]) -> Any:
+        needs_grad = self.dst == -1 and torch.is_grad_enabled() and _requires_grad(flat.leaves, kwargs, self.func)
+        if not needs_grad:
+            anchor = _grad_anchor(flat.leaves, kwargs, self.func) if self.dst not in (-1, "local") else None
+            with torch.no_grad() if anchor is not None else _null():
+                out = self._run(group, flat, kwargs, None)
+            if anchor is not None and out is not None:
+                msg = (
+                    f"{self.call}: the output of a cmap with dst={self.dst!r} is not differentiable; use dst=-1 "
+                    f"(every rank gets the result and the gradients) or dst='local' (per-shard gradients)."
+                )
+                out = _map_tensors(out, lambda t: autograd.not_differentiable(t, anchor, msg))
+            return out
+        return self._run_with_grad(group, flat, kwargs)
+
+    def _run(
+        self, group: Group, flat: FlatArgs, kwargs: Dict[str, Any], recorder: Optional[autograd.GradRunner]
+    ) -> Any:
+        """Steps 3-8 for ``src`` None or "local"; returns the output pytree (None off ``dst``)."""
+        call = self.call
+        local_src = self.src == "local"
+        device = group_device(group, _first_device(flat.leaves))
+        if local_src:
+            rows, offset, sizes = flat.batch_size, None, None
+            sig = self._input_sig(flat, kwargs, include_batch=False)
+        else:
+            sizes = plan(flat.batch_size, group.size).sizes
+            rows, offset = sizes[group.rank], sum(sizes[: group.rank])
+            sig = self._input_sig(flat, kwargs, include_batch=True)
+        if local_src and self.axis_name is not None:
+            sizes = self._exchange_sizes(group, rows, device)
+            offset = sum(sizes[: group.rank])
+        shard = flat.leaves if local_src else take_local(flat.leaves, flat.dims, offset, rows)
+        total = sum(sizes) if sizes is not None else None
+        state = self._execute(group, flat, shard, rows, kwargs, sig, total, offset, sizes, device)
+        return self._finish(group, state, sig, rows, flat.batch_size if not local_src else -1, sizes, device, recorder)
+
+    def _execute(
+        self,
+        group: Group,
+        flat: FlatArgs,
+        shard: List[Any],
+        rows: int,
+        kwargs: Dict[str, Any],
+        sig: int,
+        total: Optional[int],
+        offset: Optional[int],
+        sizes: Optional[Sequence[int]],
+        device: torch.device,
+    ) -> "_LocalResult":
+        """Run this rank's shard, capturing any exception for the status exchange."""
+        result = _LocalResult()
+        probe = False
+        if rows == 0 and total != 0:
+            result.layout = self._cached(sig)
+            if result.layout is not None or total is not None:
+                return result
+            probe = True  # src="local" with an empty shard: the global batch may be empty too
+        try:
+            seed = self._seed(group, device)
+            frame = context.AxisFrame(group, total if total is not None else rows, offset or 0, rows, sizes)
+            with rng_scope(self.randomness, seed, [device]), context.axis_scope(self.axis_name, frame):
+                out = run_shard(
+                    self.func,
+                    flat,
+                    shard,
+                    rows,
+                    kwargs,
+                    self.in_dims,
+                    self.out_dims,
+                    self.mode,
+                    self.randomness,
+                    self.chunk_size,
+                    self.call,
+                )
+            result.flat, spec = tree_flatten(out)
+            dims = flatten_out_dims(self.call, self.out_dims, spec, len(result.flat))
+            dims = [
+                d if not isinstance(v, torch.Tensor) else normalise_out_dim(self.call, d, v.dim() - 1, i)
+                for i, (v, d) in enumerate(zip(result.flat, dims))
+            ]
+            result.layout = infer_layout(result.flat, dims, spec)
+            result.has_data = not probe
+        except Exception as exc:  # every rank learns of it in the status exchange
+            if probe:
+                return _LocalResult()
+            result.failure = RankFailure.from_exception(exc, group.rank, group.global_rank)
+            result.cause = exc
+        return result
+
+    def _finish(
+        self,
+        group: Group,
+        res: "_LocalResult",
+        sig: int,
+        rows: int,
+        batch: int,
+        sizes: Optional[Sequence[int]],
+        device: torch.device,
+        recorder: Optional[autograd.GradRunner],
+    ) -> Any:
+        call = self.call
+        status = FAILED if res.failure is not None else (OK if res.has_data else EMPTY)
+        layout_sig = res.layout.digest if res.layout is not None else 0
+        header = [status, rows, sig, layout_sig, batch]
+        table = comm.exchange_status(header, group, device, call, self.timeout)
+        comm.raise_failures(table, res.failure, group, call, res.cause)
+        _check_consistent(table, call, self.src)
+        sizes = [row[ROWS] for row in table] if sizes is None else list(sizes)
+        layout = self._agree_layout(group, table, res, sig, call)
+        if layout is None:
+            raise CmapError(
+                f"{call}: the global batch is empty and func could not be run on an empty batch to "
+                f"infer the output structure."
+            )
+        local = res.flat if res.has_data else tree_flatten(layout.empty_outputs(device))[0]
+        if recorder is not None and res.has_data:
+            _record(recorder, local, layout, sum(sizes[: group.rank]), rows)
+        if self.dst == "local":
+            local = share_replicated(local, layout, sizes, group, device, call, self.timeout)
+            return tree_unflatten(local, layout.spec)
+        with torch.no_grad():  # differentiable calls run inside autograd.CmapFunction, which owns the backward
+            out = gather(local, layout, sizes, self.dst, group, device, call, self.timeout)
+        return None if out is None else tree_unflatten(out, layout.spec)
+
+    def _agree_layout(
+        self, group: Group, table: List[List[int]], res: "_LocalResult", sig: int, call: str
+    ) -> Optional[OutLayout]:
+        data = [r for r, row in enumerate(table) if row[STATUS] == OK]
+        if not data:
+            return res.layout
+        sigs = {table[r][LAYOUT_SIG] for r in data}
+        if len(sigs) != 1:
+            raise CmapError(
+                f"{call}: ranks returned outputs of different per-example shapes or dtypes; group ranks and layout "
+                f"digests: {[(r, table[r][LAYOUT_SIG]) for r in data]}. cmap needs the same output structure "
+                f"for every example."
+            )
+        ref = sigs.pop()
+        layout = res.layout
+        if any(row[LAYOUT_SIG] != ref for row in table):
+            layout = comm.broadcast_object(res.layout if group.rank == data[0] else None, data[0], group, call)
+        self._remember(sig, layout)
+        return layout
+
+    # --------------------------------------------------------------- autograd
+    def _run_with_grad(self, group: Group, flat: FlatArgs, kwargs: Dict[str, Any]) -> Any:
+        kw_leaves, kw_spec = tree_flatten(kwargs)
+        module = self.func if isinstance(self.func, torch.nn.Module) else None
+        params = dict(module.named_parameters()) if module is not None else {}
+        slots: List[Tuple[str, Any]] = []
+        tensors: List[torch.Tensor] = []
+        for i, leaf in enumerate(flat.leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                slots.append(("arg", i))
+                tensors.append(leaf)
+        for i, leaf in enumerate(kw_leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                slots.append(("kw", i))
+                tensors.append(leaf)
+        for name, p in params.items():
+            if p.requires_grad:
+                slots.append(("param", name))
+                tensors.append(p)
+        holder: Dict[str, Any] = {}
+
+        def forward(inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+            leaves, kws, prm = list(flat.leaves), list(kw_leaves), dict(params)
+            for (kind, key), t in zip(slots, inputs):
+                if kind == "arg":
+                    leaves[key] = t
+                elif kind == "kw":
+                    kws[key] = t
+                else:
+                    prm[key] = t
+            sub = FlatArgs(leaves, flat.dims, flat.spec, flat.paths, flat.batch_size)
+            runner_self = self if module is None else _with_func(self, _functional(module, prm))
+            out = runner_self._run(group, sub, tree_unflatten(kws, kw_spec), runner)
+            leaves_out, spec = tree_flatten(out)
+            holder["spec"], holder["flat"] = spec, leaves_out
+            return [v for v in leaves_out if isinstance(v, torch.Tensor)]
+
+        runner = autograd.GradRunner(forward, group, self.call, self.timeout, reduce=self.src is None)
+        outs = iter(autograd.apply(runner, tensors))
+        flat_out = [next(outs) if isinstance(v, torch.Tensor) else v for v in holder["flat"]]
+        return tree_unflatten(flat_out, holder["spec"])
+
+    # ------------------------------------------------------------ src = rank
+    def _call_from_src(self, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        from .scatter import receive_shards
+
+        if group.pg is None:
+            return self._single(flatten_args(self.func, args, self.in_dims, self.call), kwargs)
+        flat, shard, sizes, failure, device = receive_shards(self, group, args)
+        rows, offset = sizes[group.rank], sum(sizes[: group.rank])
+        total = sum(sizes)
+        if failure is not None:
+            res = _LocalResult()
+            res.failure, res.cause = failure
+            return self._finish(group, res, 0, rows, total, sizes, device, None)
+        anchor = _grad_anchor(tree_flatten(args)[0], kwargs, self.func) if torch.is_grad_enabled() else None
+        with torch.no_grad() if anchor is not None else _null():
+            res = self._execute(group, flat, shard, rows, kwargs, 0, total, offset, sizes, device)
+            out = self._finish(group, res, 0, rows, total, sizes, device, None)
+        if anchor is not None and out is not None:
+            msg = (
+                f"{self.call}: the output of a cmap with src={self.src!r} is not differentiable: its inputs were "
+                f"scattered from one rank. Use src=None to backpropagate to the inputs."
+            )
+            out = _map_tensors(out, lambda t: autograd.not_differentiable(t, anchor, msg))
+        return out
+
+    # ---------------------------------------------------------------- helpers
+    def _input_sig(self, flat: FlatArgs, kwargs: Dict[str, Any], include_batch: bool) -> int:
+        parts: List[Any] = [flat.spec, self.mode]
+        for leaf, d in zip(flat.leaves, flat.dims):
+            if d is not None:
+                shape = list(leaf.shape)
+                if not include_batch:
+                    del shape[d]
+                parts.append((tuple(shape), leaf.dtype, d))
+            elif isinstance(leaf, torch.Tensor):
+                parts.append((tuple(leaf.shape), leaf.dtype))
+            else:
+                parts.append(leaf if isinstance(leaf, (int, float, bool, str, type(None))) else type(leaf).__name__)
+        if kwargs:
+            kw_leaves, kw_spec = tree_flatten(kwargs)
+            parts.append(kw_spec)
+            parts += [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in kw_leaves]
+        sig = comm.digest(parts)
+        if self.check_inputs:
+            sig = zlib.crc32(_content_bytes(flat, kwargs), sig) or 1
+        return sig
+
+    def _cached(self, sig: int) -> Optional[OutLayout]:
+        layout = self._layouts.get(sig)
+        if layout is not None:
+            self._layouts.move_to_end(sig)
+        return layout
+
+    def _remember(self, sig: int, layout: OutLayout) -> None:
+        if sig == 0:
+            return
+        self._layouts[sig] = layout
+        self._layouts.move_to_end(sig)
+        while len(self._layouts) > _CACHE_SIZE:
+            self._layouts.popitem(last=False)
+
+    def _seed(self, group: Group, device: torch.device) -> Optional[int]:
+        if self.randomness == "error":
+            return None
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        if self.randomness == "same":
+            t = torch.tensor([base], dtype=torch.int64, device=device)
+            comm.broadcast(t, 0, group, self.call, self.timeout)
+            return int(t.item())
+        return (base + 1_000_003 * group.rank) % (2**63)
+
+    def _exchange_sizes(self, group: Group, rows: int, device: torch.device) -> List[int]:
+        mine = torch.tensor([rows], dtype=torch.int64, device=device)
+        out = torch.empty(group.size, dtype=torch.int64, device=device)
+        comm.all_gather_into(out, mine, group, self.call, self.timeout)
+        return out.tolist()
+
+
+class _LocalResult:
+    def __init__(self) -> None:
+        self.flat: List[Any] = []
+        self.layout: Optional[OutLayout] = None
+        self.has_data = False
+        self.failure: Optional[RankFailure] = None
+        self.cause: Optional[BaseException] = None
+
+
+def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None:
+    if src is not None and src != "local":
+        return
+    sigs = {row[INPUT_SIG] for row in table}
+    batches = {row[BATCH] for row in table}
+    if len(sigs) > 1 or len(batches) > 1:
+        detail = ", ".join(
+            f"group rank {r}: batch {row[BATCH] if row[BATCH] >= 0 else row[ROWS]} (signature {row[INPUT_SIG]:#x})"
+            for r, row in enumerate(table)
+        )
+        what = "shard shapes, dtypes or structure" if src == "local" else "inputs"
+        raise CmapError(
+            f"{call}: ranks passed different {what} ({detail}). With src=None every rank must pass the same full "
+            f"inputs; use src=<rank> to scatter from one rank, or src='local' to pass per-rank shards."
+        )
+
+
+def _record(runner: autograd.GradRunner, local: List[Any], layout: OutLayout, offset: int, rows: int) -> None:
+    k = 0
+    for value, leaf in zip(local, layout.leaves):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.requires_grad and leaf.kind == BATCHED:
+            dim = leaf.out_dim
+            runner.local_pairs.append((value, k, lambda g, d=dim: g.narrow(d, offset, rows)))
+        k += 1
+
+
+def _requires_grad(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) -> bool:
+    return _grad_anchor(leaves, kwargs, func) is not None
+
+
+def _grad_anchor(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) -> Optional[torch.Tensor]:
+    for leaf in list(leaves) + tree_flatten(kwargs)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return leaf
+    if isinstance(func, torch.nn.Module):
+        for p in func.parameters():
+            if p.requires_grad:
+                return p
+    return None
+
+
+def _first_device(leaves: Sequence[Any]) -> Optional[torch.device]:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+
+def _content_bytes(flat: FlatArgs, kwargs: Dict[str, Any]) -> bytes:
+    chunks = []
+    for leaf in list(flat.leaves) + tree_flatten(kwargs)[0]:
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().contiguous().cpu().reshape(-1)
+            chunks.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return b"".join(chunks)
+
+
+def _functional(module: torch.nn.Module, params: Dict[str, torch.Tensor]) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(module, params, args, kwargs)
+
+    call.__name__ = type(module).__name__
+    return call
+
+
+def _with_func(base: Cmapped, func: Callable) -> Cmapped:
+    clone = object.__new__(Cmapped)
+    clone.__dict__.update(base.__dict__)
+    clone.func = func
+    return clone
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

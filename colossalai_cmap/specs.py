@@ -1,0 +1,164 @@
+"""The spec layer: ``in_dims``/``out_dims`` against pytrees, with the error messages.
+
+Every check here is local and deterministic, so every rank raises the same error before any communication.
+"""
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, keystr, tree_flatten, tree_flatten_with_path
+
+Dim = Optional[int]
+
+
+def call_name(func: Callable, in_dims: Any) -> str:
+    """The ``cmap(f, in_dims=...)`` prefix every error message starts with."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return f"cmap({name}, in_dims={in_dims!r})"
+
+
+def _param_names(func: Callable) -> List[str]:
+    try:
+        target = func.forward if isinstance(func, torch.nn.Module) else func
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def describe_arg(func: Callable, path: str) -> str:
+    """``argument 1 ('y')`` or ``argument 0 ('x')['a'][2]`` for a leaf path under the args tuple."""
+    # Paths under the args tuple start with "[i]".
+    index_str, _, rest = path[1:].partition("]")
+    try:
+        index = int(index_str)
+    except ValueError:
+        return f"argument {path}"
+    names = _param_names(func)
+    label = f"argument {index}"
+    if index < len(names):
+        label += f" ({names[index]!r})"
+    return label + rest
+
+
+@dataclass
+class FlatArgs:
+    """The positional args flattened to leaves, with each leaf's normalised (non-negative) in-dim."""
+
+    leaves: List[Any]
+    dims: List[Dim]
+    spec: TreeSpec
+    paths: List[str]
+    batch_size: int
+
+    @property
+    def mapped(self) -> List[int]:
+        return [i for i, d in enumerate(self.dims) if d is not None]
+
+    def unflatten(self, leaves: Sequence[Any]) -> Tuple[Any, ...]:
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(list(leaves), self.spec)
+
+
+def check_in_dims_type(call: str, in_dims: Any) -> None:
+    if in_dims is None or isinstance(in_dims, (int, tuple)):
+        return
+    raise ValueError(
+        f"{call}: expected `in_dims` to be int or a (potentially nested) tuple matching the structure of inputs, got: {type(in_dims)}."
+    )
+
+
+def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str) -> FlatArgs:
+    """Flatten ``args`` and match ``in_dims`` to its leaves, raising vmap's errors with pytree paths."""
+    check_in_dims_type(call, in_dims)
+    if isinstance(in_dims, tuple) and len(in_dims) != len(args):
+        raise ValueError(
+            f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has length {len(in_dims)} "
+            f"but the function was called with {len(args)} positional argument(s)."
+        )
+    if not args:
+        raise ValueError(
+            f"{call}: got no positional inputs; cmap, like vmap, maps over at least one positional Tensor."
+        )
+    with_path, spec = tree_flatten_with_path(args)
+    leaves = [leaf for _, leaf in with_path]
+    paths = [keystr(p) for p, _ in with_path]
+    dims = _broadcast_to_and_flatten(in_dims, spec)
+    if dims is None:
+        raise ValueError(
+            f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has structure "
+            f"{tree_flatten(in_dims)[1]} but inputs has structure {spec}."
+        )
+    normalised: List[Dim] = []
+    sizes: List[Tuple[int, str]] = []
+    for leaf, dim, path in zip(leaves, dims, paths):
+        if dim is None:
+            normalised.append(None)
+            continue
+        where = describe_arg(func, path)
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise ValueError(f"{call}: {where}: in_dim must be an int or None, got {dim!r} ({type(dim).__name__}).")
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(
+                f"{call}: {where}: got in_dim={dim} for an input of type {type(leaf).__name__}; cmap, like vmap, "
+                f"can only map over Tensors. Use None in in_dims for non-Tensor arguments."
+            )
+        ndim = leaf.dim()
+        if not -ndim <= dim < ndim:
+            raise ValueError(
+                f"{call}: {where}: in_dim={dim} is out of range for a Tensor of dimension {ndim} "
+                f"(shape {tuple(leaf.shape)}); expected -{ndim} <= in_dim < {ndim}."
+            )
+        dim = dim % ndim
+        normalised.append(dim)
+        sizes.append((leaf.shape[dim], where))
+    if not sizes:
+        raise ValueError(f"{call}: at least one Tensor argument must be mapped over; all in_dims are None.")
+    if len({s for s, _ in sizes}) != 1:
+        listing = ", ".join(f"{where}: {size}" for size, where in sizes)
+        raise ValueError(f"{call}: mapped inputs have different sizes along their mapped dims: {listing}.")
+    return FlatArgs(leaves, normalised, spec, paths, sizes[0][0])
+
+
+def flatten_out_dims(call: str, out_dims: Any, out_spec: TreeSpec, num_leaves: int) -> List[Dim]:
+    """Match ``out_dims`` (an int, None, or a prefix pytree) to the flattened outputs."""
+    if not (out_dims is None or isinstance(out_dims, (int, tuple))):
+        raise ValueError(
+            f"{call}: expected `out_dims` to be int or a tuple matching the outputs, got {type(out_dims)}."
+        )
+    dims = _broadcast_to_and_flatten(out_dims, out_spec)
+    if dims is None or len(dims) != num_leaves:
+        raise ValueError(
+            f"{call}: out_dims is not compatible with the structure of `outputs`. out_dims has structure "
+            f"{tree_flatten(out_dims)[1]} but outputs has structure {out_spec}."
+        )
+    return list(dims)
+
+
+def normalise_out_dim(call: str, dim: Dim, example_ndim: int, index: int) -> Dim:
+    """An out-dim may address any position in the output's per-example shape plus one (vmap's rule)."""
+    if dim is None:
+        return None
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ValueError(f"{call}: output {index}: out_dim must be an int or None, got {dim!r}.")
+    if not -(example_ndim + 1) <= dim <= example_ndim:
+        raise ValueError(
+            f"{call}: output {index}: out_dim={dim} is out of range for a per-example output of dimension "
+            f"{example_ndim}; expected {-(example_ndim + 1)} <= out_dim <= {example_ndim}."
+        )
+    return dim % (example_ndim + 1)
+
+
+def check_placement(call: str, name: str, value: Any, size: int, allowed: Sequence[Any]) -> None:
+    """``dst``/``src``: one of ``allowed`` or a group rank in ``[0, size)``."""
+    if value in allowed and not isinstance(value, bool):
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size:
+        return
+    choices = ", ".join(repr(a) for a in allowed)
+    raise ValueError(
+        f"{call}: {name}={value!r} is not valid for a group of size {size}; expected {choices} or a group rank in [0, {size})."
+    )

@@ -1,0 +1,160 @@
+"""A pool of real gloo worlds for the tests: spawn once, run many checks, never hang.
+
+``World(P)`` starts P processes that call ``colossalai.launch`` on a free port and then serve requests: each
+request names a module-level function (by module and qualified name), which every rank runs with the same
+arguments. ``World.run`` returns the per-rank results, re-raises a rank's failure with its traceback, and enforces
+a hard deadline: on expiry the world is killed (and rebuilt on next use) and the test fails instead of hanging.
+"""
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Dict, List, Optional
+
+DEFAULT_DEADLINE = float(os.environ.get("CMAP_TEST_DEADLINE", "90"))
+
+
+class RankFailed(AssertionError):
+    """A check raised on one or more ranks; the message holds each rank's traceback."""
+
+
+class WorldTimeout(AssertionError):
+    """A check did not finish on every rank before the deadline; the world was killed."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, world_size: int, port: int, conn: Connection, env: Dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    import colossalai
+
+    colossalai.launch(rank=rank, world_size=world_size, host="127.0.0.1", port=port, local_rank=rank, verbose=False)
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            break
+        module, name, args, kwargs = msg
+        try:
+            fn: Any = importlib.import_module(module)
+            for part in name.split("."):
+                fn = getattr(fn, part)
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as exc:  # reported to the test, which fails with this traceback
+            conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+class World:
+    """P worker processes joined in one gloo world."""
+
+    def __init__(self, size: int, env: Optional[Dict[str, str]] = None) -> None:
+        self.size = size
+        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self.procs: List[mp.Process] = []
+        self.conns: List[Connection] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.procs, self.conns = [], []
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, self.size, port, child, self.env), daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._collect(DEFAULT_DEADLINE, "start-up")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, *args: Any, deadline: float = DEFAULT_DEADLINE, **kwargs: Any) -> List[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns the results in rank order."""
+        if not self.alive:
+            self.kill()
+            self._start()
+        for conn in self.conns:
+            conn.send((fn.__module__, fn.__qualname__, args, kwargs))
+        return self._collect(deadline, fn.__qualname__)
+
+    def _collect(self, deadline: float, what: str) -> List[Any]:
+        results: Dict[int, Any] = {}
+        errors: Dict[int, str] = {}
+        end = time.monotonic() + deadline
+        pending = dict(enumerate(self.conns))
+        while pending:
+            left = end - time.monotonic()
+            ready = wait(list(pending.values()), timeout=max(left, 0)) if left > 0 else []
+            if not ready:
+                self.kill()
+                raise WorldTimeout(
+                    f"{what}: ranks {sorted(pending)} of a world of {self.size} did not finish "
+                    f"within {deadline:.0f} s; the world was killed."
+                )
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                del pending[rank]
+                try:
+                    status, value = conn.recv()
+                except (EOFError, ConnectionError):
+                    status, value = "err", f"rank {rank} died (exit code {self.procs[rank].exitcode})"
+                if status == "err":
+                    errors[rank] = value
+                else:
+                    results[rank] = value
+        if errors:
+            self.kill()  # a failed check may leave collectives half done; start clean next time
+            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankFailed(f"{what} failed on ranks {sorted(errors)} of {self.size}:\n{text}")
+        return [results[r] for r in range(self.size)]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+        self.kill()
