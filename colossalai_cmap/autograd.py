@@ -10,9 +10,11 @@ its local graph, and one ``all_reduce(SUM)`` combines the input gradients:
 Nothing is gathered in backward and nothing is reduce-scattered, so no gradient is ever multiplied by P.
 """
 
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import comm
 from .errors import CmapError, RankFailure
@@ -32,6 +34,7 @@ class _CmapFunction(torch.autograd.Function):
         return result
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         in_grads = ctx.runner.backward(ctx.inputs, grads)
         del ctx.inputs
@@ -66,7 +69,16 @@ class GradRunner:
         self.local_pairs: List[Tuple[torch.Tensor, int, Callable[[torch.Tensor], torch.Tensor]]] = []
 
     def forward(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-        return self._forward(inputs)
+        out = self._forward(inputs)
+        captured = _captured_leaves([o for o, _, _ in self.local_pairs], inputs)
+        if captured:
+            shapes = ", ".join(str(tuple(t.shape)) for t in captured[:4])
+            warnings.warn(
+                f"{self.call}: func uses {len(captured)} tensor(s) that require grad but are not arguments (shapes "
+                f"{shapes}); they receive no gradient through cmap. Pass them as arguments with in_dims=None.",
+                stacklevel=4,
+            )
+        return out
 
     def backward(self, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         failure: Optional[RankFailure] = None
@@ -89,6 +101,22 @@ class GradRunner:
                 raise failure_error(self.call, failure, self.group) from cause
             return local
         return _reduce(inputs, local, wanted, failure, cause, self.group, self.call, self.timeout)
+
+
+def _captured_leaves(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Leaf tensors requiring grad that the local graph reaches but that are not cmap inputs (closures)."""
+    known = {id(t) for t in inputs}
+    seen, found, stack = set(), [], [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in known:
+            found.append(variable)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
 
 
 def _reduce(

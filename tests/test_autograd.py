@@ -1,0 +1,217 @@
+"""Gradients through cmap equal single-process torch.vmap's, never scaled by P, never a deadlock (issue 3)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import Tiny, assert_same, randn
+
+import colossalai_cmap as cm
+from colossalai_cmap import comm
+
+
+def _f(x, w):
+    h = (x * w).sin()
+    return h.sum(-1), h * 2
+
+
+def _grads(fn, x, w, **opts):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    a, b = fn(_f, in_dims=(0, None), **opts)(x, w)
+    (a.square().sum() + (b * torch.arange(b.shape[-1], dtype=b.dtype)).sum()).backward()
+    return x.grad, w.grad
+
+
+def check_grad_parity(batch_sizes, dtype=torch.float32):
+    """x (mapped) and w (in_dims=None) gradients with two outputs, against vmap, for each B."""
+    done = 0
+    for B in batch_sizes:
+        x, w = randn(B, 6, seed=1, dtype=dtype), randn(6, seed=2, dtype=dtype)
+        exp = _grads(torch.vmap, x, w)
+        got = _grads(cm.cmap, x, w)
+        tol = {} if dtype != torch.bfloat16 else {"atol": 2e-2, "rtol": 2e-2}
+        # the mapped input's gradient assembles each row from exactly one rank: exact
+        assert torch.equal(got[0], exp[0]) or dtype == torch.bfloat16, f"x.grad B={B}"
+        torch.testing.assert_close(got[0], exp[0], **tol)
+        torch.testing.assert_close(got[1], exp[1], **tol)
+        done += 1
+    return done
+
+
+def check_no_factor_of_p(B):
+    """A replicated loss: w.grad / expected must be 1, not P (the torch.distributed.nn.all_gather trap)."""
+    x, w = randn(B, 5, seed=3), randn(5, seed=4).requires_grad_()
+    cm.cmap(torch.dot, in_dims=(0, None))(x, w).sum().backward()
+    ratio = (w.grad / x.sum(0)).mean().item()
+    assert abs(ratio - 1.0) < 1e-5, f"gradient scaled by {ratio} on a world of {dist.get_world_size()}"
+    return ratio
+
+
+def check_module_params(B):
+    """The parameters of an nn.Module passed as func get vmap's gradients."""
+    ref, mod = Tiny(), Tiny()
+    x = randn(B, 5, seed=5)
+    torch.vmap(ref)(x).pow(2).sum().backward()
+    cm.cmap(mod)(x).pow(2).sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), mod.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{name}: {m}")
+    batched = Tiny()
+    cm.cmap(batched, mode="batched")(x).pow(2).sum().backward()
+    for p, q in zip(ref.parameters(), batched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    return True
+
+
+def check_modes_and_chunks(B):
+    """Gradients in 'batched' and 'loop' modes and with chunk_size equal vmap's."""
+    x, w = randn(B, 4, seed=6), randn(4, seed=7)
+    exp = _grads(torch.vmap, x, w)
+    for opts in ({"mode": "loop"}, {"chunk_size": 2}, {"mode": "loop", "chunk_size": 3}):
+        got = _grads(cm.cmap, x, w, **opts)
+        torch.testing.assert_close(got[0], exp[0])
+        torch.testing.assert_close(got[1], exp[1])
+
+    def batched_f(xb, w):
+        h = (xb * w).sin()
+        return h.sum(-1), h * 2
+
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    a, b = cm.cmap(batched_f, in_dims=(0, None), mode="batched", chunk_size=2)(xb, wb)
+    (a.square().sum() + (b * torch.arange(4.0)).sum()).backward()
+    torch.testing.assert_close(xb.grad, exp[0])
+    torch.testing.assert_close(wb.grad, exp[1])
+    return True
+
+
+def check_local_dst(B):
+    """dst='local': per-shard gradients, as with shard_map: vmap's gradients on this rank's rows alone."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    q, r = divmod(B, size)
+    start, rows = rank * q + min(rank, r), q + (1 if rank < r else 0)
+    x, w = randn(B, 4, seed=8), randn(4, seed=9)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    cm.cmap(torch.mul, in_dims=(0, None), dst="local")(xl, wl).sin().sum().backward()
+    xs, ws = x[start : start + rows].clone().requires_grad_(), w.clone().requires_grad_()
+    torch.vmap(torch.mul, in_dims=(0, None))(xs, ws).sin().sum().backward()
+    assert torch.equal(xl.grad[start : start + rows], xs.grad)
+    assert torch.count_nonzero(xl.grad[:start]) == 0 and torch.count_nonzero(xl.grad[start + rows :]) == 0
+    torch.testing.assert_close(wl.grad, ws.grad)
+    return True
+
+
+def check_dst_rank_not_differentiable(B):
+    """dst=0 with inputs requiring grad: backward raises a clear error on rank 0, others get None; no hang."""
+    rank = dist.get_rank()
+    x = randn(B, 3, seed=10).requires_grad_()
+    out = cm.cmap(torch.sin, dst=0)(x)
+    if rank != 0:
+        assert out is None
+    else:
+        assert out.requires_grad
+        with pytest.raises(RuntimeError, match="not differentiable"):
+            out.sum().backward()
+    again = cm.cmap(torch.sin)(x.detach())  # the group is still usable
+    assert torch.equal(again, torch.sin(x.detach()))
+    return True
+
+
+def check_function_transforms(B):
+    """torch.func.grad / jacrev inside func, the seed's vjp Jacobian, no_grad and double backward."""
+    params = {"w": randn(3, 4, seed=11), "b": randn(3, seed=12)}
+    xs, ys = randn(B, 4, seed=13), randn(B, 3, seed=14)
+
+    def loss_fn(p, x, y):
+        return ((x @ p["w"].T + p["b"] - y) ** 2).mean()
+
+    per_ex = torch.func.grad(loss_fn)
+    exp = torch.vmap(per_ex, in_dims=(None, 0, 0))(params, xs, ys)
+    assert_same(cm.cmap(per_ex, in_dims=(None, 0, 0))(params, xs, ys), exp, False, "per-example grads")
+    jac = torch.func.jacrev(lambda x: x.sin() * x.sum())
+    assert_same(cm.cmap(jac)(xs), torch.vmap(jac)(xs), False, "jacrev")
+
+    # the seed's vectorised vjp: rows of the Jacobian of f(x) = x ** 2
+    n = max(B, 1)
+    x = randn(n, seed=15).requires_grad_()
+    y = x**2
+    eye = torch.eye(n)
+
+    def get_vjp(v):
+        return torch.autograd.grad(y, x, v, retain_graph=True)
+
+    assert_same(cm.cmap(get_vjp)(eye), torch.vmap(get_vjp)(eye), True, "vjp jacobian")
+
+    # no_grad: no graph, and no more communication than a call whose inputs need no grad
+    xg = xs.clone().requires_grad_()
+    before = comm.COUNTS["collectives"]
+    cm.cmap(torch.sin)(xs)
+    plain = comm.COUNTS["collectives"] - before
+    before = comm.COUNTS["collectives"]
+    with torch.no_grad():
+        out = cm.cmap(torch.sin)(xg)
+    assert not out.requires_grad and out.grad_fn is None
+    assert comm.COUNTS["collectives"] - before == plain
+
+    # double backward through the cmap boundary is refused clearly (use torch.func inside func instead)
+    out = cm.cmap(torch.sin)(xg)
+    (g,) = torch.autograd.grad(out.sum(), xg, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        g.sum().backward()
+    return True
+
+
+def check_closure_capture(B):
+    """Closure-captured tensors get no gradient through cmap (documented), and cmap warns about them."""
+    w = randn(4, seed=16).requires_grad_()
+    x = randn(B, 4, seed=17).requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cm.cmap(lambda r: (r * w).sum())(x)
+    out.sum().backward()
+    assert w.grad is None
+    torch.testing.assert_close(x.grad, w.detach().expand(B, 4))
+    return any("receive no gradient" in str(c.message) for c in caught)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_gradient_parity(worlds, P):
+    sizes = [1, P + 1, 7, 16]
+    assert worlds(P).run(check_grad_parity, sizes) == [len(sizes)] * P
+
+
+def test_gradient_parity_bfloat16(worlds):
+    assert worlds(3).run(check_grad_parity, [5, 8], torch.bfloat16) == [2] * 3
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_gradient_never_scaled_by_p(worlds, P):
+    ratios = worlds(P).run(check_no_factor_of_p, 9)
+    assert all(abs(r - 1.0) < 1e-5 for r in ratios)
+
+
+@pytest.mark.parametrize("P,B", [(2, 5), (4, 3)])
+def test_module_parameter_gradients(worlds, P, B):
+    assert worlds(P).run(check_module_params, B) == [True] * P
+
+
+def test_gradients_in_modes_and_chunks(worlds):
+    assert worlds(3).run(check_modes_and_chunks, 7) == [True] * 3
+
+
+def test_local_dst_gradients_are_per_shard(worlds):
+    assert worlds(3).run(check_local_dst, 7) == [True] * 3
+
+
+def test_dst_rank_backward_raises_without_hanging(worlds):
+    assert worlds(2).run(check_dst_rank_not_differentiable, 5, deadline=60) == [True] * 2
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_function_transforms_inside_cmap(worlds, P):
+    assert worlds(P).run(check_function_transforms, 5) == [True] * P
+
+
+def test_closure_captured_tensors(worlds):
+    warned = worlds(2).run(check_closure_capture, 5)
+    assert any(warned), "no rank warned about the closure-captured tensor"
