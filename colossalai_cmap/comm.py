@@ -22,6 +22,9 @@ STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, HEADER_LEN = 0, 1, 2, 3, 4, 5
 OK, EMPTY, FAILED = 0, 1, 2
 
 COUNTS = {"collectives": 0}
+# Groups on which a collective failed or timed out: their collective sequence is out of step across ranks, so
+# any further collective could pair with a stale one (gloo aborts the process then). cmap refuses them instead.
+_BROKEN: dict = {}
 
 
 def default_timeout() -> Optional[float]:
@@ -34,6 +37,13 @@ def digest(obj: Any) -> int:
     return zlib.crc32(repr(obj).encode()) or 1
 
 
+def check_usable(group: Group, call: str) -> None:
+    """Refuse a group whose collectives fell out of step in an earlier call (a timeout or a dead peer)."""
+    reason = _BROKEN.get(id(group.pg))
+    if reason is not None and reason[0] is group.pg:
+        raise CmapError(f"{call}: the process group is unusable: {reason[1]} Create a new group (or restart).")
+
+
 def _wait(work: Any, group: Group, call: str, what: str, timeout: Optional[float]) -> None:
     try:
         if timeout is None:
@@ -41,10 +51,12 @@ def _wait(work: Any, group: Group, call: str, what: str, timeout: Optional[float
         else:
             work.wait(timeout=timedelta(seconds=timeout))
     except Exception as exc:  # a peer died, or the wait timed out
-        raise CmapError(
+        message = (
             f"{call}: {what} failed on group rank {group.rank} (global rank {group.global_rank}): "
             f"{type(exc).__name__}: {exc}. A peer rank may have died or not reached this cmap call."
-        ) from exc
+        )
+        _BROKEN[id(group.pg)] = (group.pg, f"an earlier cmap {what} failed on it ({type(exc).__name__}).")
+        raise CmapError(message) from exc
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]) -> None:

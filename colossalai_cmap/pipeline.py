@@ -63,6 +63,8 @@ class Cmapped:
         group = resolve_group(call, self.group)
         check_placement(call, "dst", self.dst, group.size, (-1, "local"))
         check_placement(call, "src", self.src, group.size, (None, "local"))
+        if group.pg is not None:
+            comm.check_usable(group, call)
         if isinstance(self.src, int):
             return self._call_from_src(group, args, kwargs)
         flat = flatten_args(self.func, args, self.in_dims, call)

@@ -18,6 +18,9 @@ from typing import Any, Callable, Dict, List, Optional
 DEFAULT_DEADLINE = float(os.environ.get("CMAP_TEST_DEADLINE", "90"))
 
 
+DIED = "<died>"
+
+
 class RankFailed(AssertionError):
     """A check raised on one or more ranks; the message holds each rank's traceback."""
 
@@ -98,16 +101,21 @@ class World:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
-    def run(self, fn: Callable, *args: Any, deadline: float = DEFAULT_DEADLINE, **kwargs: Any) -> List[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; returns the results in rank order."""
+    def run(
+        self, fn: Callable, *args: Any, deadline: float = DEFAULT_DEADLINE, may_die: bool = False, **kwargs: Any
+    ) -> List[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns the results in rank order.
+
+        With ``may_die``, a rank whose process exits yields ``DIED`` instead of failing the run.
+        """
         if not self.alive:
             self.kill()
             self._start()
         for conn in self.conns:
             conn.send((fn.__module__, fn.__qualname__, args, kwargs))
-        return self._collect(deadline, fn.__qualname__)
+        return self._collect(deadline, fn.__qualname__, may_die)
 
-    def _collect(self, deadline: float, what: str) -> List[Any]:
+    def _collect(self, deadline: float, what: str, may_die: bool = False) -> List[Any]:
         results: Dict[int, Any] = {}
         errors: Dict[int, str] = {}
         end = time.monotonic() + deadline
@@ -128,7 +136,10 @@ class World:
                 try:
                     status, value = conn.recv()
                 except (EOFError, ConnectionError):
+                    self.procs[rank].join(timeout=10)
                     status, value = "err", f"rank {rank} died (exit code {self.procs[rank].exitcode})"
+                    if may_die:
+                        status, value = "ok", DIED
                 if status == "err":
                     errors[rank] = value
                 else:
