@@ -145,5 +145,10 @@ def _check_options(
             raise ValueError(f"{call}: {name}={value!r} is not valid; expected {choices} or a group rank >= 0.")
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"{call}: axis_name must be a str or None, got {type(axis_name).__name__}.")
+    if axis_name is not None and chunk_size is not None:
+        raise ValueError(
+            f"{call}: chunk_size cannot be combined with axis_name: a collective such as psum needs "
+            f"every example of the shard at once, but chunks run one after another."
+        )
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"{call}: timeout must be a positive number of seconds, got {timeout!r}.")

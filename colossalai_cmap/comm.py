@@ -17,8 +17,11 @@ from .groups import Group
 
 TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
 
-# Header fields of the status exchange, one int64 row per rank.
-STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, HEADER_LEN = 0, 1, 2, 3, 4, 5
+# Header fields of a round, one int64 row per rank. Every round has the same size, so a rank that has finished
+# its shard (a status round) and a rank still inside func (an op round, before a collective such as psum) pair up
+# and both see that they are out of step, instead of gloo aborting on mismatched sizes.
+KIND, STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, HEADER_LEN = 0, 1, 2, 3, 4, 5, 6
+STATUS_ROUND, OP_ROUND = 1, 2
 OK, EMPTY, FAILED = 0, 1, 2
 
 COUNTS = {"collectives": 0}
@@ -112,7 +115,7 @@ def all_gather_object(obj: Any, group: Group, call: str) -> List[Any]:
     return out
 
 
-def exchange_status(
+def exchange_round(
     header: Sequence[int], group: Group, device: torch.device, call: str, timeout: Optional[float]
 ) -> List[List[int]]:
     """All-gather every rank's small int64 header; returns one row per group rank."""
@@ -120,6 +123,39 @@ def exchange_status(
     rows = torch.empty(group.size * HEADER_LEN, dtype=torch.int64, device=device)
     all_gather_into(rows, mine, group, call, timeout)
     return rows.view(group.size, HEADER_LEN).tolist()
+
+
+def exchange_status(
+    fields: Sequence[int], group: Group, device: torch.device, call: str, timeout: Optional[float]
+) -> List[List[int]]:
+    """The end-of-shard status round. Repeats while peers are still inside func: they see this rank's status
+    in their op round, abort their collective, and come to the status round too."""
+    header = [STATUS_ROUND, *fields]
+    while True:
+        table = exchange_round(header, group, device, call, timeout)
+        if all(row[KIND] == STATUS_ROUND for row in table):
+            return table
+
+
+class CollectiveAborted(RuntimeError):
+    """Raised inside func when peers are not at the same collective (they finished, failed, or called another)."""
+
+
+def op_round(op: str, detail: Any, group: Group, device: torch.device, call: str, timeout: Optional[float]) -> None:
+    """Before an in-func collective: check that every rank is at the same collective with the same shape."""
+    code = digest((op, detail))
+    table = exchange_round([OP_ROUND, code, 0, 0, 0, 0], group, device, call, timeout)
+    finished = [r for r, row in enumerate(table) if row[KIND] != OP_ROUND]
+    if finished:
+        raise CollectiveAborted(
+            f"{op}: group rank(s) {finished} had already left func (finished or failed) while this rank called "
+            f"{op}; every rank must make the same collective calls."
+        )
+    if len({row[STATUS] for row in table}) != 1:
+        raise CollectiveAborted(
+            f"{op}: ranks called different collectives or shapes here; every rank must make the "
+            f"same collective calls with the same shapes ({detail})."
+        )
 
 
 def raise_failures(

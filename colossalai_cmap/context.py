@@ -1,8 +1,10 @@
 """The named mapped axes visible to collectives inside a cmapped function."""
 
 import contextlib
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
 
 from .groups import Group
 
@@ -16,6 +18,13 @@ class AxisFrame:
     offset: int
     rows: int
     sizes: Optional[Sequence[int]] = None
+    mode: str = "vmap"
+    dummy: bool = False  # an empty shard running one stand-in example so it joins every collective
+    device: torch.device = torch.device("cpu")
+    call: str = "cmap"
+    timeout: Optional[float] = None
+    index: Any = None  # per-example global index, set inside the mapped function
+    loop: Any = field(default=None, repr=False)  # the barrier shared by loop-mode example threads
 
 
 _FRAMES: Dict[str, List[AxisFrame]] = {}

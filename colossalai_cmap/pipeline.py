@@ -10,12 +10,12 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import autograd, comm, context
-from .comm import BATCH, EMPTY, FAILED, HEADER_LEN, INPUT_SIG, LAYOUT_SIG, OK, ROWS, STATUS
+from .comm import BATCH, EMPTY, FAILED, INPUT_SIG, LAYOUT_SIG, OK, ROWS, STATUS
 from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
 from .gather import gather, pack, share_replicated
 from .groups import Group, group_device, resolve_group
-from .layout import BATCHED, LeafLayout, OutLayout, infer_layout
+from .layout import BATCHED, REPLICATED, LeafLayout, OutLayout, infer_layout
 from .sharding import plan, take_local
 from .specs import FlatArgs, check_placement, flatten_args, flatten_out_dims, normalise_out_dim
 
@@ -75,7 +75,22 @@ class Cmapped:
     # -------------------------------------------------------- no distributed
     def _single(self, flat: FlatArgs, kwargs: Dict[str, Any]) -> Any:
         """One process: exactly ``torch.vmap`` (or the batched/loop equivalent) on the whole batch."""
-        with context.axis_scope(self.axis_name, context.AxisFrame(None, flat.batch_size, 0, flat.batch_size)):
+        frame = None
+        if self.axis_name is not None:
+            B = flat.batch_size
+            frame = context.AxisFrame(
+                None,
+                B,
+                0,
+                B,
+                (B,),
+                self.mode,
+                False,
+                _first_device(flat.leaves) or torch.device("cpu"),
+                self.call,
+                self.timeout,
+            )
+        with context.axis_scope(self.axis_name, frame):
             return run_shard(
                 self.func,
                 flat,
@@ -88,6 +103,7 @@ class Cmapped:
                 self.randomness,
                 self.chunk_size,
                 self.call,
+                frame,
             )
 
     # ------------------------------------------------------------ main path
@@ -143,21 +159,38 @@ class Cmapped:
     ) -> "_LocalResult":
         """Run this rank's shard, capturing any exception for the status exchange."""
         result = _LocalResult()
-        probe = False
+        seed = self._seed(group, device)  # before any early return: "same" broadcasts, and every rank draws
+        dummy = False
         if rows == 0 and total != 0:
-            result.layout = self._cached(sig)
-            if result.layout is not None or total is not None:
-                return result
-            probe = True  # src="local" with an empty shard: the global batch may be empty too
+            if self.axis_name is not None:
+                # Collectives inside func need every rank: run one stand-in example that contributes nothing.
+                shard, dummy = _stand_in(flat, shard, total is None), True
+            else:
+                result.layout = self._cached(sig)
+                if result.layout is not None or total is not None:
+                    return result
+                dummy = True  # src="local" with an empty shard: the global batch may be empty too; probe the layout
+        frame = None
+        if self.axis_name is not None:
+            frame = context.AxisFrame(
+                group,
+                total if total is not None else rows,
+                offset or 0,
+                rows,
+                sizes,
+                self.mode,
+                dummy,
+                device,
+                self.call,
+                self.timeout,
+            )
         try:
-            seed = self._seed(group, device)
-            frame = context.AxisFrame(group, total if total is not None else rows, offset or 0, rows, sizes)
             with rng_scope(self.randomness, seed, [device]), context.axis_scope(self.axis_name, frame):
                 out = run_shard(
                     self.func,
                     flat,
                     shard,
-                    rows,
+                    1 if dummy and frame is not None else rows,
                     kwargs,
                     self.in_dims,
                     self.out_dims,
@@ -165,6 +198,7 @@ class Cmapped:
                     self.randomness,
                     self.chunk_size,
                     self.call,
+                    frame,
                 )
             result.flat, spec = tree_flatten(out)
             dims = flatten_out_dims(self.call, self.out_dims, spec, len(result.flat))
@@ -173,9 +207,10 @@ class Cmapped:
                 for i, (v, d) in enumerate(zip(result.flat, dims))
             ]
             result.layout = infer_layout(result.flat, dims, spec)
-            result.has_data = not probe
+            result.has_data = not dummy
+            result.dummy = dummy
         except Exception as exc:  # every rank learns of it in the status exchange
-            if probe:
+            if dummy and frame is None:
                 return _LocalResult()
             result.failure = RankFailure.from_exception(exc, group.rank, group.global_rank)
             result.cause = exc
@@ -207,8 +242,10 @@ class Cmapped:
                 f"infer the output structure."
             )
         local = res.flat if res.has_data else tree_flatten(layout.empty_outputs(device))[0]
-        if recorder is not None and res.has_data:
-            _record(recorder, local, layout, sum(sizes[: group.rank]), rows)
+        if recorder is not None and (res.has_data or res.dummy):
+            producers = [r for r, row in enumerate(table) if row[STATUS] == OK]
+            feeds = bool(producers) and producers[0] == group.rank
+            _record(recorder, res.flat, layout, sum(sizes[: group.rank]), rows, res.dummy, feeds)
         if self.dst == "local":
             local = share_replicated(local, layout, sizes, group, device, call, self.timeout)
             return tree_unflatten(local, layout.spec)
@@ -361,6 +398,7 @@ class _LocalResult:
         self.flat: List[Any] = []
         self.layout: Optional[OutLayout] = None
         self.has_data = False
+        self.dummy = False
         self.failure: Optional[RankFailure] = None
         self.cause: Optional[BaseException] = None
 
@@ -382,14 +420,33 @@ def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None
         )
 
 
-def _record(runner: autograd.GradRunner, local: List[Any], layout: OutLayout, offset: int, rows: int) -> None:
+def _record(
+    runner: autograd.GradRunner,
+    local: List[Any],
+    layout: OutLayout,
+    offset: int,
+    rows: int,
+    dummy: bool,
+    feeds_replicated: bool,
+) -> None:
+    """Pair each local output with how to cut its gradient out of the global output's gradient.
+
+    Batched leaves take this rank's rows. A replicated leaf (``out_dims=None``) is the same on every rank, so only
+    one rank feeds its gradient back (collectives inside func carry it to the others): feeding it on every rank
+    would multiply it by P. A stand-in example (empty shard) feeds zeros, only so that backward collectives meet.
+    """
     k = 0
     for value, leaf in zip(local, layout.leaves):
         if not isinstance(value, torch.Tensor):
             continue
-        if value.requires_grad and leaf.kind == BATCHED:
-            dim = leaf.out_dim
-            runner.local_pairs.append((value, k, lambda g, d=dim: g.narrow(d, offset, rows)))
+        if value.requires_grad:
+            if dummy or (leaf.kind == REPLICATED and not feeds_replicated):
+                runner.local_pairs.append((value, k, lambda g, v=value: torch.zeros_like(v)))
+            elif leaf.kind == BATCHED:
+                dim = leaf.out_dim
+                runner.local_pairs.append((value, k, lambda g, d=dim: g.narrow(d, offset, rows)))
+            else:
+                runner.local_pairs.append((value, k, lambda g: g))
         k += 1
 
 
@@ -406,6 +463,21 @@ def _grad_anchor(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) 
             if p.requires_grad:
                 return p
     return None
+
+
+def _stand_in(flat: FlatArgs, shard: List[Any], local_only: bool) -> List[Any]:
+    """One example for an empty shard: the first global example when every rank holds the inputs, else zeros."""
+    out = []
+    for full, leaf, d in zip(flat.leaves, shard, flat.dims):
+        if d is None:
+            out.append(leaf)
+        elif not local_only and full.shape[d] > 0:
+            out.append(full.narrow(d, 0, 1))
+        else:
+            shape = list(leaf.shape)
+            shape[d] = 1
+            out.append(leaf.new_zeros(shape))
+    return out
 
 
 def _first_device(leaves: Sequence[Any]) -> Optional[torch.device]:
