@@ -1,6 +1,7 @@
 """No hangs, clear errors, nothing lost (issue 6): failure propagation, consistency checks, rank death, leaks."""
 
 import os
+import signal
 import time
 
 import psutil
@@ -98,11 +99,13 @@ def check_divergent_inputs(kind):
     return True
 
 
-def check_rank_death(victim, timeout):
-    """The victim exits inside func; survivors raise CmapError within the bound."""
+def check_rank_death(victim, timeout, how="exit"):
+    """The victim exits (os._exit) or is SIGKILLed inside func; survivors raise CmapError within the bound."""
 
     def f(x):
         if dist.get_rank() == victim:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
         return x + 1
 
@@ -175,10 +178,11 @@ def test_divergent_inputs_are_reported(worlds, kind):
     assert worlds(2).run(check_divergent_inputs, kind) == [True] * 2
 
 
-def test_rank_death_is_detected_within_bound():
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_rank_death_is_detected_within_bound(how):
     world = World(3)
     try:
-        results = world.run(check_rank_death, 1, 20.0, deadline=60, may_die=True)
+        results = world.run(check_rank_death, 1, 20.0, how, deadline=60, may_die=True)
     finally:
         world.kill()
     assert results[1] == DIED

@@ -1,0 +1,21 @@
+"""The collectives examples (issue 5) run on worlds of 2 and 3 and match their single-process references."""
+
+import os
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def run_example(name, *args):
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    module = __import__(name)
+    return module.main(*args)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("name", ["global_batchnorm", "softmax_over_batch"])
+def test_collective_examples(worlds, P, name):
+    assert worlds(P).run(run_example, name) == [True] * P
