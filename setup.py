@@ -65,7 +65,7 @@ setup(
     python_requires=">=3.8",
     install_requires=read_requirements("requirements.txt"),
     extras_require={
-        "test": ["pytest>=7", "pytest-xdist>=3", "pytest-timeout>=2", "hypothesis>=6", "psutil"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "pytest-timeout>=2", "hypothesis>=6", "psutil", "wheel"],
         "bench": ["matplotlib"],
         "dev": ["black", "isort"],
     },
