@@ -7,7 +7,7 @@ within the timeout instead of a hang.
 import os
 import zlib
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,12 +17,16 @@ from .groups import Group
 
 TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
 
-# Header fields of a round, one int64 row per rank. Every round has the same size, so a rank that has finished
-# its shard (a status round) and a rank still inside func (an op round, before a collective such as psum) pair up
-# and both see that they are out of step, instead of gloo aborting on mismatched sizes.
-KIND, STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, HEADER_LEN = 0, 1, 2, 3, 4, 5, 6
+# Every round (the end-of-shard status round, and the op round before each collective inside func) is one
+# all_gather of the same fixed size: an int64 header per rank plus ROUND_PAYLOAD bytes. A rank that has finished
+# its shard and a rank still inside func therefore always pair up and see that they are out of step, and ranks that
+# passed different inputs can never make gloo abort on unequal sizes. Small outputs travel in the payload, so such
+# a call needs this one collective and nothing else.
+KIND, STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, PAYLOAD, HEADER_LEN = 0, 1, 2, 3, 4, 5, 6, 8
 STATUS_ROUND, OP_ROUND = 1, 2
 OK, EMPTY, FAILED = 0, 1, 2
+ROUND_PAYLOAD = int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "2048")) // 16 * 16
+_HEADER_BYTES = HEADER_LEN * 8
 
 COUNTS = {"collectives": 0}
 # Groups on which a collective failed or timed out: their collective sequence is out of step across ranks, so
@@ -116,25 +120,42 @@ def all_gather_object(obj: Any, group: Group, call: str) -> List[Any]:
 
 
 def exchange_round(
-    header: Sequence[int], group: Group, device: torch.device, call: str, timeout: Optional[float]
-) -> List[List[int]]:
-    """All-gather every rank's small int64 header; returns one row per group rank."""
-    mine = torch.tensor(list(header), dtype=torch.int64, device=device)
-    rows = torch.empty(group.size * HEADER_LEN, dtype=torch.int64, device=device)
-    all_gather_into(rows, mine, group, call, timeout)
-    return rows.view(group.size, HEADER_LEN).tolist()
+    header: Sequence[int],
+    group: Group,
+    device: torch.device,
+    call: str,
+    timeout: Optional[float],
+    payload: Optional[torch.Tensor] = None,
+) -> Tuple[List[List[int]], torch.Tensor]:
+    """All-gather every rank's header and payload; returns one header row per group rank and the ``[P, bytes]``
+    payloads."""
+    size = _HEADER_BYTES + ROUND_PAYLOAD
+    mine = torch.empty(size, dtype=torch.uint8, device=device)
+    head = list(header) + [0] * (HEADER_LEN - len(header))
+    mine[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+    if payload is not None and payload.numel():
+        mine[_HEADER_BYTES : _HEADER_BYTES + payload.numel()].copy_(payload)
+    rounds = torch.empty((group.size, size), dtype=torch.uint8, device=device)
+    all_gather_into(rounds.view(-1), mine, group, call, timeout)
+    table = rounds[:, :_HEADER_BYTES].view(torch.int64).tolist()
+    return table, rounds[:, _HEADER_BYTES:]
 
 
 def exchange_status(
-    fields: Sequence[int], group: Group, device: torch.device, call: str, timeout: Optional[float]
-) -> List[List[int]]:
+    fields: Sequence[int],
+    group: Group,
+    device: torch.device,
+    call: str,
+    timeout: Optional[float],
+    payload: Optional[torch.Tensor] = None,
+) -> Tuple[List[List[int]], torch.Tensor]:
     """The end-of-shard status round. Repeats while peers are still inside func: they see this rank's status
     in their op round, abort their collective, and come to the status round too."""
     header = [STATUS_ROUND, *fields]
     while True:
-        table = exchange_round(header, group, device, call, timeout)
+        table, payloads = exchange_round(header, group, device, call, timeout, payload)
         if all(row[KIND] == STATUS_ROUND for row in table):
-            return table
+            return table, payloads
 
 
 class CollectiveAborted(RuntimeError):
@@ -144,7 +165,7 @@ class CollectiveAborted(RuntimeError):
 def op_round(op: str, detail: Any, group: Group, device: torch.device, call: str, timeout: Optional[float]) -> None:
     """Before an in-func collective: check that every rank is at the same collective with the same shape."""
     code = digest((op, detail))
-    table = exchange_round([OP_ROUND, code, 0, 0, 0, 0], group, device, call, timeout)
+    table, _ = exchange_round([OP_ROUND, code], group, device, call, timeout)
     finished = [r for r, row in enumerate(table) if row[KIND] != OP_ROUND]
     if finished:
         raise CollectiveAborted(

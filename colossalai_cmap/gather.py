@@ -35,22 +35,25 @@ def pack(flat_local: Sequence[Any], layout: OutLayout, rows: int, cap: int, devi
     return buf
 
 
-def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], cap: int) -> List[Any]:
-    """Per-leaf global outputs from the gathered ``[P, block]`` bytes, each written into one new buffer."""
-    offsets, _ = layout.segments(cap)
+def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], caps: Sequence[int]) -> List[Any]:
+    """Per-leaf global outputs from the gathered ``[P, block]`` bytes (rank r's block packed for ``caps[r]``
+    rows), each written into one new buffer."""
+    offsets_by_cap = {cap: layout.segments(cap)[0] for cap in set(caps)}
     first = next((r for r, n in enumerate(sizes) if n), 0)
     total = sum(sizes)
     out: List[Any] = []
-    for leaf, offset in zip(layout.leaves, offsets):
+    for k, leaf in enumerate(layout.leaves):
         if leaf.kind == CONSTANT:
             out.append(leaf.value)
         elif leaf.kind == REPLICATED:
+            offset = offsets_by_cap[caps[first]][k]
             out.append(_typed(blocks[first], offset, leaf.dtype, leaf.shape).clone())
         else:
             result = torch.empty((total, *leaf.shape), dtype=leaf.dtype, device=blocks.device)
             start = 0
             for r, n in enumerate(sizes):
                 if n:
+                    offset = offsets_by_cap[caps[r]][k]
                     result.narrow(0, start, n).copy_(_typed(blocks[r], offset, leaf.dtype, (n, *leaf.shape)))
                 start += n
             out.append(result.movedim(0, leaf.out_dim))
@@ -101,7 +104,7 @@ def gather(
         comm.all_gather_into(blocks.view(-1), block, group, call, timeout)
     else:
         comm.gather_to(block, list(blocks.unbind(0)) if receives else None, dst, group, call, timeout)
-    return unpack(blocks, layout, sizes, cap) if receives else None
+    return unpack(blocks, layout, sizes, [cap] * world) if receives else None
 
 
 def share_replicated(

@@ -13,7 +13,7 @@ from . import autograd, comm, context
 from .comm import BATCH, EMPTY, FAILED, INPUT_SIG, LAYOUT_SIG, OK, ROWS, STATUS
 from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
-from .gather import gather, pack, share_replicated
+from .gather import gather, pack, share_replicated, unpack
 from .groups import Group, group_device, resolve_group
 from .layout import BATCHED, REPLICATED, LeafLayout, OutLayout, infer_layout
 from .sharding import plan, take_local
@@ -230,8 +230,14 @@ class Cmapped:
         call = self.call
         status = FAILED if res.failure is not None else (OK if res.has_data else EMPTY)
         layout_sig = res.layout.digest if res.layout is not None else 0
-        header = [status, rows, sig, layout_sig, batch]
-        table = comm.exchange_status(header, group, device, call, self.timeout)
+        payload, fits = None, self.dst != "local" and res.failure is None
+        if fits and res.has_data and rows:
+            _, block = res.layout.segments(rows)
+            fits = block <= comm.ROUND_PAYLOAD
+            if fits:
+                payload = pack(res.flat, res.layout, rows, rows, device)
+        header = [status, rows, sig, layout_sig, batch, int(fits)]
+        table, payloads = comm.exchange_status(header, group, device, call, self.timeout, payload)
         comm.raise_failures(table, res.failure, group, call, res.cause)
         _check_consistent(table, call, self.src)
         sizes = [row[ROWS] for row in table] if sizes is None else list(sizes)
@@ -249,6 +255,12 @@ class Cmapped:
         if self.dst == "local":
             local = share_replicated(local, layout, sizes, group, device, call, self.timeout)
             return tree_unflatten(local, layout.spec)
+        if all(row[comm.PAYLOAD] for row in table):  # every rank's outputs already came with the status round
+            if self.dst != -1 and self.dst != group.rank:
+                return None
+            with torch.no_grad():
+                out = unpack(payloads, layout, sizes, sizes)
+            return tree_unflatten(out, layout.spec)
         with torch.no_grad():  # differentiable calls run inside autograd.CmapFunction, which owns the backward
             out = gather(local, layout, sizes, self.dst, group, device, call, self.timeout)
         return None if out is None else tree_unflatten(out, layout.spec)
@@ -303,7 +315,7 @@ class Cmapped:
                     kws[key] = t
                 else:
                     prm[key] = t
-            sub = FlatArgs(leaves, flat.dims, flat.spec, flat.paths, flat.batch_size)
+            sub = FlatArgs(leaves, flat.dims, flat.spec, flat.batch_size)
             runner_self = self if module is None else _with_func(self, _functional(module, prm))
             out = runner_self._run(group, sub, tree_unflatten(kws, kw_spec), runner)
             leaves_out, spec = tree_flatten(out)

@@ -15,7 +15,7 @@ from .gather import _typed, pack
 from .groups import Group, group_device
 from .layout import BATCHED, LeafLayout, OutLayout
 from .sharding import plan
-from .specs import FlatArgs, describe_arg, flatten_args
+from .specs import FlatArgs, describe_arg, flatten_args, leaf_paths
 
 if TYPE_CHECKING:
     from .pipeline import Cmapped
@@ -34,7 +34,7 @@ def _meta_of(flat: FlatArgs) -> dict:
             kinds.append((_TENSOR, None))
         else:
             kinds.append((_CONST, leaf))
-    return {"spec": flat.spec, "dims": flat.dims, "paths": flat.paths, "kinds": kinds, "batch": flat.batch_size}
+    return {"spec": flat.spec, "dims": flat.dims, "kinds": kinds, "batch": flat.batch_size}
 
 
 def _input_layout(meta: dict) -> OutLayout:
@@ -47,7 +47,8 @@ def _input_layout(meta: dict) -> OutLayout:
 
 def _merge(cm: "Cmapped", meta: dict, args: Tuple[Any, ...]) -> List[Any]:
     """This rank's leaves under the source's structure: its own unmapped leaves, placeholders for mapped ones."""
-    spec, kinds, paths = meta["spec"], meta["kinds"], meta["paths"]
+    spec, kinds = meta["spec"], meta["kinds"]
+    paths = leaf_paths(spec)
     leaves: List[Any] = []
     start = 0
     for i, child in enumerate(spec.children_specs):
@@ -136,5 +137,5 @@ def receive_shards(
     for i, leaf, off in zip(mapped, layout.leaves, seg_offsets):
         shard[i] = _typed(recv, off, leaf.dtype, (rows, *leaf.shape)).movedim(0, leaf.out_dim)
     placeholder = [x if x is not None or i not in mapped else shard[i] for i, x in enumerate(leaves)]
-    flat_local = FlatArgs(placeholder, meta["dims"], meta["spec"], meta["paths"], rows)
+    flat_local = FlatArgs(placeholder, meta["dims"], meta["spec"], rows)
     return flat_local, shard, sizes, failure, device

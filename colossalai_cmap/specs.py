@@ -50,8 +50,12 @@ class FlatArgs:
     leaves: List[Any]
     dims: List[Dim]
     spec: TreeSpec
-    paths: List[str]
     batch_size: int
+
+    @property
+    def paths(self) -> List[str]:
+        """Each leaf's pytree path under the args tuple, e.g. ``[0]['a']`` (computed only when needed)."""
+        return leaf_paths(self.spec)
 
     @property
     def mapped(self) -> List[int]:
@@ -61,6 +65,14 @@ class FlatArgs:
         from torch.utils._pytree import tree_unflatten
 
         return tree_unflatten(list(leaves), self.spec)
+
+
+def leaf_paths(spec: TreeSpec) -> List[str]:
+    from torch.utils._pytree import tree_unflatten
+
+    skeleton = tree_unflatten([None] * spec.num_leaves, spec)
+    with_path, _ = tree_flatten_with_path(skeleton, is_leaf=lambda x: x is None)
+    return [keystr(p) for p, _ in with_path]
 
 
 def check_in_dims_type(call: str, in_dims: Any) -> None:
@@ -83,9 +95,7 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
         raise ValueError(
             f"{call}: got no positional inputs; cmap, like vmap, maps over at least one positional Tensor."
         )
-    with_path, spec = tree_flatten_with_path(args)
-    leaves = [leaf for _, leaf in with_path]
-    paths = [keystr(p) for p, _ in with_path]
+    leaves, spec = tree_flatten(args)
     dims = _broadcast_to_and_flatten(in_dims, spec)
     if dims is None:
         raise ValueError(
@@ -93,34 +103,40 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
             f"{tree_flatten(in_dims)[1]} but inputs has structure {spec}."
         )
     normalised: List[Dim] = []
-    sizes: List[Tuple[int, str]] = []
-    for leaf, dim, path in zip(leaves, dims, paths):
+    sizes: List[Tuple[int, int]] = []
+    paths: List[str] = []
+
+    def where(i: int) -> str:  # the leaf's name, built only for an error message
+        if not paths:
+            paths.extend(leaf_paths(spec))
+        return describe_arg(func, paths[i])
+
+    for i, (leaf, dim) in enumerate(zip(leaves, dims)):
         if dim is None:
             normalised.append(None)
             continue
-        where = describe_arg(func, path)
         if not isinstance(dim, int) or isinstance(dim, bool):
-            raise ValueError(f"{call}: {where}: in_dim must be an int or None, got {dim!r} ({type(dim).__name__}).")
+            raise ValueError(f"{call}: {where(i)}: in_dim must be an int or None, got {dim!r} ({type(dim).__name__}).")
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(
-                f"{call}: {where}: got in_dim={dim} for an input of type {type(leaf).__name__}; cmap, like vmap, "
+                f"{call}: {where(i)}: got in_dim={dim} for an input of type {type(leaf).__name__}; cmap, like vmap, "
                 f"can only map over Tensors. Use None in in_dims for non-Tensor arguments."
             )
         ndim = leaf.dim()
         if not -ndim <= dim < ndim:
             raise ValueError(
-                f"{call}: {where}: in_dim={dim} is out of range for a Tensor of dimension {ndim} "
+                f"{call}: {where(i)}: in_dim={dim} is out of range for a Tensor of dimension {ndim} "
                 f"(shape {tuple(leaf.shape)}); expected -{ndim} <= in_dim < {ndim}."
             )
         dim = dim % ndim
         normalised.append(dim)
-        sizes.append((leaf.shape[dim], where))
+        sizes.append((leaf.shape[dim], i))
     if not sizes:
         raise ValueError(f"{call}: at least one Tensor argument must be mapped over; all in_dims are None.")
     if len({s for s, _ in sizes}) != 1:
-        listing = ", ".join(f"{where}: {size}" for size, where in sizes)
+        listing = ", ".join(f"{where(i)}: {size}" for size, i in sizes)
         raise ValueError(f"{call}: mapped inputs have different sizes along their mapped dims: {listing}.")
-    return FlatArgs(leaves, normalised, spec, paths, sizes[0][0])
+    return FlatArgs(leaves, normalised, spec, sizes[0][0])
 
 
 def flatten_out_dims(call: str, out_dims: Any, out_spec: TreeSpec, num_leaves: int) -> List[Dim]:
