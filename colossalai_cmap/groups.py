@@ -27,9 +27,16 @@ class Group:
 _SINGLE = Group(None, 0, 1, (0,))
 
 
+_BY_PG: dict = {}
+
+
 def _from_pg(pg: dist.ProcessGroup) -> Group:
+    cached = _BY_PG.get(id(pg))
+    if cached is not None and cached.pg is pg:
+        return cached
     ranks = tuple(dist.get_process_group_ranks(pg))
-    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), ranks)
+    group = _BY_PG[id(pg)] = Group(pg, dist.get_rank(pg), dist.get_world_size(pg), ranks)
+    return group
 
 
 def _from_mesh(call: str, mesh: Any, axis: Any) -> Group:

@@ -5,6 +5,7 @@ so it can still take part in the gather and return correctly shaped empty output
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -39,7 +40,7 @@ class OutLayout:
     spec: TreeSpec
     leaves: Tuple[LeafLayout, ...]
 
-    @property
+    @cached_property
     def digest(self) -> int:
         return digest((self.spec, self.leaves))
 
