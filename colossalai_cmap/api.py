@@ -104,6 +104,12 @@ def cmap(
 
     from .pipeline import Cmapped
 
+    if isinstance(group, tuple) and dist_ready():
+        # Creating a mesh's groups is a collective over the whole world: do it now, when every rank creates this
+        # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer shard).
+        from .groups import resolve_group
+
+        resolve_group(call, group)
     runner = Cmapped(func, call=call, **options)
 
     @functools.wraps(func)
@@ -112,6 +118,12 @@ def cmap(
 
     wrapped.cmap_runner = runner  # type: ignore[attr-defined]
     return wrapped
+
+
+def dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _check_options(

@@ -128,3 +128,64 @@ def share_replicated(
         if leaf.kind == REPLICATED and out[i] is None:
             out[i] = _typed(block, offset, leaf.dtype, leaf.shape).clone()
     return out
+
+
+def is_batched(t: Any) -> bool:
+    """Whether ``t`` is a functorch-batched tensor (this cmap runs inside an outer ``torch.vmap``)."""
+    return isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
+
+
+def _all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group, call: str, timeout: Optional[float]):
+    cap = max(sizes)
+    send = x if x.shape[0] == cap else torch.cat([x, x.new_zeros((cap - x.shape[0], *x.shape[1:]))])
+    recv = torch.empty((group.size * cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into(recv, send.contiguous(), group, call, timeout)
+    if len(set(sizes)) == 1:
+        return recv
+    return torch.cat([recv.narrow(0, r * cap, n) for r, n in enumerate(sizes)])
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather rows (dim 0) with a vmap rule, so a cmap can run inside an outer ``torch.vmap`` (nesting)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, sizes: Any, group: Group, call: str, timeout: Optional[float]) -> torch.Tensor:
+        return _all_gather_rows(x, sizes, group, call, timeout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, x: torch.Tensor, sizes: Any, group: Group, call: str, timeout: Any):
+        dim = in_dims[0]
+        if dim is None:
+            return _GatherRows.apply(x, sizes, group, call, timeout), None
+        # the outer batch dim rides along as dim 1 of every row: still one collective
+        return _GatherRows.apply(x.movedim(dim, 1), sizes, group, call, timeout), 1
+
+
+def gather_batched(
+    flat_local: Sequence[Any],
+    layout: OutLayout,
+    sizes: Sequence[int],
+    group: Group,
+    call: str,
+    timeout: Optional[float],
+) -> List[Any]:
+    """``dst=-1`` for outputs batched by an outer ``torch.vmap``: one collective per output leaf."""
+    out = list(flat_local)
+    for i, (value, leaf) in enumerate(zip(flat_local, layout.leaves)):
+        if leaf.kind == REPLICATED:
+            raise NotImplementedError(f"{call}: out_dims=None outputs are not supported inside an outer vmap.")
+        if leaf.kind == BATCHED:
+            rows = rows_first(value, leaf.out_dim)
+            out[i] = _GatherRows.apply(rows, tuple(sizes), group, call, timeout).movedim(0, leaf.out_dim)
+    return out
+
+
+def batched_empty_like(ref: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, out_dim: int) -> torch.Tensor:
+    """An empty output batched at the same vmap level as ``ref`` (an input shard), for a rank with no rows."""
+    z = torch.zeros_like(ref.reshape(-1)[:0], dtype=dtype)  # batched, logical shape (0,)
+    z = z.reshape(0, *([1] * len(shape))).expand(0, *shape)
+    return z.movedim(0, out_dim)

@@ -13,7 +13,7 @@ from . import autograd, comm, context
 from .comm import BATCH, EMPTY, FAILED, INPUT_SIG, LAYOUT_SIG, OK, ROWS, STATUS
 from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
-from .gather import gather, pack, share_replicated, unpack
+from .gather import batched_empty_like, gather, gather_batched, is_batched, pack, share_replicated, unpack
 from .groups import Group, group_device, resolve_group
 from .layout import BATCHED, REPLICATED, LeafLayout, OutLayout, infer_layout
 from .sharding import plan, take_local
@@ -159,6 +159,7 @@ class Cmapped:
     ) -> "_LocalResult":
         """Run this rank's shard, capturing any exception for the status exchange."""
         result = _LocalResult()
+        result.refs = [leaf for leaf, d in zip(shard, flat.dims) if d is not None]
         seed = self._seed(group, device)  # before any early return: "same" broadcasts, and every rank draws
         dummy = False
         if rows == 0 and total != 0:
@@ -233,7 +234,8 @@ class Cmapped:
         call = self.call
         status = FAILED if res.failure is not None else (OK if res.has_data else EMPTY)
         layout_sig = res.layout.digest if res.layout is not None else 0
-        payload, fits = None, self.dst != "local" and res.failure is None
+        nested = any(is_batched(v) for v in res.flat) or any(is_batched(v) for v in res.refs)
+        payload, fits = None, self.dst != "local" and res.failure is None and not nested
         if fits and res.has_data and rows:
             _, block = res.layout.segments(rows)
             fits = block <= comm.ROUND_PAYLOAD
@@ -251,6 +253,19 @@ class Cmapped:
                 f"infer the output structure."
             )
         local = res.flat if res.has_data else tree_flatten(layout.empty_outputs(device))[0]
+        if nested:
+            if self.dst not in (-1, "local"):
+                raise CmapError(
+                    f"{call}: inside an outer torch.vmap (nested cmap) only dst=-1 and 'local' are supported."
+                )
+            if not res.has_data:
+                ref = next(v for v in res.refs if is_batched(v))
+                local = [
+                    batched_empty_like(ref, leaf.shape, leaf.dtype, leaf.out_dim) if leaf.kind == BATCHED else v
+                    for v, leaf in zip(local, layout.leaves)
+                ]
+            if self.dst == -1:
+                return tree_unflatten(gather_batched(local, layout, sizes, group, call, self.timeout), layout.spec)
         if recorder is not None and (res.has_data or res.dummy):
             producers = [r for r, row in enumerate(table) if row[STATUS] == OK]
             feeds = bool(producers) and producers[0] == group.rank
@@ -373,8 +388,8 @@ class Cmapped:
             parts.append(kw_spec)
             parts += [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in kw_leaves]
         sig = comm.digest(parts)
-        if self.check_inputs:
-            sig = zlib.crc32(_content_bytes(flat, kwargs), sig) or 1
+        if self.check_inputs:  # src="local" shards differ by design: only the unmapped inputs must agree
+            sig = zlib.crc32(_content_bytes(flat, kwargs, skip_mapped=not include_batch), sig) or 1
         return sig
 
     def _cached(self, sig: int) -> Optional[OutLayout]:
@@ -414,6 +429,7 @@ class _LocalResult:
         self.layout: Optional[OutLayout] = None
         self.has_data = False
         self.dummy = False
+        self.refs: List[Any] = []  # the mapped shard leaves (batched when nested in an outer vmap)
         self.failure: Optional[RankFailure] = None
         self.cause: Optional[BaseException] = None
 
@@ -507,9 +523,10 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return tree_unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
-def _content_bytes(flat: FlatArgs, kwargs: Dict[str, Any]) -> bytes:
+def _content_bytes(flat: FlatArgs, kwargs: Dict[str, Any], skip_mapped: bool = False) -> bytes:
     chunks = []
-    for leaf in list(flat.leaves) + tree_flatten(kwargs)[0]:
+    leaves = [leaf for leaf, d in zip(flat.leaves, flat.dims) if not (skip_mapped and d is not None)]
+    for leaf in leaves + tree_flatten(kwargs)[0]:
         if isinstance(leaf, torch.Tensor):
             t = leaf.detach().contiguous().cpu().reshape(-1)
             chunks.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")

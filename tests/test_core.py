@@ -144,9 +144,14 @@ def check_nested_mesh(B):
     x = torch.arange(B * 3 * 4, dtype=torch.float32).view(B, 3, 4)
     f = lambda r: r.sin() * r.sum()  # noqa: E731
     expected = torch.vmap(torch.vmap(f))(x)
-    inner = cm.cmap(f, group=(mesh, 1), mode="batched" if False else "vmap")
+    inner = cm.cmap(f, group=(mesh, 1))
     outer = cm.cmap(lambda rows: torch.stack([inner(r) for r in rows]), group=(mesh, 0), mode="batched")
-    assert_same(outer(x), expected, False, "nested cmap over (0) then (1)")
+    assert_same(outer(x), expected, False, "batched outer cmap over (0) calling cmap over (1)")
+    # jax-style nesting: the inner cmap runs under the outer cmap's torch.vmap
+    assert_same(cm.cmap(inner, group=(mesh, 0))(x), expected, False, "cmap(cmap(f, axis 1), axis 0)")
+    g = lambda r: (r * 2, r.sum())  # noqa: E731
+    nested = cm.cmap(cm.cmap(g, group=(mesh, 1), out_dims=(1, 0)), group=(mesh, 0), out_dims=(2, 0))
+    assert_same(nested(x), torch.vmap(torch.vmap(g, out_dims=(1, 0)), out_dims=(2, 0))(x), True, "nested out_dims")
     both = cm.cmap(lambda r: torch.vmap(f)(r), group=(mesh, (0, 1)))
     assert_same(both(x), expected, False, "cmap over mesh axes (0, 1)")
     flat = x.reshape(B * 3, 4)
@@ -189,8 +194,9 @@ def test_randomness(worlds, P):
     assert all(torch.equal(s, same[0]) for s in same)
 
 
-def test_nested_cmap_on_2x2_mesh(worlds):
-    assert worlds(4).run(check_nested_mesh, 5) == [True] * 4
+@pytest.mark.parametrize("B", [5, 1])
+def test_nested_cmap_on_2x2_mesh(worlds, B):
+    assert worlds(4).run(check_nested_mesh, B) == [True] * 4
 
 
 def test_no_distributed_fallback():
