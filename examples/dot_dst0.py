@@ -27,8 +27,9 @@ def main() -> bool:
 
     if rank == 0:
         expected = torch.vmap(torch.dot, in_dims=(0, None))(a, b)
-        if not torch.equal(out, expected):
-            raise AssertionError(f"[rank {rank}] dot_dst0: cmap differs from torch.vmap:\n{out}\n{expected}")
+        # With b unmapped, vmap turns the dots into one matrix-vector product, whose rounding can depend on how
+        # many rows it gets (64 here, 22 per rank on 3 ranks): equal to float tolerance, not always bit for bit.
+        torch.testing.assert_close(out, expected)
         print(f"[rank {rank}] dot_dst0: OK, matches torch.vmap ({out.shape[0]} rows)")
     else:
         if out is not None:
