@@ -21,10 +21,6 @@ def run_example(name: str) -> bool:
     return importlib.import_module(name).main()
 
 
-def test_every_example_is_listed():
-    assert sorted(p.stem for p in EXAMPLES_DIR.glob("*.py")) == sorted(EXAMPLES)
-
-
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_on_two_ranks(worlds, name):
     assert worlds(2).run(run_example, name) == [True, True]
