@@ -21,8 +21,9 @@ install: $(VENV)/.stamp-base
 
 install-test: $(VENV)/.stamp-test
 
+# colossalai run shells out to torchrun, which must come from the venv too: the venv's bin goes first on PATH.
 demo: install
-	$(VENV)/bin/colossalai run --nproc_per_node $(NPROC) examples/quickstart.py
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/colossalai run --nproc_per_node $(NPROC) examples/quickstart.py
 
 test: install-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests
