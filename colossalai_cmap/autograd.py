@@ -158,7 +158,7 @@ def _reduce(
             result[i] = buf.narrow(0, offset, k).view(inputs[i].shape)
             offset += k
     if flagged:
-        failures = [f for f in comm.all_gather_object(failure, group, call) if f is not None]
+        failures = [f for f in comm.all_gather_object(failure, group, call, timeout, device) if f is not None]
         raise CmapError.from_failures(f"{call} (backward)", failures, group.rank) from cause
     return result
 

@@ -5,6 +5,7 @@ within the timeout instead of a hang.
 """
 
 import os
+import pickle
 import zlib
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence, Tuple
@@ -98,25 +99,43 @@ def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float
     _wait(dist.all_reduce(t, op=op, group=group.pg, async_op=True), group, call, "all_reduce", timeout)
 
 
-def broadcast_object(obj: Any, src: int, group: Group, call: str) -> Any:
-    """Broadcast a picklable object from group rank ``src`` (rare paths only: it has no bounded wait)."""
-    COUNTS["collectives"] += 1
-    box = [obj]
-    try:
-        dist.broadcast_object_list(box, src=group.ranks[src], group=group.pg)
-    except Exception as exc:
-        raise CmapError(f"{call}: broadcast of metadata from group rank {src} failed: {exc}") from exc
-    return box[0]
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
 
 
-def all_gather_object(obj: Any, group: Group, call: str) -> List[Any]:
-    COUNTS["collectives"] += 1
-    out: List[Any] = [None] * group.size
-    try:
-        dist.all_gather_object(out, obj, group=group.pg)
-    except Exception as exc:
-        raise CmapError(f"{call}: exchange of error details failed: {exc}") from exc
-    return out
+def _decode(t: torch.Tensor) -> Any:
+    return pickle.loads(t.cpu().numpy().tobytes())
+
+
+def broadcast_object(
+    obj: Any, src: int, group: Group, call: str, timeout: Optional[float] = None, device: Any = None
+) -> Any:
+    """Broadcast a picklable object from group rank ``src``: its length, then its bytes, both bounded waits."""
+    device = torch.device("cpu") if device is None else device
+    data = _encode(obj, device) if group.rank == src else None
+    length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
+    broadcast(length, src, group, call, timeout)
+    if data is None:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    broadcast(data, src, group, call, timeout)
+    return obj if group.rank == src else _decode(data)
+
+
+def all_gather_object(
+    obj: Any, group: Group, call: str, timeout: Optional[float] = None, device: Any = None
+) -> List[Any]:
+    """Every rank's picklable object, in group-rank order (rare paths: failure details)."""
+    device = torch.device("cpu") if device is None else device
+    data = _encode(obj, device)
+    lengths = torch.empty(group.size, dtype=torch.int64, device=device)
+    all_gather_into(lengths, torch.tensor([data.numel()], dtype=torch.int64, device=device), group, call, timeout)
+    sizes = lengths.tolist()
+    cap = max(sizes)
+    send = torch.zeros(cap, dtype=torch.uint8, device=device)
+    send[: data.numel()] = data
+    recv = torch.empty(group.size * cap, dtype=torch.uint8, device=device)
+    all_gather_into(recv, send, group, call, timeout)
+    return [_decode(recv[r * cap : r * cap + n]) for r, n in enumerate(sizes)]
 
 
 def exchange_round(
@@ -180,10 +199,16 @@ def op_round(op: str, detail: Any, group: Group, device: torch.device, call: str
 
 
 def raise_failures(
-    rows: List[List[int]], failure: Optional[RankFailure], group: Group, call: str, cause: Optional[BaseException]
+    rows: List[List[int]],
+    failure: Optional[RankFailure],
+    group: Group,
+    call: str,
+    cause: Optional[BaseException],
+    timeout: Optional[float] = None,
+    device: Any = None,
 ) -> None:
     """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``."""
     if not any(row[STATUS] == FAILED for row in rows):
         return
-    failures = [f for f in all_gather_object(failure, group, call) if f is not None]
+    failures = [f for f in all_gather_object(failure, group, call, timeout, device) if f is not None]
     raise CmapError.from_failures(call, failures, group.rank) from cause

@@ -243,10 +243,10 @@ class Cmapped:
                 payload = pack(res.flat, res.layout, rows, rows, device)
         header = [status, rows, sig, layout_sig, batch, int(fits)]
         table, payloads = comm.exchange_status(header, group, device, call, self.timeout, payload)
-        comm.raise_failures(table, res.failure, group, call, res.cause)
+        comm.raise_failures(table, res.failure, group, call, res.cause, self.timeout, device)
         _check_consistent(table, call, self.src)
         sizes = [row[ROWS] for row in table] if sizes is None else list(sizes)
-        layout = self._agree_layout(group, table, res, sig, call)
+        layout = self._agree_layout(group, table, res, sig, call, device)
         if layout is None:
             raise CmapError(
                 f"{call}: the global batch is empty and func could not be run on an empty batch to "
@@ -284,7 +284,7 @@ class Cmapped:
         return None if out is None else tree_unflatten(out, layout.spec)
 
     def _agree_layout(
-        self, group: Group, table: List[List[int]], res: "_LocalResult", sig: int, call: str
+        self, group: Group, table: List[List[int]], res: "_LocalResult", sig: int, call: str, device: torch.device
     ) -> Optional[OutLayout]:
         data = [r for r, row in enumerate(table) if row[STATUS] == OK]
         if not data:
@@ -299,7 +299,9 @@ class Cmapped:
         ref = sigs.pop()
         layout = res.layout
         if any(row[LAYOUT_SIG] != ref for row in table):
-            layout = comm.broadcast_object(res.layout if group.rank == data[0] else None, data[0], group, call)
+            layout = comm.broadcast_object(
+                res.layout if group.rank == data[0] else None, data[0], group, call, self.timeout, device
+            )
         self._remember(sig, layout)
         return layout
 

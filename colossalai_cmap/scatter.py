@@ -94,15 +94,15 @@ def receive_shards(
         except Exception as exc:  # sent to every rank in the broadcast, so all raise together
             meta = {"error": RankFailure.from_exception(exc, group.rank, group.global_rank)}
             error: Optional[BaseException] = exc
-    meta = comm.broadcast_object(meta, src, group, call)
+    own_device = next((x.device for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)), None)
+    device = group_device(group, own_device)
+    meta = comm.broadcast_object(meta, src, group, call, cm.timeout, device)
     if "error" in meta:
         raise CmapError.from_failures(f"{call}, src={src}", [meta["error"]], group.rank) from (
             error if is_src else None
         )
     sizes = plan(meta["batch"], group.size).sizes
     failure: Optional[Tuple[RankFailure, BaseException]] = None
-    own_device = next((x.device for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)), None)
-    device = group_device(group, own_device)
     if is_src:
         leaves = list(flat.leaves)
     else:

@@ -16,6 +16,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
 
 DEFAULT_DEADLINE = float(os.environ.get("CMAP_TEST_DEADLINE", "90"))
+# Starting a world imports torch and colossalai in every process: slow when the machine is loaded.
+START_DEADLINE = float(os.environ.get("CMAP_TEST_START_DEADLINE", "240"))
 
 
 DIED = "<died>"
@@ -95,7 +97,7 @@ class World:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        self._collect(DEFAULT_DEADLINE, "start-up")
+        self._collect(START_DEADLINE, "start-up")
 
     @property
     def alive(self) -> bool:
