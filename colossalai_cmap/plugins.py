@@ -52,7 +52,8 @@ SUPPORTED_PLUGINS = tuple(_HANDLERS)
 
 
 def _names(obj: Any) -> list:
-    return [cls.__name__ for cls in type(obj).__mro__]
+    # __qualname__, not __name__: LowLevelZeroPlugin renames its class to "LowLevelZeroPlugin_ZeRO-<stage>".
+    return [cls.__qualname__ for cls in type(obj).__mro__]
 
 
 def plugin_group(call: str, obj: Any) -> dist.ProcessGroup:
