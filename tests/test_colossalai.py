@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -90,6 +90,14 @@ def check_mesh_axes(shape: Sequence[int], B: int) -> Dict[str, Any]:
     assert len(mesh._ranks_to_group) == cached, "repeated calls created new groups"
     assert id(_group_of((mesh, (1, 0))).pg) == ids[(0, 1)] and id(_group_of((mesh, -1)).pg) == ids[1]
     report["cached_groups"] = cached
+    # Bad axes fail on every rank before any communication.
+    for axis, error in (((0, 0), ValueError), (len(shape), ValueError), (True, TypeError), ("0", TypeError)):
+        try:
+            cm.cmap(_f, group=(mesh, axis))(x)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"axis {axis!r} did not raise {error.__name__}")
     return report
 
 
@@ -194,6 +202,8 @@ def check_plugins(B: int) -> Dict[str, List[int]]:
         ), f"{name}: cmap group rank {group.rank}/{group.size} != sampler {sampler.rank}/{sampler.num_replicas}"
         if getattr(plugin, "dp_group", None) is not None:
             assert group.pg is plugin.dp_group, f"{name}: not the plugin's dp_group"
+        if name.startswith("GeminiPlugin") and plugin.extra_dp_size == 1:
+            assert group.pg is plugin.zero_group, f"{name}: not the plugin's zero_group"
         # Repeated resolution reuses the same group (creating one is a collective over the world).
         cache = getattr(getattr(plugin, "pg_mesh", None), "_ranks_to_group", {})
         before = len(cache)
