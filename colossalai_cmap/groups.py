@@ -1,5 +1,6 @@
 """``group=`` to a process group, with this process's rank and the group size."""
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -40,8 +41,9 @@ def _from_pg(pg: dist.ProcessGroup) -> Group:
 
 
 def _from_mesh(call: str, mesh: Any, axis: Any) -> Group:
-    axes = (axis,) if isinstance(axis, int) else tuple(axis) if isinstance(axis, (tuple, list)) else None
-    if axes is None or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+    # numbers.Integral also takes numpy ints (ProcessGroupMesh computes with numpy); bool is rejected.
+    axes = (axis,) if isinstance(axis, numbers.Integral) else tuple(axis) if isinstance(axis, (tuple, list)) else None
+    if axes is None or not all(isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axes):
         raise TypeError(
             f"{call}: group=(ProcessGroupMesh, axis) needs an int or a tuple of ints as axis, got {axis!r}."
         )
@@ -52,6 +54,8 @@ def _from_mesh(call: str, mesh: Any, axis: Any) -> Group:
             f"{call}: group=(ProcessGroupMesh, {axis!r}): axis {bad[0]} is out of range for a mesh of shape {tuple(mesh.shape)}."
         )
     axes = tuple(sorted(int(a) % ndim for a in axes))
+    if not axes or len(set(axes)) != len(axes):
+        raise ValueError(f"{call}: group=(ProcessGroupMesh, {axis!r}) needs distinct mesh axes, at least one.")
     # The mesh caches its groups, so repeated calls reuse them instead of creating new ones (a collective).
     pg = mesh.get_group_along_axis(axes[0] if len(axes) == 1 else list(axes))
     return _from_pg(pg)
