@@ -119,10 +119,8 @@ def check_nested_mesh_axes(B: int, C: int) -> bool:
     from colossalai.cluster import ProcessGroupMesh
 
     mesh = ProcessGroupMesh(2, 2)
-    # Mesh groups are made lazily by dist.new_group, a collective over the whole world, and a rank whose outer shard
-    # is empty never calls the inner cmap: make them on every rank first, or group creation diverges and hangs.
-    for axis in (0, 1, [0, 1]):
-        mesh.get_group_along_axis(axis)
+    # No warm-up of the mesh's groups: cmap creates them when it is created, on every rank, so a rank whose outer
+    # shard is empty (and never calls the inner cmap) still takes part in every dist.new_group.
     x = _batch(B, C, 4)
     expected = torch.vmap(torch.vmap(_f))(x)
     # The inner cmap maps the second batch dim over axis 1; the outer one hands it its whole axis-0 shard.
@@ -133,6 +131,8 @@ def check_nested_mesh_axes(B: int, C: int) -> bool:
     per_example = cm.cmap(_f, group=(mesh, 1))
     per_row = cm.cmap(lambda rows: torch.stack([per_example(r) for r in rows]), group=(mesh, 0), mode="batched")
     assert_same(per_row(x), expected, False, "loop outer")
+    # jax's nested pmap: the inner cmap runs under the outer cmap's torch.vmap.
+    assert_same(cm.cmap(per_example, group=(mesh, 0))(x), expected, False, "vmap outer")
     # One cmap over both axes on the flattened batch, and over both axes with vmap inside.
     flat = x.reshape(B * C, 4)
     both = cm.cmap(_f, group=(mesh, (0, 1)))(flat)
