@@ -15,7 +15,7 @@ from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
 from .gather import gather, pack, share_replicated
 from .groups import Group, group_device, resolve_group
-from .layout import BATCHED, REPLICATED, LeafLayout, OutLayout, infer_layout
+from .layout import BATCHED, REPLICATED, LeafLayout, OutLayout, infer_layout, replicated_checksums
 from .sharding import plan, take_local
 from .specs import FlatArgs, check_placement, flatten_args, flatten_out_dims, normalise_out_dim
 
@@ -207,6 +207,8 @@ class Cmapped:
                 for i, (v, d) in enumerate(zip(result.flat, dims))
             ]
             result.layout = infer_layout(result.flat, dims, spec)
+            if self.check_inputs and not dummy:
+                result.checksums = replicated_checksums(result.flat, result.layout)
             result.has_data = not dummy
             result.dummy = dummy
         except Exception as exc:  # every rank learns of it in the status exchange
@@ -230,6 +232,8 @@ class Cmapped:
         call = self.call
         status = FAILED if res.failure is not None else (OK if res.has_data else EMPTY)
         layout_sig = res.layout.digest if res.layout is not None else 0
+        if res.checksums:  # check_inputs: out_dims=None outputs must also be equal across ranks
+            layout_sig = zlib.crc32(repr(res.checksums).encode(), layout_sig) or 1
         header = [status, rows, sig, layout_sig, batch]
         table = comm.exchange_status(header, group, device, call, self.timeout)
         comm.raise_failures(table, res.failure, group, call, res.cause)
@@ -261,6 +265,8 @@ class Cmapped:
             return res.layout
         sigs = {table[r][LAYOUT_SIG] for r in data}
         if len(sigs) != 1:
+            if self.check_inputs:  # the digests also cover out_dims=None values: tell which differs (rare path)
+                _raise_unreplicated(group, res, data, call)
             raise CmapError(
                 f"{call}: ranks returned outputs of different per-example shapes or dtypes; group ranks and layout "
                 f"digests: {[(r, table[r][LAYOUT_SIG]) for r in data]}. cmap needs the same output structure "
@@ -358,7 +364,7 @@ class Cmapped:
             parts.append(kw_spec)
             parts += [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in kw_leaves]
         sig = comm.digest(parts)
-        if self.check_inputs:
+        if self.check_inputs and self.src is None:  # src="local": the shards differ by design
             sig = zlib.crc32(_content_bytes(flat, kwargs), sig) or 1
         return sig
 
@@ -401,6 +407,7 @@ class _LocalResult:
         self.dummy = False
         self.failure: Optional[RankFailure] = None
         self.cause: Optional[BaseException] = None
+        self.checksums: Tuple[Tuple[int, int], ...] = ()  # check_inputs: crc32 of each out_dims=None output
 
 
 def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None:
@@ -418,6 +425,24 @@ def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None
             f"{call}: ranks passed different {what} ({detail}). With src=None every rank must pass the same full "
             f"inputs; use src=<rank> to scatter from one rank, or src='local' to pass per-rank shards."
         )
+
+
+def _raise_unreplicated(group: Group, res: "_LocalResult", data: List[int], call: str) -> None:
+    """Layout digests differ under check_inputs: if the structures agree, an out_dims=None output differs."""
+    mine = (res.layout.digest, res.checksums) if res.has_data and res.layout is not None else None
+    seen = comm.all_gather_object(mine, group, call)
+    if len({seen[r][0] for r in data}) != 1:
+        return  # the structure itself differs: the caller raises the general message
+    sums = {r: dict(seen[r][1]) for r in data}
+    bad = [i for i in sums[data[0]] if len({sums[r][i] for r in data}) > 1]
+    detail = "; ".join(
+        f"output leaf {i}: " + ", ".join(f"rank {r} crc32 {sums[r][i]:#010x}" for r in data) for i in bad
+    )
+    raise CmapError(
+        f"{call}: an output declared replicated (out_dims=None) is not the same on every rank ({detail}). "
+        f"out_dims=None promises one value shared by every example, such as the result of a psum; give the "
+        f"output an int out_dim if it varies per example or per rank. (Found by check_inputs=True.)"
+    )
 
 
 def _record(
