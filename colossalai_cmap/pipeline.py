@@ -316,7 +316,9 @@ class Cmapped:
             holder["spec"], holder["flat"] = spec, leaves_out
             return [v for v in leaves_out if isinstance(v, torch.Tensor)]
 
-        runner = autograd.GradRunner(forward, group, self.call, self.timeout, reduce=self.src is None)
+        # Inputs every rank holds whole get the sum of the per-shard gradients; src="local" shards keep their own.
+        reduce = [self.src is None or kind != "arg" or flat.dims[key] is None for kind, key in slots]
+        runner = autograd.GradRunner(forward, group, self.call, self.timeout, reduce=reduce)
         outs = iter(autograd.apply(runner, tensors))
         flat_out = [next(outs) if isinstance(v, torch.Tensor) else v for v in holder["flat"]]
         return tree_unflatten(flat_out, holder["spec"])
