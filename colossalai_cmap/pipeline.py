@@ -366,8 +366,9 @@ class Cmapped:
             parts.append(kw_spec)
             parts += [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in kw_leaves]
         sig = comm.digest(parts)
-        if self.check_inputs and self.src is None:  # src="local": the shards differ by design
-            sig = zlib.crc32(_content_bytes(flat, kwargs), sig) or 1
+        if self.check_inputs:  # with src="local" the shards differ by design: only unmapped inputs must agree
+            leaves = flat.leaves if self.src is None else [v for v, d in zip(flat.leaves, flat.dims) if d is None]
+            sig = zlib.crc32(_content_bytes(leaves, kwargs), sig) or 1
         return sig
 
     def _cached(self, sig: int) -> Optional[OutLayout]:
@@ -422,7 +423,7 @@ def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None
             f"group rank {r}: batch {row[BATCH] if row[BATCH] >= 0 else row[ROWS]} (signature {row[INPUT_SIG]:#x})"
             for r, row in enumerate(table)
         )
-        what = "shard shapes, dtypes or structure" if src == "local" else "inputs"
+        what = "shard shapes, dtypes or structure, or in_dims=None inputs" if src == "local" else "inputs"
         raise CmapError(
             f"{call}: ranks passed different {what} ({detail}). With src=None every rank must pass the same full "
             f"inputs; use src=<rank> to scatter from one rank, or src='local' to pass per-rank shards."
@@ -519,9 +520,9 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return tree_unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
-def _content_bytes(flat: FlatArgs, kwargs: Dict[str, Any]) -> bytes:
+def _content_bytes(leaves: Sequence[Any], kwargs: Dict[str, Any]) -> bytes:
     chunks = []
-    for leaf in list(flat.leaves) + tree_flatten(kwargs)[0]:
+    for leaf in list(leaves) + tree_flatten(kwargs)[0]:
         if isinstance(leaf, torch.Tensor):
             t = leaf.detach().contiguous().cpu().reshape(-1)
             chunks.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
