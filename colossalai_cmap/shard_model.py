@@ -255,6 +255,14 @@ def _select(sites: Dict[str, _Site], layers: Optional[Iterable[str]]) -> List[st
 
 def _check_only_linear(gm: fx.GraphModule, name: str, site: _Site) -> None:
     """A sharded weight must not be read elsewhere: those reads would see only this rank's slice."""
+    if not site.module:  # its owner must not be a called (leaf) module too: that one would lose the weight
+        owners = {path.rpartition(".")[0] for path in (name, site.bias) if path}
+        called = owners & {node.target for node in gm.graph.nodes if node.op == "call_module"}
+        if called:
+            raise ValueError(
+                f"{_CALL}: layer {name!r} cannot be sharded: it belongs to module {called.pop()!r}, which the model "
+                f"also calls. Leave it out with layers=[...]."
+            )
     prefix = f"{name}." if site.module else None
     for node in gm.graph.nodes:
         if node.op != "get_attr":

@@ -72,6 +72,15 @@ class Tied(nn.Module):
         return self.fc(x) + self.fc.weight.sum()
 
 
+class CalledAndFunctional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x) + F.linear(x, self.fc.weight, self.fc.bias)
+
+
 def mlp(fin: int, hidden: int, fout: int, seed: int) -> nn.Sequential:
     torch.manual_seed(seed)  # the same model on every rank
     return nn.Sequential(nn.Linear(fin, hidden), nn.GELU(), nn.Linear(hidden, fout), nn.Tanh(), nn.Linear(fout, 3))
@@ -185,6 +194,10 @@ def check_replicated_outputs(B):
         cm.cmap(lambda v: (v, v.sum(0) + rank), out_dims=(0, None), mode="batched", src="local", check_inputs=True)(
             shard
         )
+    # src="local" with check_inputs: shards may differ, in_dims=None inputs may not
+    scale = torch.tensor(1.0 + rank)
+    with pytest.raises(cm.CmapError, match="in_dims=None inputs"):
+        cm.cmap(torch.mul, in_dims=(0, None), src="local", check_inputs=True)(shard, scale)
     # a structure that differs across ranks still gets the general message
     with pytest.raises(cm.CmapError, match="different per-example shapes"):
         cm.cmap(lambda v: v.sum(0)[: 1 + rank], out_dims=None, mode="batched", check_inputs=True)(x)
@@ -275,4 +288,6 @@ def test_bad_arguments():
         shard_model(model, layers=["fc9"])
     with pytest.raises(ValueError, match="parameter 'fc.weight' is also used outside the linear call"):
         shard_model(Tied())
+    with pytest.raises(ValueError, match="it belongs to module 'fc', which the model also calls"):
+        shard_model(CalledAndFunctional(), layers=["fc.weight"])
     assert isinstance(shard_model(Tied(), layers=[]).fc, nn.Linear)
