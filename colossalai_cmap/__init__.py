@@ -19,7 +19,7 @@ _LAZY = {
     "all_gather": "collectives",
     "axis_index": "collectives",
     "axis_size": "collectives",
-    "shard_model": "shard_model",
+    "shard_model": "tensor_parallel",
 }
 
 __all__ = list(_LAZY) + ["__version__"]

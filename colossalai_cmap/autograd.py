@@ -11,7 +11,7 @@ Nothing is gathered in backward and nothing is reduce-scattered, so no gradient 
 """
 
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -51,6 +51,9 @@ class GradRunner:
         group: the group the call ran on.
         call: the call's name, for errors.
         timeout: bound on the backward collective.
+        reduce: whether each input's gradient is summed over the group (one flag per input, or one for all).
+            Inputs every rank holds whole (``src=None``, or unmapped inputs and parameters) are summed; a mapped
+            input passed per rank (``src="local"``) keeps its own shard's gradient.
     """
 
     def __init__(
@@ -59,7 +62,7 @@ class GradRunner:
         group: Group,
         call: str,
         timeout: Optional[float],
-        reduce: bool = True,
+        reduce: Union[bool, Sequence[bool]] = True,
     ) -> None:
         self._forward = forward
         self.reduce = reduce
@@ -96,11 +99,21 @@ class GradRunner:
             failure = RankFailure.from_exception(exc, self.group.rank, self.group.global_rank)
             cause = exc
         self.local_pairs = []
-        if not self.reduce:  # src="local": every gradient stays with its shard, no collective
+        flags = [self.reduce] * len(inputs) if isinstance(self.reduce, bool) else list(self.reduce)
+        if not any(flags):  # src="local", nothing replicated: every gradient stays with its shard, no collective
             if failure is not None:
                 raise failure_error(self.call, failure, self.group) from cause
-            return local
-        return _reduce(inputs, local, wanted, failure, cause, self.group, self.call, self.timeout)
+            return [_zeros_if_none(g, t) for g, t in zip(local, inputs)]
+        shared = [i for i in wanted if flags[i]]
+        summed = _reduce(inputs, local, shared, failure, cause, self.group, self.call, self.timeout)
+        return [summed[i] if flags[i] else _zeros_if_none(local[i], inputs[i]) for i in range(len(inputs))]
+
+
+def _zeros_if_none(grad: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """A shard the local graph did not reach (an empty shard ran a stand-in) still gets a gradient, as with src=None."""
+    if grad is None and like.requires_grad:
+        return torch.zeros_like(like)
+    return grad
 
 
 def _captured_leaves(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -20,6 +20,8 @@ def _typed(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[i
     for s in shape:
         numel *= s
     nbytes = numel * dtype.itemsize
+    if nbytes == 0:  # a zero-size row of a [P, 0] buffer may sit at an odd storage offset: view() refuses it
+        return buf.new_empty(shape, dtype=dtype)
     return buf.narrow(0, offset, nbytes).view(dtype).view(*shape)
 
 

@@ -4,6 +4,7 @@ A rank with an empty shard never calls ``func``; it learns the layout from a ran
 so it can still take part in the gather and return correctly shaped empty outputs.
 """
 
+import zlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, List, Optional, Sequence, Tuple
@@ -72,6 +73,20 @@ class OutLayout:
             else:
                 leaves.append(leaf.value)
         return tree_unflatten(leaves, self.spec)
+
+
+def replicated_checksums(flat_out: Sequence[Any], layout: OutLayout) -> Tuple[Tuple[int, int], ...]:
+    """``(leaf index, crc32 of its bytes)`` for each replicated (``out_dims=None``) output leaf; () when none.
+
+    ``check_inputs=True`` folds these into the layout digest that ranks compare, so that an output declared
+    replicated but different across ranks is caught instead of silently taking one rank's value.
+    """
+    sums = []
+    for i, (value, leaf) in enumerate(zip(flat_out, layout.leaves)):
+        if leaf.kind == REPLICATED:
+            flat = value.detach().contiguous().cpu().reshape(-1)
+            sums.append((i, zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")))
+    return tuple(sums)
 
 
 def _aligned(n: int) -> int:

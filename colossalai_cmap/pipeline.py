@@ -15,7 +15,7 @@ from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
 from .gather import batched_empty_like, gather, gather_batched, is_batched, pack, share_replicated, unpack
 from .groups import Group, group_device, resolve_group
-from .layout import BATCHED, REPLICATED, LeafLayout, OutLayout, infer_layout
+from .layout import BATCHED, REPLICATED, LeafLayout, OutLayout, infer_layout, replicated_checksums
 from .sharding import plan, take_local
 from .specs import FlatArgs, check_placement, flatten_args, flatten_out_dims, normalise_out_dim
 
@@ -211,6 +211,8 @@ class Cmapped:
             cached = self._cached(sig)
             if cached is not None and cached == result.layout:
                 result.layout = cached  # keeps its digest, computed once
+            if self.check_inputs and not dummy:
+                result.checksums = replicated_checksums(result.flat, result.layout)
             result.has_data = not dummy
             result.dummy = dummy
         except Exception as exc:  # every rank learns of it in the status exchange
@@ -234,6 +236,8 @@ class Cmapped:
         call = self.call
         status = FAILED if res.failure is not None else (OK if res.has_data else EMPTY)
         layout_sig = res.layout.digest if res.layout is not None else 0
+        if res.checksums:  # check_inputs: out_dims=None outputs must also be equal across ranks
+            layout_sig = zlib.crc32(repr(res.checksums).encode(), layout_sig) or 1
         nested = any(is_batched(v) for v in res.flat) or any(is_batched(v) for v in res.refs)
         payload, fits = None, self.dst != "local" and res.failure is None and not nested
         if fits and res.has_data and rows:
@@ -291,6 +295,8 @@ class Cmapped:
             return res.layout
         sigs = {table[r][LAYOUT_SIG] for r in data}
         if len(sigs) != 1:
+            if self.check_inputs:  # the digests also cover out_dims=None values: tell which differs (rare path)
+                _raise_unreplicated(group, res, data, call, self.timeout, device)
             raise CmapError(
                 f"{call}: ranks returned outputs of different per-example shapes or dtypes; group ranks and layout "
                 f"digests: {[(r, table[r][LAYOUT_SIG]) for r in data]}. cmap needs the same output structure "
@@ -342,7 +348,9 @@ class Cmapped:
             holder["spec"], holder["flat"] = spec, leaves_out
             return [v for v in leaves_out if isinstance(v, torch.Tensor)]
 
-        runner = autograd.GradRunner(forward, group, self.call, self.timeout, reduce=self.src is None)
+        # Inputs every rank holds whole get the sum of the per-shard gradients; src="local" shards keep their own.
+        reduce = [self.src is None or kind != "arg" or flat.dims[key] is None for kind, key in slots]
+        runner = autograd.GradRunner(forward, group, self.call, self.timeout, reduce=reduce)
         outs = iter(autograd.apply(runner, tensors))
         flat_out = [next(outs) if isinstance(v, torch.Tensor) else v for v in holder["flat"]]
         return tree_unflatten(flat_out, holder["spec"])
@@ -390,8 +398,9 @@ class Cmapped:
             parts.append(kw_spec)
             parts += [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in kw_leaves]
         sig = comm.digest(parts)
-        if self.check_inputs:  # src="local" shards differ by design: only the unmapped inputs must agree
-            sig = zlib.crc32(_content_bytes(flat, kwargs, skip_mapped=not include_batch), sig) or 1
+        if self.check_inputs:  # with src="local" the shards differ by design: only unmapped inputs must agree
+            leaves = flat.leaves if self.src is None else [v for v, d in zip(flat.leaves, flat.dims) if d is None]
+            sig = zlib.crc32(_content_bytes(leaves, kwargs), sig) or 1
         return sig
 
     def _cached(self, sig: int) -> Optional[OutLayout]:
@@ -434,6 +443,7 @@ class _LocalResult:
         self.refs: List[Any] = []  # the mapped shard leaves (batched when nested in an outer vmap)
         self.failure: Optional[RankFailure] = None
         self.cause: Optional[BaseException] = None
+        self.checksums: Tuple[Tuple[int, int], ...] = ()  # check_inputs: crc32 of each out_dims=None output
 
 
 def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None:
@@ -446,11 +456,31 @@ def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None
             f"group rank {r}: batch {row[BATCH] if row[BATCH] >= 0 else row[ROWS]} (signature {row[INPUT_SIG]:#x})"
             for r, row in enumerate(table)
         )
-        what = "shard shapes, dtypes or structure" if src == "local" else "inputs"
+        what = "shard shapes, dtypes or structure, or in_dims=None inputs" if src == "local" else "inputs"
         raise CmapError(
             f"{call}: ranks passed different {what} ({detail}). With src=None every rank must pass the same full "
             f"inputs; use src=<rank> to scatter from one rank, or src='local' to pass per-rank shards."
         )
+
+
+def _raise_unreplicated(
+    group: Group, res: "_LocalResult", data: List[int], call: str, timeout: Optional[float], device: torch.device
+) -> None:
+    """Layout digests differ under check_inputs: if the structures agree, an out_dims=None output differs."""
+    mine = (res.layout.digest, res.checksums) if res.has_data and res.layout is not None else None
+    seen = comm.all_gather_object(mine, group, call, timeout, device)
+    if len({seen[r][0] for r in data}) != 1:
+        return  # the structure itself differs: the caller raises the general message
+    sums = {r: dict(seen[r][1]) for r in data}
+    bad = [i for i in sums[data[0]] if len({sums[r][i] for r in data}) > 1]
+    detail = "; ".join(
+        f"output leaf {i}: " + ", ".join(f"rank {r} crc32 {sums[r][i]:#010x}" for r in data) for i in bad
+    )
+    raise CmapError(
+        f"{call}: an output declared replicated (out_dims=None) is not the same on every rank ({detail}). "
+        f"out_dims=None promises one value shared by every example, such as the result of a psum; give the "
+        f"output an int out_dim if it varies per example or per rank. (Found by check_inputs=True.)"
+    )
 
 
 def _record(
@@ -525,10 +555,9 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return tree_unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
-def _content_bytes(flat: FlatArgs, kwargs: Dict[str, Any], skip_mapped: bool = False) -> bytes:
+def _content_bytes(leaves: Sequence[Any], kwargs: Dict[str, Any]) -> bytes:
     chunks = []
-    leaves = [leaf for leaf, d in zip(flat.leaves, flat.dims) if not (skip_mapped and d is not None)]
-    for leaf in leaves + tree_flatten(kwargs)[0]:
+    for leaf in list(leaves) + tree_flatten(kwargs)[0]:
         if isinstance(leaf, torch.Tensor):
             t = leaf.detach().contiguous().cpu().reshape(-1)
             chunks.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")

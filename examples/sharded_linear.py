@@ -1,0 +1,86 @@
+"""The second seed on cmap: a ``Linear(64, 24)`` sharded by its input features across the group.
+
+    colossalai run --nproc_per_node 4 examples/sharded_linear.py
+    colossalai run --nproc_per_node 3 examples/sharded_linear.py    # 64 features do not divide by 3
+
+A Linear is a sum over its input features, so sharding its weight by input features makes it a cmap over that
+axis. Part 1 writes the cmap out: each rank holds its ``torch.tensor_split`` slice of the weight's columns, cmap
+runs in "batched" mode over those features, each rank multiplies the same columns of the input by its slice, and
+``psum`` adds the partial products over the whole axis: one value every rank shares, returned once
+(``out_dims=None``). Part 2 lets ``shard_model`` find the layer with torch.fx and do the same rewrite.
+
+Unlike the seed, nothing needs ``batch_size``, the features need not divide by the world size, and each rank holds
+only its slice of the weight. Every rank builds the same model and input (the seed gave each rank its own; a
+tensor-parallel layer computes one model's output together).
+"""
+
+import colossalai
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import colossalai_cmap as cm
+
+AXIS = "in_features"
+
+
+def print_with_rank(rank: int, msg: str) -> None:
+    print("[RANK {}] {}".format(rank, msg))
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def partial_linear(weight_cols: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Batched over this rank's input features: ``weight_cols`` holds their weight columns, ``axis_index`` their
+    global indices. Summing its own features first (one matmul) gives psum the same total, as a single row."""
+    partial = F.linear(x.index_select(-1, cm.axis_index(AXIS)), weight_cols)
+    return cm.psum(partial.unsqueeze(0), AXIS)[0]
+
+
+def main() -> None:
+    if not dist.is_initialized():
+        colossalai.launch_from_torch(verbose=False)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)  # the same model and input on every rank
+    batch_size = 100
+    model = torch.nn.Linear(64, 24)
+    input = torch.rand(batch_size, 64)
+    result_without_sharding = model(input)
+
+    # Part 1: the cmap itself. in_dims=(1, None): the weight's dim 1 (input features) is the mapped axis, passed
+    # per rank (src="local"); the input is whole on every rank. out_dims=None: the psum is the same everywhere.
+    weight_cols = model.weight.detach().tensor_split(world_size, dim=1)[rank].clone()
+    sharded_matmul = cm.cmap(
+        partial_linear, in_dims=(1, None), out_dims=None, src="local", mode="batched", axis_name=AXIS
+    )
+    result_by_hand = sharded_matmul(weight_cols, input) + model.bias  # the bias once, after the sum
+    assert torch.allclose(result_by_hand, result_without_sharding, atol=1e-05)
+
+    # Part 2: shard_model traces the model, keeps this rank's weight slice and rewrites F.linear into that cmap.
+    traced_model = cm.shard_model(model)
+    if rank == 0:
+        print_with_rank(rank, "Trace After: {}".format(traced_model.code.strip()))
+    result_with_sharding = traced_model(input)
+    assert torch.allclose(result_with_sharding, result_without_sharding, atol=1e-05)
+
+    # Gradients: the weight slice gets its slice of the full gradient; the (whole) bias gets the full one.
+    result_with_sharding.square().sum().backward()
+    result_without_sharding.square().sum().backward()
+    layer = traced_model.weight_shard
+    assert torch.allclose(layer.weight.grad, model.weight.grad.tensor_split(world_size, dim=1)[rank], atol=1e-04)
+    assert torch.allclose(layer.bias.grad, model.bias.grad, atol=1e-04)
+
+    print_with_rank(
+        rank,
+        "parameter bytes {} (weight slice {} + bias {}), unsharded {}".format(
+            param_bytes(traced_model), tuple(layer.weight.shape), tuple(layer.bias.shape), param_bytes(model)
+        ),
+    )
+    print_with_rank(rank, "PASSED")
+
+
+if __name__ == "__main__":
+    main()
