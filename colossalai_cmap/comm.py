@@ -6,10 +6,12 @@ within the timeout instead of a hang.
 
 import os
 import pickle
+import struct
 import zlib
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -28,6 +30,7 @@ STATUS_ROUND, OP_ROUND = 1, 2
 OK, EMPTY, FAILED = 0, 1, 2
 ROUND_PAYLOAD = int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "2048")) // 16 * 16
 _HEADER_BYTES = HEADER_LEN * 8
+_HEADER_FORMAT = f"<{HEADER_LEN}q"
 
 COUNTS = {"collectives": 0}
 # Groups on which a collective failed or timed out: their collective sequence is out of step across ranks, so
@@ -144,16 +147,20 @@ def exchange_round(
     device: torch.device,
     call: str,
     timeout: Optional[float],
-    payload: Optional[torch.Tensor] = None,
+    payload: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> Tuple[List[List[int]], torch.Tensor]:
     """All-gather every rank's header and payload; returns one header row per group rank and the ``[P, bytes]``
-    payloads."""
+    payloads. ``payload``, if given, writes this rank's payload into the view it is handed."""
     size = _HEADER_BYTES + ROUND_PAYLOAD
-    mine = torch.empty(size, dtype=torch.uint8, device=device)
-    head = list(header) + [0] * (HEADER_LEN - len(header))
-    mine[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
-    if payload is not None and payload.numel():
-        mine[_HEADER_BYTES : _HEADER_BYTES + payload.numel()].copy_(payload)
+    head = struct.pack(_HEADER_FORMAT, *header, *([0] * (HEADER_LEN - len(header))))
+    if device.type == "cpu":
+        mine = torch.empty(size, dtype=torch.uint8)
+        mine.numpy()[:_HEADER_BYTES] = numpy.frombuffer(head, dtype=numpy.uint8)
+    else:
+        mine = torch.empty(size, dtype=torch.uint8, device=device)
+        mine[:_HEADER_BYTES].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    if payload is not None:
+        payload(mine[_HEADER_BYTES:])
     rounds = torch.empty((group.size, size), dtype=torch.uint8, device=device)
     all_gather_into(rounds.view(-1), mine, group, call, timeout)
     table = rounds[:, :_HEADER_BYTES].view(torch.int64).tolist()
@@ -166,7 +173,7 @@ def exchange_status(
     device: torch.device,
     call: str,
     timeout: Optional[float],
-    payload: Optional[torch.Tensor] = None,
+    payload: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> Tuple[List[List[int]], torch.Tensor]:
     """The end-of-shard status round. Repeats while peers are still inside func: they see this rank's status
     in their op round, abort their collective, and come to the status round too."""

@@ -25,10 +25,18 @@ def _typed(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[i
     return buf.narrow(0, offset, nbytes).view(dtype).view(*shape)
 
 
-def pack(flat_local: Sequence[Any], layout: OutLayout, rows: int, cap: int, device: torch.device) -> torch.Tensor:
-    """One rank's outputs as a byte block sized for ``cap`` rows; rows past ``rows`` are padding."""
+def pack(
+    flat_local: Sequence[Any],
+    layout: OutLayout,
+    rows: int,
+    cap: int,
+    device: torch.device,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One rank's outputs as a byte block sized for ``cap`` rows (into ``out`` if given); rows past ``rows`` are
+    padding."""
     offsets, block = layout.segments(cap)
-    buf = torch.empty(block, dtype=torch.uint8, device=device)
+    buf = torch.empty(block, dtype=torch.uint8, device=device) if out is None else out
     for value, leaf, offset in zip(flat_local, layout.leaves, offsets):
         if leaf.kind == BATCHED and rows:
             _typed(buf, offset, leaf.dtype, (rows, *leaf.shape)).copy_(rows_first(value, leaf.out_dim))
@@ -43,6 +51,7 @@ def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], caps: 
     offsets_by_cap = {cap: layout.segments(cap)[0] for cap in set(caps)}
     first = next((r for r, n in enumerate(sizes) if n), 0)
     total = sum(sizes)
+    even = len(set(sizes)) == 1 and len(set(caps)) == 1
     out: List[Any] = []
     for k, leaf in enumerate(layout.leaves):
         if leaf.kind == CONSTANT:
@@ -50,6 +59,11 @@ def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], caps: 
         elif leaf.kind == REPLICATED:
             offset = offsets_by_cap[caps[first]][k]
             out.append(_typed(blocks[first], offset, leaf.dtype, leaf.shape).clone())
+        elif even:  # one strided read of every rank's rows, copied once into the result
+            n, offset = sizes[0], offsets_by_cap[caps[0]][k]
+            nbytes = n * leaf.row_bytes
+            rows = blocks.narrow(1, offset, nbytes).view(leaf.dtype)
+            out.append(rows.reshape(total, *leaf.shape).movedim(0, leaf.out_dim))
         else:
             result = torch.empty((total, *leaf.shape), dtype=leaf.dtype, device=blocks.device)
             start = 0
@@ -63,9 +77,9 @@ def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], caps: 
 
 
 def _direct_leaf(layout: OutLayout, sizes: Sequence[int]) -> Optional[int]:
-    """The index of the only tensor leaf when it can be gathered in place (even shards, nothing replicated)."""
+    """The index of the only tensor leaf when it can be gathered in its own dtype (no packing)."""
     tensors = [i for i, leaf in enumerate(layout.leaves) if leaf.kind != CONSTANT]
-    if len(tensors) != 1 or layout.leaves[tensors[0]].kind != BATCHED or len(set(sizes)) != 1 or not sizes[0]:
+    if len(tensors) != 1 or layout.leaves[tensors[0]].kind != BATCHED or not max(sizes):
         return None
     return tensors[0]
 
@@ -86,16 +100,26 @@ def gather(
     receives = all_ranks or dst == rank
     direct = _direct_leaf(layout, sizes)
     if direct is not None:
+        # One leaf: gather it in its own dtype. Even shards land straight in the result; uneven ones are padded to
+        # the largest shard (gloo needs equal sizes) and the padding is cut out with one copy.
         leaf = layout.leaves[direct]
-        n = sizes[0]
-        send = rows_first(flat_local[direct], leaf.out_dim).contiguous()
-        recv = torch.empty((world * n, *leaf.shape), dtype=leaf.dtype, device=device) if receives else None
+        cap, n = max(sizes), sizes[rank]
+        send = rows_first(flat_local[direct], leaf.out_dim)
+        if n < cap:
+            padded = torch.empty((cap, *leaf.shape), dtype=leaf.dtype, device=device)
+            padded.narrow(0, 0, n).copy_(send)
+            send = padded
+        else:
+            send = send.contiguous()
+        recv = torch.empty((world * cap, *leaf.shape), dtype=leaf.dtype, device=device) if receives else None
         if all_ranks:
             comm.all_gather_into(recv, send, group, call, timeout)
         else:
             comm.gather_to(send, list(recv.chunk(world)) if receives else None, dst, group, call, timeout)
         if not receives:
             return None
+        if len(set(sizes)) != 1:
+            recv = torch.cat([recv.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
         out = list(flat_local)
         out[direct] = recv.movedim(0, leaf.out_dim)
         return out

@@ -186,7 +186,9 @@ class Cmapped:
                 self.timeout,
             )
         try:
-            with rng_scope(self.randomness, seed, [device]), context.axis_scope(self.axis_name, frame):
+            with rng_scope(self.randomness, seed, [device]) if seed is not None else _null(), (
+                context.axis_scope(self.axis_name, frame) if frame is not None else _null()
+            ):
                 out = run_shard(
                     self.func,
                     flat,
@@ -244,7 +246,11 @@ class Cmapped:
             _, block = res.layout.segments(rows)
             fits = block <= comm.ROUND_PAYLOAD
             if fits:
-                payload = pack(res.flat, res.layout, rows, rows, device)
+                layout_now = res.layout
+
+                def payload(view: torch.Tensor) -> None:
+                    pack(res.flat, layout_now, rows, rows, device, out=view[:block])
+
         header = [status, rows, sig, layout_sig, batch, int(fits)]
         table, payloads = comm.exchange_status(header, group, device, call, self.timeout, payload)
         comm.raise_failures(table, res.failure, group, call, res.cause, self.timeout, device)
