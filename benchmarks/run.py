@@ -2,7 +2,7 @@
 against single-process ``torch.vmap``, as ratios measured side by side in one run.
 
 Run it as ``python benchmarks/run.py`` (``make bench``). It launches its own gloo worlds of P = 2 and P = 4 processes
-on 127.0.0.1 (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), prints a table, writes
+on 127.0.0.1 (and a world of one process for the small cases, which isolates cmap's software overhead) (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), prints a table, writes
 ``benchmarks/results.json`` and renders ``docs/performance.md`` with its plots (``benchmarks/render.py``).
 
 How time is measured (also written into results.json):
@@ -306,6 +306,7 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         "(baseline+status)/baseline": med["baseline+status"] / med["baseline"],
         "cmap/(baseline+status)": med["cmap"] / med["baseline+status"],
         "paired cmap/baseline": paired("cmap", "baseline"),
+        "min cmap/baseline": result["times"]["cmap"]["min_s"] / result["times"]["baseline"]["min_s"],
         "paired cmap/vmap": paired("cmap", "vmap_full"),
     }
     goal = GOAL_LARGE if out_bytes >= LARGE_BYTES else GOAL_TINY
@@ -582,11 +583,18 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
     try:
         cm(*args)
         tracer.reset()
+        per_call: Dict[str, List[float]] = {}
+        totals = []
         _barrier()
-        t0 = time.perf_counter()
         for _ in range(calls):
+            excl, incl = dict(tracer.excl), dict(tracer.incl)
+            t0 = time.perf_counter()
             cm(*args)
-        traced_total = (time.perf_counter() - t0) / calls
+            totals.append(time.perf_counter() - t0)
+            for label in tracer.excl:
+                per_call.setdefault(label + " excl", []).append(tracer.excl[label] - excl.get(label, 0.0))
+                per_call.setdefault(label + " incl", []).append(tracer.incl[label] - incl.get(label, 0.0))
+        traced_total = statistics.median(totals)
     finally:
         tracer.restore()
     gathers = tracer.samples.get("all_gather_into", [])
@@ -594,15 +602,16 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
     data_gather = statistics.median(gathers[1::2]) if len(gathers) == 2 * calls else float("nan")
     phases = {
         label: {
-            "excl_us": tracer.excl[label] / calls * 1e6,
-            "incl_us": tracer.incl[label] / calls * 1e6,
+            "excl_us": statistics.median(per_call[label + " excl"]) * 1e6,
+            "incl_us": statistics.median(per_call[label + " incl"]) * 1e6,
+            "excl_mean_us": tracer.excl[label] / calls * 1e6,
             "calls_per_call": tracer.calls[label] / calls,
         }
         for label in tracer.excl
     }
     # 2) the same number of untraced cmap and baseline calls, interleaved in blocks, for the totals
     plain, hand = [], []
-    b_phase = {"narrow": 0.0, "vmap": 0.0, "alloc": 0.0, "all_gather": 0.0, "cut/pad": 0.0}
+    b_samples: Dict[str, List[float]] = {"narrow": [], "vmap": [], "alloc/pad": [], "all_gather": [], "cut": []}
     blocks = 5 if calls > 10 else 3
     for _ in range(blocks):
         _barrier()
@@ -626,8 +635,10 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
                 te = time.perf_counter()
                 tf = te
             else:
-                send = torch.empty((base.cap, *shape), dtype=local.dtype)
-                send.narrow(0, 0, base.rows).copy_(local)
+                send = local
+                if base.rows < base.cap:
+                    send = torch.empty((base.cap, *shape), dtype=local.dtype)
+                    send.narrow(0, 0, base.rows).copy_(local)
                 buf = torch.empty((world * base.cap, *shape), dtype=local.dtype)
                 td = time.perf_counter()
                 dist.all_gather_into_tensor(buf, send)
@@ -635,10 +646,10 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
                 out = torch.cat([buf.narrow(0, r * base.cap, n) for r, n in enumerate(base.sizes)])
                 tf = time.perf_counter()
             del out
-            for key, dt in zip(b_phase, (tb - ta, tc - tb, td - tc, te - td, tf - te)):
-                b_phase[key] += dt
+            for key, dt in zip(b_samples, (tb - ta, tc - tb, td - tc, te - td, tf - te)):
+                b_samples[key].append(dt)
         hand.append((time.perf_counter() - t0) / calls)
-    b_phase = {k: v / (blocks * calls) * 1e6 for k, v in b_phase.items()}
+    b_phase = {k: statistics.median(v) * 1e6 for k, v in b_samples.items()}
     # 3) cProfile of the untraced calls (this rank only; the others run the same calls unprofiled)
     prof = cProfile.Profile()
     _barrier()
@@ -681,7 +692,8 @@ def _worker(rank: int, world: int, port: int, config: Dict[str, Any], out_path: 
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=180)
     )
     torch.manual_seed(0)
-    cases = [c for c in CASES if c.name in config["cases"]]
+    names = config["cases"] if world > 1 else [n for n in config["cases"] if n in config["p1_cases"]]
+    cases = [c for c in CASES if c.name in names]
     results: Dict[str, Any] = {"timing": [], "memory": [], "zero_copy": [], "chunk": [], "profile": []}
     for case in cases:
         t0 = time.time()
@@ -695,7 +707,7 @@ def _worker(rank: int, world: int, port: int, config: Dict[str, Any], out_path: 
                 r = profile_case(case, calls=200 if case.name == "tiny" else 3)
                 if rank == 0:
                     results["profile"].append(r)
-    if config["memory"]:
+    if config["memory"] and world > 1:
         _mmap_large_allocations()
         for case in cases:
             if case.memory:
@@ -776,7 +788,13 @@ def format_memory(memory: List[Dict[str, Any]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument("--worlds", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
+    parser.add_argument(
+        "--p1-cases",
+        default="tiny,medium,uneven",
+        help="cases also run in a world of one process, where the collectives cost almost nothing and cmap's own "
+        "software overhead shows (default tiny,medium,uneven)",
+    )
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     parser.add_argument("--reps-scale", type=float, default=1.0, help="scale repetitions (never below 10)")
     parser.add_argument("--no-profile", action="store_true", help="skip the overhead profile")
@@ -786,6 +804,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parser.parse_args(argv)
     config = {
         "cases": opts.cases.split(","),
+        "p1_cases": opts.p1_cases.split(","),
         "reps_scale": opts.reps_scale,
         "profile": not opts.no_profile,
         "memory": not opts.no_memory,
