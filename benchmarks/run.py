@@ -102,6 +102,7 @@ class Case:
         reps: timed repetitions (blocks per variant).
         memory: whether to measure peak memory for the ``dst`` choices.
         profile: whether to profile where cmap's overhead goes.
+        extras: extra variants timed for this case only.
     """
 
     name: str
@@ -112,6 +113,7 @@ class Case:
     reps: int
     memory: bool = False
     profile: bool = False
+    extras: Tuple[str, ...] = ()
 
     def inputs(self) -> Tuple[torch.Tensor, ...]:
         """The full inputs, seeded so that every rank builds the same tensors."""
@@ -135,7 +137,7 @@ CASES = (
     Case("medium", 256, elementwise, 0, inner=4, reps=15),
     Case("large", 4096, elementwise, 0, inner=1, reps=10, memory=True, profile=True),
     Case("mlp", 4096, mlp, (0, None, None), inner=1, reps=10, memory=True),
-    Case("uneven", 4097, elementwise, 0, inner=2, reps=12, memory=True),
+    Case("uneven", 4097, elementwise, 0, inner=2, reps=12, memory=True, extras=("baseline_ceil_plan",)),
 )
 DESCRIPTIONS = {
     "tiny": "torch.dot, B=8, D=4",
@@ -161,11 +163,18 @@ class Baseline:
         in_dims: vmap in_dims (a flat tuple of 0/None, or an int).
         batch: B.
         status: also exchange a small int64 header first, as cmap's status exchange does.
+        ceil_plan: shard as ``ceil(B / P)`` rows per rank with the remainder on the last ranks, instead of
+            ``tensor_split``'s plan; then only short ranks pad and the first B rows of the gathered buffer are the
+            result, returned as a view with no copy.
     """
 
-    def __init__(self, func: Callable, in_dims: Any, batch: int, status: bool = False) -> None:
+    def __init__(self, func: Callable, in_dims: Any, batch: int, status: bool = False, ceil_plan: bool = False) -> None:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.sizes = shard_sizes(batch, self.world)
+        self.ceil_plan = ceil_plan
+        if ceil_plan:
+            cap = -(-batch // self.world)
+            self.sizes = [min(max(batch - i * cap, 0), cap) for i in range(self.world)]
         self.rows, self.offset, self.cap = self.sizes[self.rank], sum(self.sizes[: self.rank]), max(self.sizes)
         self.even = len(set(self.sizes)) == 1
         self.in_dims, self.status, self.batch = in_dims, status, batch
@@ -195,6 +204,8 @@ class Baseline:
             send.narrow(0, 0, self.rows).copy_(local)
         buf = torch.empty((self.world * self.cap, *shape), dtype=dtype)
         dist.all_gather_into_tensor(buf, send.contiguous())
+        if self.ceil_plan:
+            return buf.narrow(0, 0, self.batch)
         return torch.cat([buf.narrow(0, r * self.cap, n) for r, n in enumerate(self.sizes)])
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
@@ -241,6 +252,8 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
     cm = cmap(case.func, in_dims=case.in_dims)
     base = Baseline(case.func, case.in_dims, case.batch)
     base_status = Baseline(case.func, case.in_dims, case.batch, status=True)
+    base_ceil = Baseline(case.func, case.in_dims, case.batch, ceil_plan=True)
+    variants = VARIANTS + case.extras
     vf = torch.vmap(case.func, case.in_dims)
     local = base.compute(args)
     shard0 = Baseline(case.func, case.in_dims, case.batch)
@@ -252,19 +265,22 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         "gather_only": lambda: base.communicate(local),
         "vmap_full": lambda: vf(*args),
         "vmap_shard": lambda: shard0.compute(args),
+        "baseline_ceil_plan": lambda: base_ceil(*args),
     }
     # correctness first: cmap == baseline == single-process vmap (each rank checks its own copy)
     got, ref, single = cm(*args), base(*args), vf(*args)
     check = {"cmap_vs_vmap_maxabs": _max_diff(got, single), "baseline_vs_vmap_maxabs": _max_diff(ref, single)}
+    if case.extras:
+        check["baseline_ceil_plan_vs_vmap_maxabs"] = _max_diff(base_ceil(*args), single)
     del got, ref, single
     for _ in range(2 if case.inner > 1 else 1):  # warm-up, untimed
-        for name in VARIANTS:
+        for name in variants:
             _timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0)
-    times: Dict[str, List[float]] = {name: [] for name in VARIANTS}
+    times: Dict[str, List[float]] = {name: [] for name in variants}
     before = cmap_comm.COUNTS["collectives"]
     for rep in range(reps):
-        for k in range(len(VARIANTS)):
-            name = VARIANTS[(rep + k) % len(VARIANTS)]
+        for k in range(len(variants)):
+            name = variants[(rep + k) % len(variants)]
             times[name].append(_timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0))
     collectives = (cmap_comm.COUNTS["collectives"] - before) / (reps * case.inner)
     per_rank = _allgather_obj(times)
@@ -284,8 +300,8 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         "max_abs_diff": max(max(c.values()) for c in checks),
         "times": {},
     }
-    block_max = {name: [max(r[name][i] for r in per_rank) for i in range(reps)] for name in VARIANTS}
-    for name in VARIANTS:
+    block_max = {name: [max(r[name][i] for r in per_rank) for i in range(reps)] for name in variants}
+    for name in variants:
         xs = sorted(block_max[name])
         result["times"][name] = {
             "median_s": statistics.median(xs),
