@@ -20,6 +20,9 @@ How time is measured (also written into results.json):
   repetitions (after warm-up blocks that are not timed).
 * Ratios are ratios of those medians; ``paired`` ratios (the median over repetitions of the per-repetition ratio)
   are in results.json too.
+* CPU time is measured alongside: ``time.process_time`` (this process, all its threads, gloo's included) over the
+  same block, summed over ranks; its median gives a ratio that other jobs on the machine disturb much less than
+  wall time (it misses time spent waiting for a peer, so it is a complement, not the goal's measure).
 
 Memory (for ``dst`` choices) is measured twice, because neither way sees everything:
 
@@ -137,7 +140,7 @@ CASES = (
     Case("medium", 256, elementwise, 0, inner=4, reps=15),
     Case("large", 4096, elementwise, 0, inner=1, reps=10, memory=True, profile=True),
     Case("mlp", 4096, mlp, (0, None, None), inner=1, reps=10, memory=True),
-    Case("uneven", 4097, elementwise, 0, inner=2, reps=12, memory=True, extras=("baseline_ceil_plan",)),
+    Case("uneven", 4097, elementwise, 0, inner=2, reps=12, memory=True, profile=True, extras=("baseline_ceil_plan",)),
 )
 DESCRIPTIONS = {
     "tiny": "torch.dot, B=8, D=4",
@@ -217,17 +220,21 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def _timed_block(fn: Callable[[], Any], inner: int, active: bool = True) -> float:
-    """Barrier, then ``inner`` calls of ``fn`` (if ``active`` on this rank); seconds per call on this rank."""
+def _timed_block(fn: Callable[[], Any], inner: int, active: bool = True) -> Tuple[float, float]:
+    """Barrier, then ``inner`` calls of ``fn`` (if ``active`` on this rank).
+
+    Returns:
+        (wall seconds, CPU seconds of this process, all its threads) per call on this rank.
+    """
     _barrier()
     if not active:
-        return 0.0
-    t0 = time.perf_counter()
+        return 0.0, 0.0
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(inner):
         out = fn()
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     del out
-    return dt / inner
+    return dt / inner, dc / inner
 
 
 def _allgather_obj(obj: Any) -> List[Any]:
@@ -277,13 +284,17 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         for name in variants:
             _timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0)
     times: Dict[str, List[float]] = {name: [] for name in variants}
+    cpu: Dict[str, List[float]] = {name: [] for name in variants}
     before = cmap_comm.COUNTS["collectives"]
     for rep in range(reps):
         for k in range(len(variants)):
             name = variants[(rep + k) % len(variants)]
-            times[name].append(_timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0))
+            wall, used = _timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0)
+            times[name].append(wall)
+            cpu[name].append(used)
     collectives = (cmap_comm.COUNTS["collectives"] - before) / (reps * case.inner)
     per_rank = _allgather_obj(times)
+    per_rank_cpu = _allgather_obj(cpu)
     checks = _allgather_obj(check)
     if rank != 0:
         return {}
@@ -309,6 +320,7 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
             "q3_s": xs[(3 * len(xs)) // 4],
             "min_s": xs[0],
             "per_rank_median_s": [statistics.median(r[name]) for r in per_rank],
+            "cpu_sum_median_s": statistics.median(sum(r[name][i] for r in per_rank_cpu) for i in range(reps)),
         }
     med = {name: result["times"][name]["median_s"] for name in VARIANTS}
 
@@ -323,6 +335,8 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         "cmap/(baseline+status)": med["cmap"] / med["baseline+status"],
         "paired cmap/baseline": paired("cmap", "baseline"),
         "min cmap/baseline": result["times"]["cmap"]["min_s"] / result["times"]["baseline"]["min_s"],
+        "cpu cmap/baseline": result["times"]["cmap"]["cpu_sum_median_s"]
+        / result["times"]["baseline"]["cpu_sum_median_s"],
         "paired cmap/vmap": paired("cmap", "vmap_full"),
     }
     goal = GOAL_LARGE if out_bytes >= LARGE_BYTES else GOAL_TINY
@@ -628,7 +642,7 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
     # 2) the same number of untraced cmap and baseline calls, interleaved in blocks, for the totals
     plain, hand = [], []
     b_samples: Dict[str, List[float]] = {"narrow": [], "vmap": [], "alloc/pad": [], "all_gather": [], "cut": []}
-    blocks = 5 if calls > 10 else 3
+    blocks = 5 if calls > 10 else 3 if calls > 2 else 2
     for _ in range(blocks):
         _barrier()
         t0 = time.perf_counter()
@@ -720,7 +734,7 @@ def _worker(rank: int, world: int, port: int, config: Dict[str, Any], out_path: 
     if config["profile"]:
         for case in cases:
             if case.profile:
-                r = profile_case(case, calls=200 if case.name == "tiny" else 3)
+                r = profile_case(case, calls={"tiny": 200, "uneven": 10}.get(case.name, 2))
                 if rank == 0:
                     results["profile"].append(r)
     if config["memory"] and world > 1:
