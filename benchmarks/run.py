@@ -136,11 +136,11 @@ class Case:
 
 
 CASES = (
-    Case("tiny", 8, torch.dot, 0, inner=10, reps=20, profile=True),
-    Case("medium", 256, elementwise, 0, inner=4, reps=15),
+    Case("tiny", 8, torch.dot, 0, inner=10, reps=30, profile=True),
+    Case("medium", 256, elementwise, 0, inner=4, reps=20),
     Case("large", 4096, elementwise, 0, inner=1, reps=10, memory=True, profile=True),
     Case("mlp", 4096, mlp, (0, None, None), inner=1, reps=10, memory=True),
-    Case("uneven", 4097, elementwise, 0, inner=2, reps=12, memory=True, profile=True, extras=("baseline_ceil_plan",)),
+    Case("uneven", 4097, elementwise, 0, inner=2, reps=16, memory=True, profile=True, extras=("baseline_ceil_plan",)),
 )
 DESCRIPTIONS = {
     "tiny": "torch.dot, B=8, D=4",
