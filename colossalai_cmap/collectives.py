@@ -34,7 +34,13 @@ def _cross_rank(frame: AxisFrame, name: str, op: str, local: torch.Tensor) -> to
     if frame.group is None or frame.group.size == 1:
         return local
     comm.op_round(
-        f"p{op}({name!r})", (tuple(local.shape), str(local.dtype)), frame.group, frame.device, frame.call, frame.timeout
+        f"p{op}({name!r})",
+        (tuple(local.shape), str(local.dtype)),
+        frame.group,
+        frame.device,
+        frame.call,
+        frame.timeout,
+        frame.round_bytes,
     )
     out = local.contiguous().clone()
     reduce_op = getattr(torch.distributed.ReduceOp, _REDUCE_OPS[op])
@@ -58,6 +64,7 @@ def _gather_rows(frame: AxisFrame, name: str, rows: torch.Tensor) -> torch.Tenso
         frame.device,
         frame.call,
         frame.timeout,
+        frame.round_bytes,
     )
     send = torch.zeros((cap, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     send[: rows.shape[0]] = rows

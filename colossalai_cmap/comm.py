@@ -25,10 +25,23 @@ TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
 # its shard and a rank still inside func therefore always pair up and see that they are out of step, and ranks that
 # passed different inputs can never make gloo abort on unequal sizes. Small outputs travel in the payload, so such
 # a call needs this one collective and nothing else.
-KIND, STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, PAYLOAD, HEADER_LEN = 0, 1, 2, 3, 4, 5, 6, 8
+KIND, STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, PAYLOAD, BLOCK, HEADER_LEN = 0, 1, 2, 3, 4, 5, 6, 7, 8
 STATUS_ROUND, OP_ROUND = 1, 2
 OK, EMPTY, FAILED = 0, 1, 2
-ROUND_PAYLOAD = int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "2048")) // 16 * 16
+ROUND_PAYLOAD = int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16
+# A cmap whose outputs needed a bigger payload last time uses a bigger round next time (up to this), so repeated
+# calls of up to ROUND_MAX bytes per rank make one collective. Every rank derives the size from the same gathered
+# table, so all ranks always agree on it.
+ROUND_MAX = int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", str(1 << 20))) // 16 * 16
+
+
+def next_round_size(table: List[List[int]]) -> int:
+    need = max(row[BLOCK] for row in table)
+    if need <= ROUND_PAYLOAD or need > ROUND_MAX:
+        return ROUND_PAYLOAD
+    return min(1 << (need - 1).bit_length(), ROUND_MAX)
+
+
 _HEADER_BYTES = HEADER_LEN * 8
 _HEADER_FORMAT = f"<{HEADER_LEN}q"
 
@@ -148,10 +161,11 @@ def exchange_round(
     call: str,
     timeout: Optional[float],
     payload: Optional[Callable[[torch.Tensor], None]] = None,
+    payload_bytes: int = ROUND_PAYLOAD,
 ) -> Tuple[List[List[int]], torch.Tensor]:
     """All-gather every rank's header and payload; returns one header row per group rank and the ``[P, bytes]``
     payloads. ``payload``, if given, writes this rank's payload into the view it is handed."""
-    size = _HEADER_BYTES + ROUND_PAYLOAD
+    size = _HEADER_BYTES + payload_bytes
     head = struct.pack(_HEADER_FORMAT, *header, *([0] * (HEADER_LEN - len(header))))
     if device.type == "cpu":
         mine = torch.empty(size, dtype=torch.uint8)
@@ -160,11 +174,11 @@ def exchange_round(
         mine = torch.empty(size, dtype=torch.uint8, device=device)
         mine[:_HEADER_BYTES].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     if payload is not None:
-        payload(mine[_HEADER_BYTES:])
+        payload(mine.narrow(0, _HEADER_BYTES, payload_bytes))
     rounds = torch.empty((group.size, size), dtype=torch.uint8, device=device)
     all_gather_into(rounds.view(-1), mine, group, call, timeout)
-    table = rounds[:, :_HEADER_BYTES].view(torch.int64).tolist()
-    return table, rounds[:, _HEADER_BYTES:]
+    table = rounds.narrow(1, 0, _HEADER_BYTES).view(torch.int64).tolist()
+    return table, rounds.narrow(1, _HEADER_BYTES, payload_bytes)
 
 
 def exchange_status(
@@ -174,12 +188,13 @@ def exchange_status(
     call: str,
     timeout: Optional[float],
     payload: Optional[Callable[[torch.Tensor], None]] = None,
+    payload_bytes: int = ROUND_PAYLOAD,
 ) -> Tuple[List[List[int]], torch.Tensor]:
     """The end-of-shard status round. Repeats while peers are still inside func: they see this rank's status
     in their op round, abort their collective, and come to the status round too."""
     header = [STATUS_ROUND, *fields]
     while True:
-        table, payloads = exchange_round(header, group, device, call, timeout, payload)
+        table, payloads = exchange_round(header, group, device, call, timeout, payload, payload_bytes)
         if all(row[KIND] == STATUS_ROUND for row in table):
             return table, payloads
 
@@ -188,10 +203,18 @@ class CollectiveAborted(RuntimeError):
     """Raised inside func when peers are not at the same collective (they finished, failed, or called another)."""
 
 
-def op_round(op: str, detail: Any, group: Group, device: torch.device, call: str, timeout: Optional[float]) -> None:
+def op_round(
+    op: str,
+    detail: Any,
+    group: Group,
+    device: torch.device,
+    call: str,
+    timeout: Optional[float],
+    payload_bytes: int = ROUND_PAYLOAD,
+) -> None:
     """Before an in-func collective: check that every rank is at the same collective with the same shape."""
     code = digest((op, detail))
-    table, _ = exchange_round([OP_ROUND, code], group, device, call, timeout)
+    table, _ = exchange_round([OP_ROUND, code], group, device, call, timeout, None, payload_bytes)
     finished = [r for r, row in enumerate(table) if row[KIND] != OP_ROUND]
     if finished:
         raise CollectiveAborted(

@@ -25,6 +25,7 @@ class AxisFrame:
     timeout: Optional[float] = None
     index: Any = None  # per-example global index, set inside the mapped function
     loop: Any = field(default=None, repr=False)  # the barrier shared by loop-mode example threads
+    round_bytes: int = 256  # the payload size of this call's rounds: op rounds must match the status round
 
 
 _FRAMES: Dict[str, List[AxisFrame]] = {}

@@ -56,6 +56,8 @@ class Cmapped:
         self.check_inputs = check_inputs
         self.call = call
         self._layouts: "OrderedDict[int, OutLayout]" = OrderedDict()
+        self._round = comm.ROUND_PAYLOAD  # payload bytes of this cmap's next status round (same on every rank)
+        self._sigs: Dict[Any, List[Tuple[Any, int]]] = {}
 
     # ------------------------------------------------------------------ entry
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -184,6 +186,7 @@ class Cmapped:
                 device,
                 self.call,
                 self.timeout,
+                round_bytes=self._round,
             )
         try:
             with rng_scope(self.randomness, seed, [device]) if seed is not None else _null(), (
@@ -241,18 +244,20 @@ class Cmapped:
         if res.checksums:  # check_inputs: out_dims=None outputs must also be equal across ranks
             layout_sig = zlib.crc32(repr(res.checksums).encode(), layout_sig) or 1
         nested = any(is_batched(v) for v in res.flat) or any(is_batched(v) for v in res.refs)
-        payload, fits = None, self.dst != "local" and res.failure is None and not nested
+        payload, fits, block = None, self.dst != "local" and res.failure is None and not nested, 0
+        round_bytes = self._round
         if fits and res.has_data and rows:
             _, block = res.layout.segments(rows)
-            fits = block <= comm.ROUND_PAYLOAD
+            fits = block <= round_bytes
             if fits:
                 layout_now = res.layout
 
                 def payload(view: torch.Tensor) -> None:
-                    pack(res.flat, layout_now, rows, rows, device, out=view[:block])
+                    pack(res.flat, layout_now, rows, rows, device, out=view.narrow(0, 0, block))
 
-        header = [status, rows, sig, layout_sig, batch, int(fits)]
-        table, payloads = comm.exchange_status(header, group, device, call, self.timeout, payload)
+        header = [status, rows, sig, layout_sig, batch, int(fits), block]
+        table, payloads = comm.exchange_status(header, group, device, call, self.timeout, payload, round_bytes)
+        self._round = comm.next_round_size(table)
         comm.raise_failures(table, res.failure, group, call, res.cause, self.timeout, device)
         _check_consistent(table, call, self.src)
         sizes = [row[ROWS] for row in table] if sizes is None else list(sizes)
@@ -388,6 +393,22 @@ class Cmapped:
 
     # ---------------------------------------------------------------- helpers
     def _input_sig(self, flat: FlatArgs, kwargs: Dict[str, Any], include_batch: bool) -> int:
+        if not kwargs and not self.check_inputs:
+            # Memoised by the leaves' shapes, dtypes and dims (hashable); the spec (unhashable) is compared by ==.
+            key = (include_batch,) + tuple(
+                (leaf.shape, leaf.dtype, d) if isinstance(leaf, torch.Tensor) else (type(leaf), _const_key(leaf), d)
+                for leaf, d in zip(flat.leaves, flat.dims)
+            )
+            for spec, sig in self._sigs.get(key, ()):
+                if spec == flat.spec:
+                    return sig
+            sig = self._input_sig_slow(flat, kwargs, include_batch)
+            if len(self._sigs) < _CACHE_SIZE:
+                self._sigs.setdefault(key, []).append((flat.spec, sig))
+            return sig
+        return self._input_sig_slow(flat, kwargs, include_batch)
+
+    def _input_sig_slow(self, flat: FlatArgs, kwargs: Dict[str, Any], include_batch: bool) -> int:
         parts: List[Any] = [flat.spec, self.mode]
         for leaf, d in zip(flat.leaves, flat.dims):
             if d is not None:
@@ -523,8 +544,15 @@ def _requires_grad(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable
     return _grad_anchor(leaves, kwargs, func) is not None
 
 
+def _const_key(value: Any) -> Any:
+    return value if isinstance(value, (int, float, bool, str, type(None))) else type(value).__name__
+
+
 def _grad_anchor(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) -> Optional[torch.Tensor]:
-    for leaf in list(leaves) + tree_flatten(kwargs)[0]:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return leaf
+    for leaf in tree_flatten(kwargs)[0] if kwargs else ():
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             return leaf
     if isinstance(func, torch.nn.Module):
