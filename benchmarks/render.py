@@ -454,8 +454,9 @@ def render(results_path: str, docs_dir: str) -> str:
             "",
             "Measured inside the ranks by wrapping the package's functions with `time.perf_counter` timers in the "
             "benchmark process (the package source is not changed; *exclusive* is a function's time minus the "
-            "wrapped functions it calls; the wrappers add about 1 us each), and by `cProfile` on rank 0. The two "
-            "`all_gather_into` calls per call are the status exchange (first) and the data gather (second).",
+            "wrapped functions it calls; the wrappers add about 1 us each), and by `cProfile` on rank 0. A call whose "
+            "outputs fit the status round's payload makes one `all_gather_into` (reported as the status exchange, "
+            "data 0); otherwise the status exchange comes first and the data gather second.",
             "",
         ]
         md += _profile_section(res["profile"])

@@ -628,8 +628,12 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
     finally:
         tracer.restore()
     gathers = tracer.samples.get("all_gather_into", [])
-    status_gather = statistics.median(gathers[0::2]) if len(gathers) == 2 * calls else float("nan")
-    data_gather = statistics.median(gathers[1::2]) if len(gathers) == 2 * calls else float("nan")
+    if len(gathers) == 2 * calls:  # status round, then the data gather
+        status_gather, data_gather = statistics.median(gathers[0::2]), statistics.median(gathers[1::2])
+    elif len(gathers) == calls:  # one round carried the status and the outputs
+        status_gather, data_gather = statistics.median(gathers), 0.0
+    else:
+        status_gather = data_gather = float("nan")
     phases = {
         label: {
             "excl_us": statistics.median(per_call[label + " excl"]) * 1e6,

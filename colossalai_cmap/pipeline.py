@@ -257,7 +257,8 @@ class Cmapped:
 
         header = [status, rows, sig, layout_sig, batch, int(fits), block]
         table, payloads = comm.exchange_status(header, group, device, call, self.timeout, payload, round_bytes)
-        self._round = comm.next_round_size(table)
+        if self.axis_name is None:  # with collectives inside func, every op round would carry the big payload too
+            self._round = comm.next_round_size(table)
         comm.raise_failures(table, res.failure, group, call, res.cause, self.timeout, device)
         _check_consistent(table, call, self.src)
         sizes = [row[ROWS] for row in table] if sizes is None else list(sizes)
