@@ -166,11 +166,13 @@ def exchange_round(
     """All-gather every rank's header and payload; returns one header row per group rank and the ``[P, bytes]``
     payloads. ``payload``, if given, writes this rank's payload into the view it is handed."""
     size = _HEADER_BYTES + payload_bytes
-    head = struct.pack(_HEADER_FORMAT, *header, *([0] * (HEADER_LEN - len(header))))
     if device.type == "cpu":
         mine = torch.empty(size, dtype=torch.uint8)
-        mine.numpy()[:_HEADER_BYTES] = numpy.frombuffer(head, dtype=numpy.uint8)
+        head_view = mine.numpy()[:_HEADER_BYTES].view(numpy.int64)
+        head_view[: len(header)] = header
+        head_view[len(header) :] = 0
     else:
+        head = struct.pack(_HEADER_FORMAT, *header, *([0] * (HEADER_LEN - len(header))))
         mine = torch.empty(size, dtype=torch.uint8, device=device)
         mine[:_HEADER_BYTES].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     if payload is not None:

@@ -51,6 +51,33 @@ class OutLayout:
 
     def segments(self, rows: int) -> Tuple[List[int], int]:
         """Byte offset of each tensor leaf in one rank's packed row block of ``rows`` examples, and the block size."""
+        cache = self.__dict__.setdefault("_segment_cache", {})
+        found = cache.get(rows)
+        if found is None:
+            found = cache[rows] = self._segments(rows)
+        return found
+
+    def matches(self, flat_out: Sequence[Any], spec: TreeSpec) -> bool:
+        """Whether outputs just computed have this layout (a cheap check before reusing a cached layout)."""
+        if len(flat_out) != len(self.leaves):
+            return False
+        for value, leaf in zip(flat_out, self.leaves):
+            if leaf.kind == CONSTANT:
+                if isinstance(value, torch.Tensor) or value != leaf.value:
+                    return False
+            elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype:
+                return False
+            elif leaf.kind == REPLICATED:
+                if tuple(value.shape) != leaf.shape:
+                    return False
+            else:
+                shape = value.shape
+                d = leaf.out_dim
+                if len(shape) != len(leaf.shape) + 1 or tuple(shape[:d]) + tuple(shape[d + 1 :]) != leaf.shape:
+                    return False
+        return spec == self.spec
+
+    def _segments(self, rows: int) -> Tuple[List[int], int]:
         offsets, acc = [], 0
         for leaf in self.leaves:
             offsets.append(acc)

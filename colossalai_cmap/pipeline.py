@@ -207,15 +207,16 @@ class Cmapped:
                     frame,
                 )
             result.flat, spec = tree_flatten(out)
-            dims = flatten_out_dims(self.call, self.out_dims, spec, len(result.flat))
-            dims = [
-                d if not isinstance(v, torch.Tensor) else normalise_out_dim(self.call, d, v.dim() - 1, i)
-                for i, (v, d) in enumerate(zip(result.flat, dims))
-            ]
-            result.layout = infer_layout(result.flat, dims, spec)
             cached = self._cached(sig)
-            if cached is not None and cached == result.layout:
-                result.layout = cached  # keeps its digest, computed once
+            if cached is not None and cached.matches(result.flat, spec):
+                result.layout = cached  # the common repeated call: no new layout, and its digest is already known
+            else:
+                dims = flatten_out_dims(self.call, self.out_dims, spec, len(result.flat))
+                dims = [
+                    d if not isinstance(v, torch.Tensor) else normalise_out_dim(self.call, d, v.dim() - 1, i)
+                    for i, (v, d) in enumerate(zip(result.flat, dims))
+                ]
+                result.layout = infer_layout(result.flat, dims, spec)
             if self.check_inputs and not dummy:
                 result.checksums = replicated_checksums(result.flat, result.layout)
             result.has_data = not dummy
@@ -243,7 +244,9 @@ class Cmapped:
         layout_sig = res.layout.digest if res.layout is not None else 0
         if res.checksums:  # check_inputs: out_dims=None outputs must also be equal across ranks
             layout_sig = zlib.crc32(repr(res.checksums).encode(), layout_sig) or 1
-        nested = any(is_batched(v) for v in res.flat) or any(is_batched(v) for v in res.refs)
+        nested = torch._C._functorch.maybe_current_level() is not None and (
+            any(is_batched(v) for v in res.flat) or any(is_batched(v) for v in res.refs)
+        )
         payload, fits, block = None, self.dst != "local" and res.failure is None and not nested, 0
         round_bytes = self._round
         if fits and res.has_data and rows:
@@ -292,9 +295,7 @@ class Cmapped:
         if all(row[comm.PAYLOAD] for row in table):  # every rank's outputs already came with the status round
             if self.dst != -1 and self.dst != group.rank:
                 return None
-            with torch.no_grad():
-                out = unpack(payloads, layout, sizes, sizes)
-            return tree_unflatten(out, layout.spec)
+            return tree_unflatten(unpack(payloads, layout, sizes, sizes), layout.spec)
         with torch.no_grad():  # differentiable calls run inside autograd.CmapFunction, which owns the backward
             out = gather(local, layout, sizes, self.dst, group, device, call, self.timeout)
         return None if out is None else tree_unflatten(out, layout.spec)

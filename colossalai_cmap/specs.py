@@ -96,7 +96,11 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
             f"{call}: got no positional inputs; cmap, like vmap, maps over at least one positional Tensor."
         )
     leaves, spec = tree_flatten(args)
-    dims = _broadcast_to_and_flatten(in_dims, spec)
+    dims = (
+        [in_dims] * len(leaves)
+        if in_dims is None or isinstance(in_dims, int)
+        else _broadcast_to_and_flatten(in_dims, spec)
+    )
     if dims is None:
         raise ValueError(
             f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has structure "
@@ -145,6 +149,8 @@ def flatten_out_dims(call: str, out_dims: Any, out_spec: TreeSpec, num_leaves: i
         raise ValueError(
             f"{call}: expected `out_dims` to be int or a tuple matching the outputs, got {type(out_dims)}."
         )
+    if out_dims is None or isinstance(out_dims, int):
+        return [out_dims] * num_leaves
     dims = _broadcast_to_and_flatten(out_dims, out_spec)
     if dims is None or len(dims) != num_leaves:
         raise ValueError(
