@@ -25,7 +25,8 @@ TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
 # its shard and a rank still inside func therefore always pair up and see that they are out of step, and ranks that
 # passed different inputs can never make gloo abort on unequal sizes. Small outputs travel in the payload, so such
 # a call needs this one collective and nothing else.
-KIND, STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, PAYLOAD, BLOCK, HEADER_LEN = 0, 1, 2, 3, 4, 5, 6, 7, 8
+KIND, STATUS, ROWS, INPUT_SIG, LAYOUT_SIG, BATCH, PAYLOAD, BLOCK, SPECULATED = 0, 1, 2, 3, 4, 5, 6, 7, 8
+HEADER_LEN = 10  # 80 bytes: keeps the payload 16-byte aligned
 STATUS_ROUND, OP_ROUND = 1, 2
 OK, EMPTY, FAILED = 0, 1, 2
 ROUND_PAYLOAD = int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16
@@ -162,9 +163,11 @@ def exchange_round(
     timeout: Optional[float],
     payload: Optional[Callable[[torch.Tensor], None]] = None,
     payload_bytes: int = ROUND_PAYLOAD,
+    also: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[List[List[int]], torch.Tensor]:
     """All-gather every rank's header and payload; returns one header row per group rank and the ``[P, bytes]``
-    payloads. ``payload``, if given, writes this rank's payload into the view it is handed."""
+    payloads. ``payload``, if given, writes this rank's payload into the view it is handed. ``also`` = (out, inp)
+    is a data all-gather issued right behind the round, so that both are in flight together."""
     size = _HEADER_BYTES + payload_bytes
     if device.type == "cpu":
         mine = torch.empty(size, dtype=torch.uint8)
@@ -178,7 +181,14 @@ def exchange_round(
     if payload is not None:
         payload(mine.narrow(0, _HEADER_BYTES, payload_bytes))
     rounds = torch.empty((group.size, size), dtype=torch.uint8, device=device)
-    all_gather_into(rounds.view(-1), mine, group, call, timeout)
+    if also is None:
+        all_gather_into(rounds.view(-1), mine, group, call, timeout)
+    else:
+        COUNTS["collectives"] += 2
+        first = dist.all_gather_into_tensor(rounds.view(-1), mine, group=group.pg, async_op=True)
+        second = dist.all_gather_into_tensor(also[0], also[1], group=group.pg, async_op=True)
+        _wait(first, group, call, "all_gather", timeout)
+        _wait(second, group, call, "all_gather", timeout)
     table = rounds.narrow(1, 0, _HEADER_BYTES).view(torch.int64).tolist()
     return table, rounds.narrow(1, _HEADER_BYTES, payload_bytes)
 
@@ -191,12 +201,14 @@ def exchange_status(
     timeout: Optional[float],
     payload: Optional[Callable[[torch.Tensor], None]] = None,
     payload_bytes: int = ROUND_PAYLOAD,
+    also: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[List[List[int]], torch.Tensor]:
     """The end-of-shard status round. Repeats while peers are still inside func: they see this rank's status
     in their op round, abort their collective, and come to the status round too."""
     header = [STATUS_ROUND, *fields]
     while True:
-        table, payloads = exchange_round(header, group, device, call, timeout, payload, payload_bytes)
+        table, payloads = exchange_round(header, group, device, call, timeout, payload, payload_bytes, also)
+        also = None
         if all(row[KIND] == STATUS_ROUND for row in table):
             return table, payloads
 
