@@ -73,6 +73,15 @@ def _gather_rows(frame: AxisFrame, name: str, rows: torch.Tensor) -> torch.Tenso
     return torch.cat([buf[r * cap : r * cap + n] for r, n in enumerate(sizes)])
 
 
+def _sum_over_group(frame: AxisFrame, grad: torch.Tensor) -> torch.Tensor:
+    """Backward of a replicated result: every rank holds its examples' share of its gradient; sum them."""
+    if frame.group is None or frame.group.size == 1:
+        return grad
+    total = grad.contiguous().clone()
+    comm.all_reduce(total, frame.group, frame.call, frame.timeout)
+    return total
+
+
 class _Reduce(torch.autograd.Function):
     """Physical op: ``x`` holds this run's rows on dim 0; returns the global reduction (no batch dim)."""
 
@@ -89,13 +98,9 @@ class _Reduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
         if ctx.op != "sum":
             raise RuntimeError(
-                f"p{ctx.op}({ctx.name!r}) is not differentiable; use psum/pmean/all_gather, or " f"detach its input."
+                f"p{ctx.op}({ctx.name!r}) is not differentiable; use psum/pmean/all_gather, or detach its input."
             )
-        frame = ctx.frame
-        total = grad
-        if frame.group is not None and frame.group.size > 1:
-            total = grad.contiguous().clone()
-            comm.all_reduce(total, frame.group, frame.call, frame.timeout)
+        total = _sum_over_group(ctx.frame, grad)
         if ctx.dummy:
             total = torch.zeros_like(total)
         return total.unsqueeze(0).expand(ctx.rows, *total.shape), None, None
@@ -114,10 +119,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
         frame = ctx.frame
-        total = grad
-        if frame.group is not None and frame.group.size > 1:
-            total = grad.contiguous().clone()
-            comm.all_reduce(total, frame.group, frame.call, frame.timeout)
+        total = _sum_over_group(frame, grad)
         if ctx.dummy:
             return torch.zeros((ctx.rows, *grad.shape[1:]), dtype=grad.dtype, device=grad.device), None
         return total.narrow(0, frame.offset, frame.rows), None

@@ -96,20 +96,25 @@ class Cmapped:
                 self.timeout,
             )
         with context.axis_scope(self.axis_name, frame):
-            return run_shard(
-                self.func,
-                flat,
-                flat.leaves,
-                flat.batch_size,
-                kwargs,
-                self.in_dims,
-                self.out_dims,
-                self.mode,
-                self.randomness,
-                self.chunk_size,
-                self.call,
-                frame,
-            )
+            return self._run_shard(flat, flat.leaves, flat.batch_size, kwargs, frame)
+
+    def _run_shard(
+        self, flat: FlatArgs, shard: List[Any], rows: int, kwargs: Dict[str, Any], frame: Optional[context.AxisFrame]
+    ) -> Any:
+        return run_shard(
+            self.func,
+            flat,
+            shard,
+            rows,
+            kwargs,
+            self.in_dims,
+            self.out_dims,
+            self.mode,
+            self.randomness,
+            self.chunk_size,
+            self.call,
+            frame,
+        )
 
     # ------------------------------------------------------------ main path
     def _distributed(self, group: Group, flat: FlatArgs, kwargs: Dict[str, Any]) -> Any:
@@ -195,20 +200,7 @@ class Cmapped:
             with rng_scope(self.randomness, seed, [device]) if seed is not None else _null(), (
                 context.axis_scope(self.axis_name, frame) if frame is not None else _null()
             ):
-                out = run_shard(
-                    self.func,
-                    flat,
-                    shard,
-                    1 if dummy and frame is not None else rows,
-                    kwargs,
-                    self.in_dims,
-                    self.out_dims,
-                    self.mode,
-                    self.randomness,
-                    self.chunk_size,
-                    self.call,
-                    frame,
-                )
+                out = self._run_shard(flat, shard, 1 if dummy and frame is not None else rows, kwargs, frame)
             result.flat, spec = tree_flatten(out)
             cached = self._cached(sig)
             if cached is not None and cached.matches(result.flat, spec):

@@ -34,18 +34,34 @@ def test_from_colossalai_import_cmap_in_a_clean_interpreter():
 
 
 def test_start_up_hook_is_cheap():
-    """The .pth hook costs well under 10 ms and imports neither torch nor colossalai."""
+    """What the .pth line runs imports two tiny modules (no torch, no colossalai, no typing) in well under 10 ms."""
+    code = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "before = set(sys.modules)\n"
+        "start = time.perf_counter()\n"
+        "import colossalai_cmap._register\n"
+        "elapsed = time.perf_counter() - start\n"
+        "print(elapsed, sorted(set(sys.modules) - before))\n"
+    )
     costs = []
-    for _ in range(3):
-        result = _python("pass", "-X", "importtime")
-        own = [
-            int(m.group(1))
-            for m in re.finditer(r"import time:\s+\d+ \|\s+(\d+) \|\s+colossalai_cmap\s*$", result.stderr, re.M)
-        ]
-        assert own, result.stderr[-2000:]
-        assert not re.search(r"\|\s+(torch|colossalai)\s*$", result.stderr, re.M)
-        costs.append(own[0])
-    assert min(costs) < 10_000, f"hook cost {costs} us"
+    for _ in range(5):
+        result = _python(code, "-I", "-S")
+        assert result.returncode == 0, result.stderr
+        elapsed, new = result.stdout.split(" ", 1)
+        # importlib.machinery (and what it pulls in) is already loaded in a normal start-up; -S starts without it
+        allowed = {
+            "colossalai_cmap",
+            "colossalai_cmap._register",
+            "importlib",
+            "importlib._bootstrap",
+            "importlib._bootstrap_external",
+            "importlib.machinery",
+            "warnings",
+        }
+        assert set(eval(new)) <= allowed, new
+        costs.append(float(elapsed))
+    assert min(costs) < 0.010, f"hook cost {costs} s"
 
 
 def test_wheel_installs_the_hook(tmp_path):
