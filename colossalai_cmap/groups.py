@@ -2,7 +2,7 @@
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,3 @@ def group_device(group: Group, fallback: Optional[torch.device] = None) -> torch
 
         return get_accelerator().get_current_device()
     return torch.device("cpu")
-
-
-def ranks_list(group: Group) -> List[int]:
-    return list(group.ranks)

@@ -15,7 +15,7 @@ from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
 from .gather import batched_empty_like, gather, gather_batched, is_batched, pack, share_replicated, unpack
 from .groups import Group, group_device, resolve_group
-from .layout import BATCHED, CONSTANT, REPLICATED, LeafLayout, OutLayout, infer_layout, replicated_checksums
+from .layout import BATCHED, CONSTANT, REPLICATED, OutLayout, infer_layout, replicated_checksums
 from .sharding import plan, take_local
 from .specs import FlatArgs, check_placement, flatten_args, flatten_out_dims, normalise_out_dim
 
@@ -136,7 +136,6 @@ class Cmapped:
         self, group: Group, flat: FlatArgs, kwargs: Dict[str, Any], recorder: Optional[autograd.GradRunner]
     ) -> Any:
         """Steps 3-8 for ``src`` None or "local"; returns the output pytree (None off ``dst``)."""
-        call = self.call
         local_src = self.src == "local"
         device = group_device(group, _first_device(flat.leaves))
         if local_src:
@@ -242,17 +241,13 @@ class Cmapped:
         nested = torch._C._functorch.maybe_current_level() is not None and (
             any(is_batched(v) for v in res.flat) or any(is_batched(v) for v in res.refs)
         )
-        payload, fits, block = None, self.dst != "local" and res.failure is None and not nested, 0
+        fits, block = self.dst != "local" and res.failure is None and not nested, 0
         round_bytes = self._round
         spec = self._speculate if not nested else None
         if fits and res.has_data and rows:
             _, block = res.layout.segments(rows)
             fits = block <= round_bytes and spec is None
-            if fits:
-                layout_now = res.layout
-
-                def payload(view: torch.Tensor) -> None:
-                    pack(res.flat, layout_now, rows, rows, device, out=view.narrow(0, 0, block))
+        payload = _payload_writer(res, rows, block, device) if fits and res.has_data and rows else None
 
         also, spec_ok = None, 0
         if spec is not None:
@@ -587,6 +582,15 @@ def _grad_anchor(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) 
             if p.requires_grad:
                 return p
     return None
+
+
+def _payload_writer(res: "_LocalResult", rows: int, block: int, device: torch.device) -> Callable[[torch.Tensor], None]:
+    """Packs this rank's outputs straight into the status round's payload area."""
+
+    def write(view: torch.Tensor) -> None:
+        pack(res.flat, res.layout, rows, rows, device, out=view.narrow(0, 0, block))
+
+    return write
 
 
 def _speculative_buffers(

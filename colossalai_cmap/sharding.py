@@ -9,34 +9,9 @@ import torch
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Rows per group rank and where each rank's rows start in the global batch."""
+    """Rows per group rank; rank r's rows start at ``sum(sizes[:r])`` in the global batch."""
 
     sizes: Tuple[int, ...]
-
-    @property
-    def offsets(self) -> Tuple[int, ...]:
-        return _offsets(self.sizes)
-
-    @property
-    def total(self) -> int:
-        return sum(self.sizes)
-
-    @property
-    def max_size(self) -> int:
-        return max(self.sizes)
-
-    @property
-    def even(self) -> bool:
-        return len(set(self.sizes)) == 1
-
-
-@lru_cache(maxsize=1024)
-def _offsets(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc += s
-    return tuple(out)
 
 
 @lru_cache(maxsize=1024)

@@ -57,10 +57,6 @@ class FlatArgs:
         """Each leaf's pytree path under the args tuple, e.g. ``[0]['a']`` (computed only when needed)."""
         return leaf_paths(self.spec)
 
-    @property
-    def mapped(self) -> List[int]:
-        return [i for i, d in enumerate(self.dims) if d is not None]
-
     def unflatten(self, leaves: Sequence[Any]) -> Tuple[Any, ...]:
         from torch.utils._pytree import tree_unflatten
 

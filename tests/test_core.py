@@ -49,7 +49,6 @@ def check_placements(batch_sizes):
     for B in batch_sizes:
         for name, func, args, kwargs, opts, exact in equivalence_cases(B)[:8]:
             in_dims = opts.get("in_dims", 0)
-            out_dims = opts.get("out_dims", 0)
             expected = torch.vmap(func, **opts)(*args, **kwargs)
             for src, dst in PLACEMENTS:
                 start, rows = _my_rows(B, size, rank)
