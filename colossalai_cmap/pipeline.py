@@ -249,11 +249,14 @@ class Cmapped:
             fits = block <= round_bytes and spec is None
         payload = _payload_writer(res, rows, block, device) if fits and res.has_data and rows else None
 
-        also, spec_ok = None, 0
-        if spec is not None:
-            also, spec_ok = _speculative_buffers(spec, res, sig, rows, group, device)
-        header = [status, rows, sig, layout_sig, batch, int(fits), block, spec_ok]
-        table, payloads = comm.exchange_status(header, group, device, call, self.timeout, payload, round_bytes, also)
+        with torch.no_grad():  # communication is never differentiated here (autograd.CmapFunction owns backward)
+            also, spec_ok = None, 0
+            if spec is not None:
+                also, spec_ok = _speculative_buffers(spec, res, sig, rows, group, device)
+            header = [status, rows, sig, layout_sig, batch, int(fits), block, spec_ok]
+            table, payloads = comm.exchange_status(
+                header, group, device, call, self.timeout, payload, round_bytes, also
+            )
         if self.axis_name is None:  # with collectives inside func, every op round would carry the big payload too
             self._round = comm.next_round_size(table)
         comm.raise_failures(table, res.failure, group, call, res.cause, self.timeout, device)
