@@ -268,7 +268,16 @@ class Cmapped:
                 f"{call}: the global batch is empty and func could not be run on an empty batch to "
                 f"infer the output structure."
             )
-        local = res.flat if res.has_data else tree_flatten(layout.empty_outputs(device))[0]
+        if res.has_data:
+            local = res.flat
+        elif res.dummy and res.flat:
+            # Keep the stand-in's graph (0 rows of it, and its replicated values): backpropagating through these
+            # outputs then reaches the backward collectives of psum & co. on this rank too, as on every other rank.
+            local = [
+                v.narrow(leaf.out_dim, 0, 0) if leaf.kind == BATCHED else v for v, leaf in zip(res.flat, layout.leaves)
+            ]
+        else:
+            local = tree_flatten(layout.empty_outputs(device))[0]
         if nested:
             if self.dst not in (-1, "local"):
                 raise CmapError(
@@ -287,7 +296,8 @@ class Cmapped:
             feeds = bool(producers) and producers[0] == group.rank
             _record(recorder, res.flat, layout, sum(sizes[: group.rank]), rows, res.dummy, feeds)
         if self.dst == "local":
-            local = share_replicated(local, layout, sizes, group, device, call, self.timeout)
+            with torch.no_grad():  # an empty shard's copy of a replicated output has nothing to differentiate
+                local = share_replicated(local, layout, sizes, group, device, call, self.timeout)
             return tree_unflatten(local, layout.spec)
         self._speculate = self._next_speculation(table, layout, sig, sizes, nested)
         if spec is not None and all(row[comm.SPECULATED] for row in table):

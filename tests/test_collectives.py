@@ -167,3 +167,20 @@ def test_nested_axis_names(worlds):
 @pytest.mark.parametrize("P", [2, 3])
 def test_replicated_outputs(worlds, P):
     assert worlds(P).run(check_replicated_output, 5) == [True] * P
+
+
+def check_local_dst_backward_with_empty_shards():
+    """dst='local' with psum and B < P: every rank (the empty one too) backprops through its own outputs, so the
+    psum backward meets on every rank (no hang); shard_map semantics: the gradient of the sum of per-rank losses."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = randn(size - 1, 4, seed=3).requires_grad_()
+    total, doubled = cm.cmap(lambda v: (psum(v, "i"), v * 2), out_dims=(None, 0), axis_name="i", dst="local")(x)
+    torch.testing.assert_close(total, x.detach().sum(0))
+    (total.sum() + doubled.sum()).backward()
+    if rank < size - 1:  # this rank's row: 2 from its own output, plus one from each rank's loss through the psum
+        torch.testing.assert_close(x.grad[rank], torch.full((4,), 2.0 + size))
+    return True
+
+
+def test_local_dst_backward_with_empty_shards(worlds):
+    assert worlds(3).run(check_local_dst_backward_with_empty_shards, deadline=60) == [True] * 3
