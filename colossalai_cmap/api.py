@@ -4,7 +4,7 @@ import functools
 from typing import Any, Callable, Optional, Union
 
 from .execute import MODES, RANDOMNESS
-from .specs import call_name, check_in_dims_type
+from .specs import call_name, check_in_dims_type, check_placement
 
 __all__ = ["cmap"]
 
@@ -149,12 +149,8 @@ def _check_options(
         )
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"{call}: chunk_size should be None or a positive int, got {chunk_size!r}.")
-    for name, value, allowed in (("dst", dst, (-1, "local")), ("src", src, (None, "local"))):
-        if value in allowed and not isinstance(value, bool):
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            choices = ", ".join(repr(a) for a in allowed)
-            raise ValueError(f"{call}: {name}={value!r} is not valid; expected {choices} or a group rank >= 0.")
+    check_placement(call, "dst", dst, None, (-1, "local"))
+    check_placement(call, "src", src, None, (None, "local"))
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"{call}: axis_name must be a str or None, got {type(axis_name).__name__}.")
     if axis_name is not None and chunk_size is not None:

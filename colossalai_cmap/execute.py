@@ -8,6 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .context import AxisFrame
+from .sharding import take_local
 from .specs import FlatArgs, flatten_out_dims, normalise_out_dim
 
 MODES = ("vmap", "batched", "loop")
@@ -64,8 +65,12 @@ def run_shard(
 
 def _chunks(shard: List[Any], dims: Sequence[Any], rows: int, size: int) -> Iterator[List[Any]]:
     for start in range(0, rows, size):
-        n = min(size, rows - start)
-        yield [leaf if d is None else leaf.narrow(d, start, n) for leaf, d in zip(shard, dims)]
+        yield take_local(shard, dims, start, min(size, rows - start))
+
+
+def _example(shard: List[Any], dims: Sequence[Any], i: int) -> List[Any]:
+    """Example ``i`` of the shard: mapped leaves indexed along their dim, the others as they are."""
+    return [leaf if d is None else leaf.select(d, i) for leaf, d in zip(shard, dims)]
 
 
 def _concat(chunks: List[Any], out_dims: Any, call: str) -> Any:
@@ -101,8 +106,7 @@ def _loop(
     for i in range(rows):
         if state is not None:
             torch.random.set_rng_state(state)
-        example = [leaf if d is None else leaf.select(d, i) for leaf, d in zip(shard, flat.dims)]
-        results.append(func(*flat.unflatten(example), **kwargs))
+        results.append(func(*flat.unflatten(_example(shard, flat.dims, i)), **kwargs))
     return _stack(results, out_dims, call)
 
 
@@ -132,8 +136,7 @@ def _loop_threads(
         barrier.set_index(i, indices[i])
         try:
             with torch.set_grad_enabled(grad):
-                example = [leaf if d is None else leaf.select(d, i) for leaf, d in zip(shard, flat.dims)]
-                results[i] = func(*flat.unflatten(example), **kwargs)
+                results[i] = func(*flat.unflatten(_example(shard, flat.dims, i)), **kwargs)
         except BaseException as exc:  # the first real error wins; the others are broken-barrier fallout
             errors.append(exc)
             barrier.abort()

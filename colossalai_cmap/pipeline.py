@@ -2,6 +2,7 @@
 exchange status, gather, unflatten.
 """
 
+import contextlib
 import zlib
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -118,19 +119,19 @@ class Cmapped:
 
     # ------------------------------------------------------------ main path
     def _distributed(self, group: Group, flat: FlatArgs, kwargs: Dict[str, Any]) -> Any:
-        needs_grad = self.dst == -1 and torch.is_grad_enabled() and _requires_grad(flat.leaves, kwargs, self.func)
-        if not needs_grad:
-            anchor = _grad_anchor(flat.leaves, kwargs, self.func) if self.dst not in (-1, "local") else None
-            with torch.no_grad() if anchor is not None else _null():
-                out = self._run(group, flat, kwargs, None)
-            if anchor is not None and out is not None:
-                msg = (
-                    f"{self.call}: the output of a cmap with dst={self.dst!r} is not differentiable; use dst=-1 "
-                    f"(every rank gets the result and the gradients) or dst='local' (per-shard gradients)."
-                )
-                out = _map_tensors(out, lambda t: autograd.not_differentiable(t, anchor, msg))
-            return out
-        return self._run_with_grad(group, flat, kwargs)
+        anchor = _grad_anchor(flat.leaves, kwargs, self.func) if torch.is_grad_enabled() else None
+        if anchor is not None and self.dst == -1:
+            return self._run_with_grad(group, flat, kwargs)
+        if anchor is None or self.dst == "local":  # dst="local": plain autograd on the shard
+            return self._run(group, flat, kwargs, None)
+        with torch.no_grad():
+            out = self._run(group, flat, kwargs, None)
+        return _not_differentiable(
+            out,
+            anchor,
+            f"{self.call}: the output of a cmap with dst={self.dst!r} is not differentiable; use dst=-1 (every rank "
+            f"gets the result and the gradients) or dst='local' (per-shard gradients).",
+        )
 
     def _run(
         self, group: Group, flat: FlatArgs, kwargs: Dict[str, Any], recorder: Optional[autograd.GradRunner]
@@ -196,8 +197,8 @@ class Cmapped:
                 round_bytes=self._round,
             )
         try:
-            with rng_scope(self.randomness, seed, [device]) if seed is not None else _null(), (
-                context.axis_scope(self.axis_name, frame) if frame is not None else _null()
+            with rng_scope(self.randomness, seed, [device]) if seed is not None else contextlib.nullcontext(), (
+                context.axis_scope(self.axis_name, frame) if frame is not None else contextlib.nullcontext()
             ):
                 out = self._run_shard(flat, shard, 1 if dummy and frame is not None else rows, kwargs, frame)
             result.flat, spec = tree_flatten(out)
@@ -415,16 +416,15 @@ class Cmapped:
             res.failure, res.cause = failure
             return self._finish(group, res, 0, rows, total, sizes, device, None)
         anchor = _grad_anchor(tree_flatten(args)[0], kwargs, self.func) if torch.is_grad_enabled() else None
-        with torch.no_grad() if anchor is not None else _null():
+        with torch.no_grad() if anchor is not None else contextlib.nullcontext():
             res = self._execute(group, flat, shard, rows, kwargs, 0, total, offset, sizes, device)
             out = self._finish(group, res, 0, rows, total, sizes, device, None)
-        if anchor is not None and out is not None:
-            msg = (
-                f"{self.call}: the output of a cmap with src={self.src!r} is not differentiable: its inputs were "
-                f"scattered from one rank. Use src=None to backpropagate to the inputs."
-            )
-            out = _map_tensors(out, lambda t: autograd.not_differentiable(t, anchor, msg))
-        return out
+        return _not_differentiable(
+            out,
+            anchor,
+            f"{self.call}: the output of a cmap with src={self.src!r} is not differentiable: its inputs were "
+            f"scattered from one rank. Use src=None to backpropagate to the inputs.",
+        )
 
     # ---------------------------------------------------------------- helpers
     def _input_sig(self, flat: FlatArgs, kwargs: Dict[str, Any], include_batch: bool) -> int:
@@ -575,10 +575,6 @@ def _record(
         k += 1
 
 
-def _requires_grad(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) -> bool:
-    return _grad_anchor(leaves, kwargs, func) is not None
-
-
 def _const_key(value: Any) -> Any:
     return value if isinstance(value, (int, float, bool, str, type(None))) else type(value).__name__
 
@@ -651,9 +647,13 @@ def _first_device(leaves: Sequence[Any]) -> Optional[torch.device]:
     return None
 
 
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    leaves, spec = tree_flatten(tree)
-    return tree_unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+def _not_differentiable(out: Any, anchor: Optional[torch.Tensor], message: str) -> Any:
+    """Mark every tensor of ``out`` so that backpropagating through it raises ``message`` (no-op off dst)."""
+    if anchor is None or out is None:
+        return out
+    leaves, spec = tree_flatten(out)
+    marked = [autograd.not_differentiable(v, anchor, message) if isinstance(v, torch.Tensor) else v for v in leaves]
+    return tree_unflatten(marked, spec)
 
 
 def _content_bytes(leaves: Sequence[Any], kwargs: Dict[str, Any]) -> bytes:
@@ -678,11 +678,3 @@ def _with_func(base: Cmapped, func: Callable) -> Cmapped:
     clone.__dict__.update(base.__dict__)
     clone.func = func
     return clone
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

@@ -170,13 +170,13 @@ def normalise_out_dim(call: str, dim: Dim, example_ndim: int, index: int) -> Dim
     return dim % (example_ndim + 1)
 
 
-def check_placement(call: str, name: str, value: Any, size: int, allowed: Sequence[Any]) -> None:
-    """``dst``/``src``: one of ``allowed`` or a group rank in ``[0, size)``."""
+def check_placement(call: str, name: str, value: Any, size: Optional[int], allowed: Sequence[Any]) -> None:
+    """``dst``/``src``: one of ``allowed`` or a group rank in ``[0, size)`` (any rank >= 0 when size is unknown)."""
     if value in allowed and not isinstance(value, bool):
         return
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value and (size is None or value < size):
         return
     choices = ", ".join(repr(a) for a in allowed)
-    raise ValueError(
-        f"{call}: {name}={value!r} is not valid for a group of size {size}; expected {choices} or a group rank in [0, {size})."
-    )
+    where = "" if size is None else f" for a group of size {size}"
+    ranks = "a group rank >= 0" if size is None else f"a group rank in [0, {size})"
+    raise ValueError(f"{call}: {name}={value!r} is not valid{where}; expected {choices} or {ranks}.")

@@ -15,7 +15,7 @@ handled inside cmap, so nothing is padded or duplicated and there is nothing to 
 import argparse
 import copy
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,20 @@ def evaluate(model: Any, booster: Any, dataset: torch.utils.data.Dataset) -> Opt
     return torch.cat(outputs) if outputs else None
 
 
+def predictions_and_reference(
+    model: Any, booster: Any, reference: nn.Module
+) -> Optional[Tuple[torch.Tensor, torch.Tensor, int]]:
+    """Rank 0: cmap's predictions, the one-process forward of ``reference``, and the dataset size (else None)."""
+    model.eval()
+    dataset = synthetic_dataset()
+    preds = evaluate(model, booster, dataset)
+    if preds is None:
+        return None
+    with torch.no_grad():
+        expected = reference(dataset.tensors[0])
+    return preds, expected, len(dataset)
+
+
 def ddp_inference() -> Optional[Dict[str, Any]]:
     """TorchDDPPlugin: boost, evaluate with cmap, and check rank 0's predictions against a one-process forward."""
     from colossalai.booster import Booster
@@ -66,19 +80,16 @@ def ddp_inference() -> Optional[Dict[str, Any]]:
     reference = MLP()
     booster = Booster(plugin=TorchDDPPlugin())
     model, *_ = booster.boost(copy.deepcopy(reference))
-    model.eval()
-    dataset = synthetic_dataset()
-    preds = evaluate(model, booster, dataset)
-    if preds is None:
+    found = predictions_and_reference(model, booster, reference)
+    if found is None:
         return None
-    with torch.no_grad():
-        expected = reference(dataset.tensors[0])
+    preds, expected, examples = found
     world = dist.get_world_size()
-    padded = math.ceil(len(dataset) / world) * world  # what DistributedSampler + gather would return
+    padded = math.ceil(examples / world) * world  # what DistributedSampler + gather would return
     result = {
         "plugin": "TorchDDPPlugin",
         "world": world,
-        "examples": len(dataset),
+        "examples": examples,
         "predictions": int(preds.shape[0]),
         "sampler_rows": padded,
         "max_abs_diff": float((preds - expected).abs().max()) if len(preds) else 0.0,
@@ -155,13 +166,10 @@ def hybrid_inference(tp_size: int = 2) -> Optional[Dict[str, Any]]:
         if dist.get_rank() == 0:
             print(f"[{result['plugin']}] did not run on CPU: {exc}", flush=True)
         return result
-    model.eval()
-    dataset = synthetic_dataset()
-    preds = evaluate(model, booster, dataset)
-    if preds is None:
+    found = predictions_and_reference(model, booster, reference)
+    if found is None:
         return None
-    with torch.no_grad():
-        expected = reference(dataset.tensors[0])
+    preds, expected, _ = found
     result.update(
         predictions=int(preds.shape[0]),
         ok=preds.shape == expected.shape and torch.allclose(preds, expected, rtol=1e-4, atol=1e-5),
