@@ -15,7 +15,7 @@ from .layout import BATCHED, CONSTANT, REPLICATED, OutLayout
 from .sharding import rows_first
 
 
-def _typed(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     numel = 1
     for s in shape:
         numel *= s
@@ -39,9 +39,9 @@ def pack(
     buf = torch.empty(block, dtype=torch.uint8, device=device) if out is None else out
     for value, leaf, offset in zip(flat_local, layout.leaves, offsets):
         if leaf.kind == BATCHED and rows:
-            _typed(buf, offset, leaf.dtype, (rows, *leaf.shape)).copy_(rows_first(value, leaf.out_dim))
+            typed_view(buf, offset, leaf.dtype, (rows, *leaf.shape)).copy_(rows_first(value, leaf.out_dim))
         elif leaf.kind == REPLICATED and value is not None:
-            _typed(buf, offset, leaf.dtype, leaf.shape).copy_(value)
+            typed_view(buf, offset, leaf.dtype, leaf.shape).copy_(value)
     return buf
 
 
@@ -58,7 +58,7 @@ def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], caps: 
             out.append(leaf.value)
         elif leaf.kind == REPLICATED:
             offset = offsets_by_cap[caps[first]][k]
-            out.append(_typed(blocks[first], offset, leaf.dtype, leaf.shape).clone())
+            out.append(typed_view(blocks[first], offset, leaf.dtype, leaf.shape).clone())
         elif even:  # one strided read of every rank's rows, copied once into the result
             n, offset = sizes[0], offsets_by_cap[caps[0]][k]
             nbytes = n * leaf.row_bytes
@@ -70,7 +70,7 @@ def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], caps: 
             for r, n in enumerate(sizes):
                 if n:
                     offset = offsets_by_cap[caps[r]][k]
-                    result.narrow(0, start, n).copy_(_typed(blocks[r], offset, leaf.dtype, (n, *leaf.shape)))
+                    result.narrow(0, start, n).copy_(typed_view(blocks[r], offset, leaf.dtype, (n, *leaf.shape)))
                 start += n
             out.append(result.movedim(0, leaf.out_dim))
     return out
@@ -152,7 +152,7 @@ def share_replicated(
     out = list(flat_local)
     for i, (leaf, offset) in enumerate(zip(layout.leaves, offsets)):
         if leaf.kind == REPLICATED and out[i] is None:
-            out[i] = _typed(block, offset, leaf.dtype, leaf.shape).clone()
+            out[i] = typed_view(block, offset, leaf.dtype, leaf.shape).clone()
     return out
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import autograd, comm, context
+from . import autograd, comm, context, steady
 from .comm import BATCH, EMPTY, FAILED, INPUT_SIG, LAYOUT_SIG, OK, ROWS, STATUS
 from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
@@ -62,6 +62,11 @@ class Cmapped:
         # large single-output all-gather: the next call sends its data together with the status round.
         self._speculate: Optional[Tuple[Any, ...]] = None
         self._sigs: Dict[Any, List[Tuple[Any, int]]] = {}
+        # Repeated calls with the same argument shapes reuse the checked plan of the last clean call.
+        self._plans = steady.SteadyPlans()
+        self._steady_ok = src is None and axis_name is None and not check_inputs and randomness == "error"
+        self._steady_ok = self._steady_ok and dst != "local"
+        self._clean_call: Optional[Tuple[Any, ...]] = None
 
     # ------------------------------------------------------------------ entry
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -73,10 +78,93 @@ class Cmapped:
             comm.check_usable(group, call)
         if isinstance(self.src, int):
             return self._call_from_src(group, args, kwargs)
+        key = None
+        if self._steady_ok and group.pg is not None and not kwargs:
+            leaves, spec = tree_flatten(args)
+            key = steady.plan_key(leaves)
+            plan = self._plans.get(key, group.pg, spec)
+            if (
+                plan is not None
+                and not steady.requires_grad(leaves, self.func)
+                and torch._C._functorch.maybe_current_level() is None
+            ):
+                return self._steady_run(group, FlatArgs(leaves, list(plan.dims), spec, plan.batch), plan)
         flat = flatten_args(self.func, args, self.in_dims, call)
         if group.pg is None:
             return self._single(flat, kwargs)
-        return self._distributed(group, flat, kwargs)
+        self._clean_call = None
+        out = self._distributed(group, flat, kwargs)
+        if key is not None and self._clean_call is not None and flat.batch_size:
+            self._keep_plan(key, group, flat)
+        return out
+
+    def _keep_plan(self, key: Tuple[Any, ...], group: Group, flat: FlatArgs) -> None:
+        sig, layout, sizes, device = self._clean_call
+        rank = group.rank
+        plan = steady.SteadyPlan(
+            group.pg,
+            flat.spec,
+            tuple(flat.dims),
+            flat.batch_size,
+            sig,
+            tuple(sizes),
+            sizes[rank],
+            sum(sizes[:rank]),
+            device,
+            layout,
+        )
+        self._plans.put(key, plan)
+
+    def _steady_run(self, group: Group, flat: FlatArgs, plan: steady.SteadyPlan) -> Any:
+        """A repeated call (see ``steady``): run the shard, then the usual end of call from the status exchange."""
+        res = _LocalResult()
+        rows = plan.rows
+        res.layout = plan.layout
+        if rows:
+            try:
+                out = self._run_shard(flat, take_local(flat.leaves, flat.dims, plan.offset, rows), rows, {}, None)
+                res.flat, spec = tree_flatten(out)
+                if not plan.layout.matches(res.flat, spec):
+                    res.layout = self._layout_of(res.flat, spec)
+                res.has_data = True
+            except Exception as exc:  # every rank learns of it in the status exchange
+                res.layout = None
+                res.failure = RankFailure.from_exception(exc, group.rank, group.global_rank)
+                res.cause = exc
+        if (
+            res.layout is not plan.layout
+            or self._speculate is not None
+            or plan.device.type != "cpu"
+            or plan.layout.segments(rows)[1] > self._round
+        ):
+            return self._finish(group, res, plan.sig, rows, plan.batch, plan.sizes, plan.device, None)
+        return self._steady_finish(group, res, plan, plan.buffers(self._round))
+
+    def _steady_finish(self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, buf: Any) -> Any:
+        """The status round of a steady call whose outputs have the plan's layout, through reusable buffers."""
+        digest = plan.layout.digest
+        header = [OK if res.has_data else EMPTY, plan.rows, plan.sig, digest, plan.batch, 1, buf.block, 0]
+        with torch.no_grad():
+            buf.write([comm.STATUS_ROUND, *header], res.flat)
+            comm.all_gather_into(buf.recv_flat, buf.send, group, self.call, self.timeout)
+        table = buf.table.tolist()
+        if all(row[comm.KIND] == comm.STATUS_ROUND and row[comm.PAYLOAD] for row in table) and _clean(
+            table, plan.sig, digest
+        ):
+            self._round = comm.next_round_size(table)
+            if self.dst != -1 and self.dst != group.rank:
+                return None
+            return tree_unflatten(buf.read(), plan.layout.spec)
+        payloads = buf.payloads.clone()
+        if any(row[comm.KIND] != comm.STATUS_ROUND for row in table):  # a peer is still inside func: go on as usual
+            writer = _payload_writer(res, plan.rows, buf.block, plan.device) if res.has_data else None
+            with torch.no_grad():
+                table, payloads = comm.exchange_status(
+                    header, group, plan.device, self.call, self.timeout, writer, self._round
+                )
+        return self._conclude(
+            group, res, plan.sig, plan.rows, plan.sizes, plan.device, None, table, payloads, digest, None, None
+        )
 
     # -------------------------------------------------------- no distributed
     def _single(self, flat: FlatArgs, kwargs: Dict[str, Any]) -> Any:
@@ -206,12 +294,7 @@ class Cmapped:
             if cached is not None and cached.matches(result.flat, spec):
                 result.layout = cached  # the common repeated call: no new layout, and its digest is already known
             else:
-                dims = flatten_out_dims(self.call, self.out_dims, spec, len(result.flat))
-                dims = [
-                    d if not isinstance(v, torch.Tensor) else normalise_out_dim(self.call, d, v.dim() - 1, i)
-                    for i, (v, d) in enumerate(zip(result.flat, dims))
-                ]
-                result.layout = infer_layout(result.flat, dims, spec)
+                result.layout = self._layout_of(result.flat, spec)
             if self.check_inputs and not dummy:
                 result.checksums = replicated_checksums(result.flat, result.layout)
             result.has_data = not dummy
@@ -222,6 +305,14 @@ class Cmapped:
             result.failure = RankFailure.from_exception(exc, group.rank, group.global_rank)
             result.cause = exc
         return result
+
+    def _layout_of(self, flat_out: List[Any], spec: Any) -> OutLayout:
+        dims = flatten_out_dims(self.call, self.out_dims, spec, len(flat_out))
+        dims = [
+            d if not isinstance(v, torch.Tensor) else normalise_out_dim(self.call, d, v.dim() - 1, i)
+            for i, (v, d) in enumerate(zip(flat_out, dims))
+        ]
+        return infer_layout(flat_out, dims, spec)
 
     def _finish(
         self,
@@ -258,12 +349,41 @@ class Cmapped:
             table, payloads = comm.exchange_status(
                 header, group, device, call, self.timeout, payload, round_bytes, also
             )
+        return self._conclude(group, res, sig, rows, sizes, device, recorder, table, payloads, layout_sig, spec, also)
+
+    def _conclude(
+        self,
+        group: Group,
+        res: "_LocalResult",
+        sig: int,
+        rows: int,
+        sizes: Optional[Sequence[int]],
+        device: torch.device,
+        recorder: Optional[autograd.GradRunner],
+        table: List[List[int]],
+        payloads: torch.Tensor,
+        layout_sig: int,
+        spec: Optional[Tuple[Any, ...]],
+        also: Optional[Tuple[torch.Tensor, torch.Tensor]],
+    ) -> Any:
+        """After the status exchange: raise failures, agree on the layout, and gather (or read the payloads)."""
+        call = self.call
+        nested = torch._C._functorch.maybe_current_level() is not None and (
+            any(is_batched(v) for v in res.flat) or any(is_batched(v) for v in res.refs)
+        )
         if self.axis_name is None:  # with collectives inside func, every op round would carry the big payload too
             self._round = comm.next_round_size(table)
-        comm.raise_failures(table, res.failure, group, call, res.cause, self.timeout, device)
-        _check_consistent(table, call, self.src)
         sizes = [row[ROWS] for row in table] if sizes is None else list(sizes)
-        layout = self._agree_layout(group, table, res, sig, call, device)
+        if _clean(table, sig, layout_sig) and recorder is None and not nested and res.layout is not None:
+            # The common repeated call: no failure, same inputs and output layout everywhere, nothing to agree on.
+            layout = res.layout
+            if self._layouts.get(sig) is not layout:
+                self._remember(sig, layout)
+            self._clean_call = (sig, layout, sizes, device)
+        else:
+            comm.raise_failures(table, res.failure, group, call, res.cause, self.timeout, device)
+            _check_consistent(table, call, self.src)
+            layout = self._agree_layout(group, table, res, sig, call, device)
         if layout is None:
             raise CmapError(
                 f"{call}: the global batch is empty and func could not be run on an empty batch to "
@@ -506,6 +626,16 @@ class _LocalResult:
         self.failure: Optional[RankFailure] = None
         self.cause: Optional[BaseException] = None
         self.checksums: Tuple[Tuple[int, int], ...] = ()  # check_inputs: crc32 of each out_dims=None output
+
+
+def _clean(table: List[List[int]], sig: int, layout_sig: int) -> bool:
+    """Whether every rank finished without failure, with these inputs and this output layout."""
+    if not layout_sig:
+        return False
+    for row in table:
+        if row[STATUS] == FAILED or row[INPUT_SIG] != sig or row[LAYOUT_SIG] != layout_sig:
+            return False
+    return True
 
 
 def _check_consistent(table: List[List[int]], call: str, src: Placement) -> None:

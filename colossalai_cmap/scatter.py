@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import comm
 from .errors import CmapError, RankFailure
-from .gather import _typed, pack
+from .gather import pack, typed_view
 from .groups import Group, group_device
 from .layout import BATCHED, LeafLayout, OutLayout
 from .sharding import plan
@@ -135,7 +135,7 @@ def receive_shards(
     seg_offsets, _ = layout.segments(cap)
     shard = list(leaves)
     for i, leaf, off in zip(mapped, layout.leaves, seg_offsets):
-        shard[i] = _typed(recv, off, leaf.dtype, (rows, *leaf.shape)).movedim(0, leaf.out_dim)
+        shard[i] = typed_view(recv, off, leaf.dtype, (rows, *leaf.shape)).movedim(0, leaf.out_dim)
     placeholder = [x if x is not None or i not in mapped else shard[i] for i, x in enumerate(leaves)]
     flat_local = FlatArgs(placeholder, meta["dims"], meta["spec"], rows)
     return flat_local, shard, sizes, failure, device
