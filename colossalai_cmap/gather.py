@@ -22,7 +22,7 @@ def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequen
     nbytes = numel * dtype.itemsize
     if nbytes == 0:  # a zero-size row of a [P, 0] buffer may sit at an odd storage offset: view() refuses it
         return buf.new_empty(shape, dtype=dtype)
-    return buf.narrow(0, offset, nbytes).view(dtype).view(*shape)
+    return buf.narrow(0, offset, nbytes).view(dtype).view(tuple(shape))
 
 
 def pack(

@@ -336,10 +336,10 @@ class Cmapped:
         fits, block = self.dst != "local" and res.failure is None and not nested, 0
         round_bytes = self._round
         spec = self._speculate if not nested else None
-        if fits and res.has_data and rows:
+        if fits and res.has_data:  # rows may be 0 (B=0): out_dims=None outputs still travel
             _, block = res.layout.segments(rows)
             fits = block <= round_bytes and spec is None
-        payload = _payload_writer(res, rows, block, device) if fits and res.has_data and rows else None
+        payload = _payload_writer(res, rows, block, device) if fits and res.has_data and block else None
 
         with torch.no_grad():  # communication is never differentiated here (autograd.CmapFunction owns backward)
             also, spec_ok = None, 0

@@ -140,13 +140,12 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
 
 
 def flatten_out_dims(call: str, out_dims: Any, out_spec: TreeSpec, num_leaves: int) -> List[Dim]:
-    """Match ``out_dims`` (an int, None, or a prefix pytree) to the flattened outputs."""
-    if not (out_dims is None or isinstance(out_dims, (int, tuple))):
-        raise ValueError(
-            f"{call}: expected `out_dims` to be int or a tuple matching the outputs, got {type(out_dims)}."
-        )
+    """Match ``out_dims`` (an int, None, or a pytree prefix of the outputs, as vmap takes) to the flattened
+    outputs."""
     if out_dims is None or isinstance(out_dims, int):
         return [out_dims] * num_leaves
+    if out_spec.is_leaf() and isinstance(out_dims, tuple) and len(out_dims) == 1:
+        return [out_dims[0]]  # vmap's edge case: a single output with out_dims=(d,)
     dims = _broadcast_to_and_flatten(out_dims, out_spec)
     if dims is None or len(dims) != num_leaves:
         raise ValueError(

@@ -49,10 +49,18 @@ class RoundBuffers:
             elif leaf.kind == REPLICATED:
                 self.writers.append((i, typed_view(payload, offset, leaf.dtype, leaf.shape), None))
 
-        self.readers = [_reader(self.payloads, plan, leaf, offsets[i]) for i, leaf in enumerate(plan.layout.leaves)]
+        # every rank packs its block for its own row count, so each rank's leaf offsets are its own
+        by_rank = [plan.layout.segments(n)[0] for n in plan.sizes]
+        self.readers = [
+            _reader(self.payloads, plan, leaf, [offsets[i] for offsets in by_rank])
+            for i, leaf in enumerate(plan.layout.leaves)
+        ]
 
     def write(self, header: Sequence[int], flat_out: Sequence[Any]) -> None:
+        """The header, and this rank's outputs when it has any (an empty shard sends the header alone)."""
         self.head[: len(header)] = header
+        if not flat_out:
+            return
         for i, view, dim in self.writers:
             view.copy_(flat_out[i] if dim is None else rows_first(flat_out[i], dim))
 
@@ -61,15 +69,14 @@ class RoundBuffers:
         return [read() for read in self.readers]
 
 
-def _reader(payloads: torch.Tensor, plan: "SteadyPlan", leaf: Any, offset: int) -> Any:
+def _reader(payloads: torch.Tensor, plan: "SteadyPlan", leaf: Any, offsets: List[int]) -> Any:
     """A function that makes one output leaf from the gathered payloads: one copy for a tensor leaf."""
     if leaf.kind == REPLICATED:
         first = next(r for r, n in enumerate(plan.sizes) if n)
-        view = typed_view(payloads[first], offset, leaf.dtype, leaf.shape)
-        return view.clone
+        return typed_view(payloads[first], offsets[first], leaf.dtype, leaf.shape).clone
     if leaf.kind != BATCHED:
         return lambda: leaf.value
-    parts = [typed_view(payloads[r], offset, leaf.dtype, (n, *leaf.shape)) for r, n in enumerate(plan.sizes) if n]
+    parts = [typed_view(payloads[r], offsets[r], leaf.dtype, (n, *leaf.shape)) for r, n in enumerate(plan.sizes) if n]
     dim = leaf.out_dim
     if len(parts) == 1:
         return lambda: parts[0].clone().movedim(0, dim) if dim else parts[0].clone()
