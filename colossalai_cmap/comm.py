@@ -185,10 +185,10 @@ def exchange_round(
         all_gather_into(rounds.view(-1), mine, group, call, timeout)
     else:
         COUNTS["collectives"] += 2
-        first = dist.all_gather_into_tensor(rounds.view(-1), mine, group=group.pg, async_op=True)
-        second = dist.all_gather_into_tensor(also[0], also[1], group=group.pg, async_op=True)
-        _wait(first, group, call, "all_gather", timeout)
-        _wait(second, group, call, "all_gather", timeout)
+        data = dist.all_gather_into_tensor(also[0], also[1], group=group.pg, async_op=True)
+        status = dist.all_gather_into_tensor(rounds.view(-1), mine, group=group.pg, async_op=True)
+        _wait(status, group, call, "all_gather", timeout)
+        _wait(data, group, call, "all_gather", timeout)
     table = rounds.narrow(1, 0, _HEADER_BYTES).view(torch.int64).tolist()
     return table, rounds.narrow(1, _HEADER_BYTES, payload_bytes)
 

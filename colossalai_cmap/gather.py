@@ -12,7 +12,7 @@ import torch
 from . import comm
 from .groups import Group
 from .layout import BATCHED, CONSTANT, REPLICATED, OutLayout
-from .sharding import rows_first
+from .sharding import is_prefix, rows_first
 
 
 def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -118,7 +118,9 @@ def gather(
             comm.gather_to(send, list(recv.chunk(world)) if receives else None, dst, group, call, timeout)
         if not receives:
             return None
-        if len(set(sizes)) != 1:
+        if is_prefix(sizes):
+            recv = recv.narrow(0, 0, sum(sizes))
+        else:
             recv = torch.cat([recv.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
         out = list(flat_local)
         out[direct] = recv.movedim(0, leaf.out_dim)
@@ -166,8 +168,8 @@ def _all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group, call: 
     send = x if x.shape[0] == cap else torch.cat([x, x.new_zeros((cap - x.shape[0], *x.shape[1:]))])
     recv = torch.empty((group.size * cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather_into(recv, send.contiguous(), group, call, timeout)
-    if len(set(sizes)) == 1:
-        return recv
+    if is_prefix(sizes):
+        return recv.narrow(0, 0, sum(sizes))
     return torch.cat([recv.narrow(0, r * cap, n) for r, n in enumerate(sizes)])
 
 

@@ -17,7 +17,7 @@ from .execute import rng_scope, run_shard
 from .gather import batched_empty_like, gather, gather_batched, is_batched, pack, share_replicated, unpack
 from .groups import Group, group_device, resolve_group
 from .layout import BATCHED, CONSTANT, REPLICATED, OutLayout, infer_layout, replicated_checksums
-from .sharding import plan, take_local
+from .sharding import is_prefix, split_for, take_local
 from .specs import FlatArgs, check_placement, flatten_args, flatten_out_dims, normalise_out_dim
 
 Placement = Union[int, str, None]
@@ -231,7 +231,7 @@ class Cmapped:
             rows, offset, sizes = flat.batch_size, None, None
             sig = self._input_sig(flat, kwargs, include_batch=False)
         else:
-            sizes = plan(flat.batch_size, group.size).sizes
+            sizes = split_for(self.dst)(flat.batch_size, group.size).sizes
             rows, offset = sizes[group.rank], sum(sizes[: group.rank])
             sig = self._input_sig(flat, kwargs, include_batch=True)
         if local_src and self.axis_name is not None:
@@ -424,9 +424,7 @@ class Cmapped:
         if spec is not None and all(row[comm.SPECULATED] for row in table):
             # Every rank's outputs matched the previous call's layout: the data all-gather issued together with
             # the status round already holds the result.
-            recv, cap = also[0], spec[2]
-            if len(set(sizes)) != 1:
-                recv = torch.cat([recv.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
+            recv = _cut_rows(also[0], sizes, spec[2])
             out = list(local)
             out[spec[3]] = recv.movedim(0, layout.leaves[spec[3]].out_dim)
             return tree_unflatten(out, layout.spec)
@@ -753,6 +751,13 @@ def _speculative_buffers(
         send = torch.empty((cap, *shape), dtype=dtype, device=device)
     recv = torch.empty((group.size * cap, *shape), dtype=dtype, device=device)
     return (recv, send), int(ok)
+
+
+def _cut_rows(recv: torch.Tensor, sizes: Sequence[int], cap: int) -> torch.Tensor:
+    """The gathered rows without padding: a view when they form a prefix, else one copy."""
+    if is_prefix(sizes):
+        return recv.narrow(0, 0, sum(sizes))
+    return torch.cat([recv.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
 
 
 def _stand_in(flat: FlatArgs, shard: List[Any], local_only: bool) -> List[Any]:

@@ -14,7 +14,7 @@ from .errors import CmapError, RankFailure
 from .gather import pack, typed_view
 from .groups import Group, group_device
 from .layout import BATCHED, LeafLayout, OutLayout
-from .sharding import plan
+from .sharding import split_for
 from .specs import FlatArgs, describe_arg, flatten_args, leaf_paths
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def receive_shards(
         raise CmapError.from_failures(f"{call}, src={src}", [meta["error"]], group.rank) from (
             error if is_src else None
         )
-    sizes = plan(meta["batch"], group.size).sizes
+    sizes = split_for(cm.dst)(meta["batch"], group.size).sizes
     failure: Optional[Tuple[RankFailure, BaseException]] = None
     if is_src:
         leaves = list(flat.leaves)

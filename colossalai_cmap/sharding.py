@@ -21,6 +21,30 @@ def plan(batch_size: int, world: int) -> ShardPlan:
     return ShardPlan(tuple(q + (1 if i < r else 0) for i in range(world)))
 
 
+@lru_cache(maxsize=1024)
+def block_plan(batch_size: int, world: int) -> ShardPlan:
+    """The split ``torch.chunk(x, world)`` makes: blocks of ``ceil(B / P)`` rows in rank order, the last nonempty
+    block shorter. Used when the outputs are gathered: every rank's block padded to ``ceil(B / P)`` rows, laid
+    end to end, holds the result as its first B rows, so the gather buffer is the result (no cut, no copy). The
+    largest shard, hence the time, is the same as with :func:`plan`."""
+    cap = -(-batch_size // world)
+    return ShardPlan(tuple(max(0, min(cap, batch_size - r * cap)) for r in range(world)))
+
+
+def split_for(dst: Any) -> Any:
+    """The split a call uses: ``torch.tensor_split``'s where the caller sees its own rows (``dst="local"``), else
+    :func:`block_plan`'s, which gathers without a copy."""
+    return plan if dst == "local" else block_plan
+
+
+def is_prefix(sizes: Sequence[int]) -> bool:
+    """Whether blocks of ``max(sizes)`` rows laid end to end hold the rows as one prefix (only the last nonempty
+    shard may be short)."""
+    cap = max(sizes) if sizes else 0
+    last = max((r for r, n in enumerate(sizes) if n), default=-1)
+    return all(n == cap for n in sizes[:last])
+
+
 def take_local(leaves: Sequence[Any], dims: Sequence[Any], offset: int, size: int) -> List[Any]:
     """This rank's rows of every mapped leaf, as zero-copy views."""
     return [leaf if d is None else leaf.narrow(d, offset, size) for leaf, d in zip(leaves, dims)]

@@ -26,7 +26,7 @@ def _fails_on(ranks, exc=ValueError):
 def check_failure_propagation(failing, dst, mode):
     """func raises on ``failing`` ranks: every rank raises CmapError naming them; the next call works."""
     rank = dist.get_rank()
-    x = torch.arange(12.0).view(6, 2)
+    x = torch.arange(16.0).view(8, 2)  # every rank of a world of up to 4 gets rows
     try:
         cm.cmap(_fails_on(failing), dst=dst, mode=mode)(x)
     except cm.CmapError as err:
