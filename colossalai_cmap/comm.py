@@ -89,6 +89,21 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, call: st
     _wait(dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True), group, call, "all_gather", timeout)
 
 
+def all_gather_pair(
+    data: Tuple[torch.Tensor, torch.Tensor],
+    status: Tuple[torch.Tensor, torch.Tensor],
+    group: Group,
+    call: str,
+    timeout: Optional[float],
+) -> None:
+    """A data all-gather and a status round in flight together, each ``(out, inp)``; waits for both."""
+    COUNTS["collectives"] += 2
+    first = dist.all_gather_into_tensor(data[0], data[1], group=group.pg, async_op=True)
+    second = dist.all_gather_into_tensor(status[0], status[1], group=group.pg, async_op=True)
+    _wait(second, group, call, "all_gather", timeout)
+    _wait(first, group, call, "all_gather", timeout)
+
+
 def gather_to(
     inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:
@@ -184,11 +199,7 @@ def exchange_round(
     if also is None:
         all_gather_into(rounds.view(-1), mine, group, call, timeout)
     else:
-        COUNTS["collectives"] += 2
-        data = dist.all_gather_into_tensor(also[0], also[1], group=group.pg, async_op=True)
-        status = dist.all_gather_into_tensor(rounds.view(-1), mine, group=group.pg, async_op=True)
-        _wait(status, group, call, "all_gather", timeout)
-        _wait(data, group, call, "all_gather", timeout)
+        all_gather_pair(also, (rounds.view(-1), mine), group, call, timeout)
     table = rounds.narrow(1, 0, _HEADER_BYTES).view(torch.int64).tolist()
     return table, rounds.narrow(1, _HEADER_BYTES, payload_bytes)
 

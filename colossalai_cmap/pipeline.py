@@ -131,14 +131,42 @@ class Cmapped:
                 res.layout = None
                 res.failure = RankFailure.from_exception(exc, group.rank, group.global_rank)
                 res.cause = exc
-        if (
-            res.layout is not plan.layout
-            or self._speculate is not None
-            or plan.device.type != "cpu"
-            or plan.layout.segments(rows)[1] > self._round
+        spec = self._speculate
+        if res.layout is not plan.layout or plan.device.type != "cpu":
+            pass
+        elif spec is None and plan.buffers(self._round).fits:
+            return self._steady_finish(group, res, plan, plan.buffers(self._round))
+        elif spec is not None and spec[:2] == (plan.sig, plan.layout.digest) and spec[4] == plan.sizes:
+            return self._steady_speculated(group, res, plan, spec)
+        return self._finish(group, res, plan.sig, rows, plan.batch, plan.sizes, plan.device, None)
+
+    def _steady_speculated(self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, spec: Any) -> Any:
+        """A steady call of a large single output: the data all-gather and the status round go together."""
+        digest, buf = plan.layout.digest, plan.buffers(self._round)
+        block = plan.layout.segments(plan.rows)[1] if res.has_data else 0
+        with torch.no_grad():
+            also, ok = _speculative_buffers(spec, res, plan.sig, plan.rows, group, plan.device)
+            header = [OK if res.has_data else EMPTY, plan.rows, plan.sig, digest, plan.batch, 0, block, ok]
+            buf.write([comm.STATUS_ROUND, *header], ())
+            comm.all_gather_pair(also, (buf.recv_flat, buf.send), group, self.call, self.timeout)
+        table = buf.table.tolist()
+        if all(row[comm.KIND] == comm.STATUS_ROUND and row[comm.SPECULATED] for row in table) and _clean(
+            table, plan.sig, digest
         ):
-            return self._finish(group, res, plan.sig, rows, plan.batch, plan.sizes, plan.device, None)
-        return self._steady_finish(group, res, plan, plan.buffers(self._round))
+            self._round = comm.next_round_size(table)  # and the speculation stays: same table, same layout
+            index = spec[3]
+            out = [leaf.value for leaf in plan.layout.leaves]
+            out[index] = _cut_rows(also[0], plan.sizes, spec[2]).movedim(0, plan.layout.leaves[index].out_dim)
+            return tree_unflatten(out, plan.layout.spec)
+        payloads = buf.payloads.clone()
+        if any(row[comm.KIND] != comm.STATUS_ROUND for row in table):  # a peer is still inside func: go on as usual
+            with torch.no_grad():
+                table, payloads = comm.exchange_status(
+                    header, group, plan.device, self.call, self.timeout, None, self._round
+                )
+        return self._conclude(
+            group, res, plan.sig, plan.rows, plan.sizes, plan.device, None, table, payloads, digest, spec, also
+        )
 
     def _steady_finish(self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, buf: Any) -> Any:
         """The status round of a steady call whose outputs have the plan's layout, through reusable buffers."""

@@ -40,7 +40,13 @@ class RoundBuffers:
         self.payloads = self.recv.narrow(1, head, round_bytes)
         payload = self.send.narrow(0, head, round_bytes)
         offsets, self.block = plan.layout.segments(plan.rows)
+        # every rank packs its block for its own row count, so each rank's leaf offsets are its own
+        by_rank = [plan.layout.segments(n) for n in plan.sizes]
+        self.fits = max(block for _, block in by_rank) <= round_bytes  # else this round carries headers only
         self.writers: List[Tuple[int, torch.Tensor, Optional[int]]] = []
+        self.readers: List[Any] = []
+        if not self.fits:
+            return
         for i, (leaf, offset) in enumerate(zip(plan.layout.leaves, offsets)):
             if leaf.kind == BATCHED and plan.rows:
                 self.writers.append(
@@ -49,10 +55,8 @@ class RoundBuffers:
             elif leaf.kind == REPLICATED:
                 self.writers.append((i, typed_view(payload, offset, leaf.dtype, leaf.shape), None))
 
-        # every rank packs its block for its own row count, so each rank's leaf offsets are its own
-        by_rank = [plan.layout.segments(n)[0] for n in plan.sizes]
         self.readers = [
-            _reader(self.payloads, plan, leaf, [offsets[i] for offsets in by_rank])
+            _reader(self.payloads, plan, leaf, [offsets[i] for offsets, _ in by_rank])
             for i, leaf in enumerate(plan.layout.leaves)
         ]
 

@@ -121,3 +121,40 @@ def test_steady_failure_and_layout_change(worlds):
 
 def test_steady_round_sizes_and_grad(worlds):
     assert worlds(2).run(check_steady_round_sizes_and_grad) == [True, True]
+
+
+def check_steady_speculated():
+    """Large single outputs (data sent with the status round): uneven B, out_dims=1, a failure, then recovery."""
+    rank = dist.get_rank()
+    state = {"fail": False}
+
+    def func(r):
+        if state["fail"] and rank == 1:
+            raise RuntimeError("fails in a speculated call")
+        return (r * 2 + 1).unsqueeze(0).expand(2, -1)
+
+    f = cm.cmap(func, out_dims=1)
+    runner = f.cmap_runner
+    inner = runner._steady_speculated
+    hits = [0]
+
+    def counted(*args):
+        hits[0] += 1
+        return inner(*args)
+
+    runner._steady_speculated = counted
+    for B in (1201, 1201, 1201, 1201):  # over 1 MiB per rank
+        x = torch.arange(B * 300, dtype=torch.float32).view(B, 300)
+        assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x)), B
+    assert hits[0] >= 1, hits[0]
+    state["fail"] = True
+    with pytest.raises(cm.CmapError, match="fails in a speculated call"):
+        f(x)
+    state["fail"] = False
+    assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x))
+    return hits[0]
+
+
+def test_steady_speculated(worlds):
+    hits = worlds(2).run(check_steady_speculated)
+    assert all(h >= 1 for h in hits), hits
