@@ -195,6 +195,12 @@ def plot_scaling(timing: Sequence[Dict[str, Any]], alpha: float, beta: float, pa
 
 
 # ------------------------------------------------------------------------------------------------------ markdown
+def _goal_cells(r: Dict[str, Any]) -> str:
+    if r["goal"] is None:
+        return "- | -"
+    return f"<= {r['goal']} | " + ("pass" if r["pass"] else "**FAIL**")
+
+
 def _timing_table(timing: Sequence[Dict[str, Any]]) -> List[str]:
     lines = [
         "| case | what | P | bytes out | cmap ms | baseline ms | vmap ms | **cmap / baseline** | goal | pass "
@@ -207,7 +213,7 @@ def _timing_table(timing: Sequence[Dict[str, Any]]) -> List[str]:
         lines.append(
             f"| {r['case']} | {r['description']} | {r['P']} | {_fmt_bytes(r['out_bytes'])} | "
             f"{_ms(t['cmap']['median_s'])} | {_ms(t['baseline']['median_s'])} | {_ms(t['vmap_full']['median_s'])} | "
-            f"**{q['cmap/baseline']:.3f}** | <= {r['goal']} | {'pass' if r['pass'] else '**FAIL**'} | "
+            f"**{q['cmap/baseline']:.3f}** | {_goal_cells(r)} | "
             f"{q['min cmap/baseline']:.3f} | {q['cpu cmap/baseline']:.3f} | {q['cmap/vmap']:.2f} | {r['collectives_per_call']:g} | "
             f"{q['(baseline+status)/baseline']:.3f} | {_without_status(r):.3f} |"
         )
@@ -380,7 +386,8 @@ def render(results_path: str, docs_dir: str) -> str:
     plot_scaling(timing, alpha, beta, os.path.join(img, "perf_scaling.png"))
     ovh = _overheads(timing)
 
-    passed = sum(r["pass"] for r in timing)
+    judged = [r for r in timing if r["goal"] is not None]
+    passed = sum(bool(r["pass"]) for r in judged)
     md: List[str] = [
         "# Performance",
         "",
@@ -398,12 +405,14 @@ def render(results_path: str, docs_dir: str) -> str:
         "## Goals (DESIGN.md §4)",
         "",
         "- At 1 MiB of output or more, cmap takes at most **1.05x** the hand-written baseline's time.",
-        "- For tiny calls, at most **1.3x** (applied here to every case below 1 MiB).",
+        "- For tiny calls, at most **1.3x** (the tiny case).",
+        "- The goals are judged in the worlds issue 7 asks for, P = 2 and P = 4. The P = 1 rows (cmap's software "
+        "overhead alone) and the medium case (256 KiB, neither tiny nor 1 MiB) are reported without a goal.",
         "- One data collective for all output leaves, plus at most one small metadata or status exchange.",
         "- Replicated inputs are not copied; with `dst=r` other ranks hold at most their own shard's output; with "
         "`dst=-1` the result is one preallocated buffer.",
         "",
-        f"**{passed} of {len(timing)}** (case, P) timings meet their overhead goal in this run.",
+        f"**{passed} of {len(judged)}** (case, P) timings with a goal meet it in this run.",
         "",
         "## Results",
         "",
@@ -429,12 +438,17 @@ def render(results_path: str, docs_dir: str) -> str:
     ceil = [r for r in timing if "baseline_ceil_plan" in r["times"]]
     if ceil:
         md += [
-            "Uneven B, a possible improvement: `baseline_ceil_plan` is the hand-written baseline with a different shard "
-            "plan, `ceil(B / P)` rows per rank and the remainder on the last rank(s), so that only short ranks pad and "
-            "the first B rows of the gathered buffer are the result, returned as a view (no `torch.cat` copy): "
+            "Uneven B and the split. The baseline splits like `torch.tensor_split` (the first `B % P` ranks get one "
+            "more row), pads every short shard to the largest for the all-gather, and cuts the padding out with one "
+            "`torch.cat`. cmap splits gathered outputs like `torch.chunk` (blocks of `ceil(B / P)`): only the last "
+            "shard pads, and the first B rows of the gather buffer are the result, returned as a view. Part of cmap's "
+            "lead on the uneven case is that split, not cmap itself; `baseline_ceil_plan` is the hand-written baseline "
+            "with cmap's split, and against it cmap's ratio is: "
             + "; ".join(
-                f"P={r['P']}: {_ms(r['times']['baseline_ceil_plan']['median_s'])} ms, "
-                f"{r['times']['baseline_ceil_plan']['median_s'] / r['times']['baseline']['median_s']:.3f}x the baseline"
+                f"P={r['P']}: baseline_ceil_plan {_ms(r['times']['baseline_ceil_plan']['median_s'])} ms "
+                f"({r['times']['baseline_ceil_plan']['median_s'] / r['times']['baseline']['median_s']:.3f}x the "
+                f"baseline), cmap / baseline_ceil_plan "
+                f"**{r['times']['cmap']['median_s'] / r['times']['baseline_ceil_plan']['median_s']:.3f}**"
                 for r in ceil
             )
             + ".",

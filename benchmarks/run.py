@@ -56,7 +56,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, here and in the spawned ranks
 os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("COLOSSALAI_CMAP_TIMEOUT", "180")  # a benchmark bug fails within minutes instead of hanging
+# cmap runs with its defaults (no timeout=, as most users call it); the process groups are created with a 180 s
+# timeout, so a benchmark bug fails within minutes instead of hanging.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -136,11 +137,11 @@ class Case:
 
 
 CASES = (
-    Case("tiny", 8, torch.dot, 0, inner=10, reps=30, profile=True),
-    Case("medium", 256, elementwise, 0, inner=4, reps=20),
-    Case("large", 4096, elementwise, 0, inner=1, reps=10, memory=True, profile=True),
-    Case("mlp", 4096, mlp, (0, None, None), inner=1, reps=10, memory=True),
-    Case("uneven", 4097, elementwise, 0, inner=2, reps=16, memory=True, profile=True, extras=("baseline_ceil_plan",)),
+    Case("tiny", 8, torch.dot, 0, inner=20, reps=40, profile=True),
+    Case("medium", 256, elementwise, 0, inner=8, reps=30),
+    Case("large", 4096, elementwise, 0, inner=1, reps=15, memory=True, profile=True),
+    Case("mlp", 4096, mlp, (0, None, None), inner=2, reps=20, memory=True),
+    Case("uneven", 4097, elementwise, 0, inner=4, reps=30, memory=True, profile=True, extras=("baseline_ceil_plan",)),
 )
 DESCRIPTIONS = {
     "tiny": "torch.dot, B=8, D=4",
@@ -339,10 +340,23 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         / result["times"]["baseline"]["cpu_sum_median_s"],
         "paired cmap/vmap": paired("cmap", "vmap_full"),
     }
-    goal = GOAL_LARGE if out_bytes >= LARGE_BYTES else GOAL_TINY
-    result["goal"] = goal
-    result["pass"] = result["ratios"]["cmap/baseline"] <= goal
+    result["goal"] = goal = goal_for(case.name, world, out_bytes)
+    result["pass"] = None if goal is None else result["ratios"]["cmap/baseline"] <= goal
     return result
+
+
+def _goal_text(r: Dict[str, Any]) -> str:
+    return "-" if r["goal"] is None else f"<={r['goal']} " + ("ok" if r["pass"] else "NO")
+
+
+def goal_for(name: str, world: int, out_bytes: int) -> Optional[float]:
+    """Issue 7's goals, for the worlds it asks for (P = 2 and 4): 1.05x from 1 MiB of output, 1.3x for the tiny
+    case. P = 1 rows (cmap's software overhead alone) and the medium case are reported without a goal."""
+    if world < 2:
+        return None
+    if out_bytes >= LARGE_BYTES:
+        return GOAL_LARGE
+    return GOAL_TINY if name == "tiny" else None
 
 
 # ----------------------------------------------------------------------------------------------------- memory
@@ -793,7 +807,7 @@ def format_table(timing: List[Dict[str, Any]]) -> str:
         t, q = r["times"], r["ratios"]
         lines.append(
             f"{r['case']:8s} {r['P']:>2d} {q['cmap/baseline']:>9.3f} "
-            f"{('<=' + str(r['goal'])) + (' ok' if r['pass'] else ' NO'):>6s} {q['cmap/vmap']:>9.3f} "
+            f"{_goal_text(r):>11s} {q['cmap/vmap']:>9.3f} "
             f"{r['collectives_per_call']:>9.2f} {_fmt_bytes(r['out_bytes']):>10s} "
             f"{t['cmap']['median_s'] * 1e3:>8.3f}ms {t['baseline']['median_s'] * 1e3:>8.3f}ms "
             f"{t['vmap_full']['median_s'] * 1e3:>8.3f}ms {q['(baseline+status)/baseline']:>12.3f}"
