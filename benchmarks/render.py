@@ -122,7 +122,7 @@ def plot_overhead(timing: Sequence[Dict[str, Any]], path: str) -> None:
                 r["case"], (x, r["ratios"]["cmap/baseline"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
             )
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.hlines(GOAL_TINY, 8, MiB, colors="red", linestyles="--", lw=1, label="goal < 1 MiB: 1.3x")
+    ax.hlines(GOAL_TINY, 8, MiB, colors="red", linestyles="--", lw=1, label="goal, tiny case: 1.3x")
     ax.hlines(GOAL_LARGE, MiB, 2**27, colors="green", linestyles="--", lw=1, label=">= 1 MiB: 1.05x")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("output bytes (whole batch)")
@@ -341,7 +341,7 @@ def _profile_section(profile: Sequence[Dict[str, Any]], top: int = 12) -> List[s
             f"Untraced (median of blocks): cmap {r0['cmap_us']:.0f} us, baseline {r0['baseline_us']:.0f} us per call "
             f"(max over ranks: cmap {max(x['cmap_us'] for x in p['per_rank']):.0f} us, baseline "
             f"{max(x['baseline_us'] for x in p['per_rank']):.0f} us). Traced: {r0['traced_total_us']:.0f} us per "
-            f"call (median). Median all_gather_into time (issue + wait): status exchange "
+            f"call (median). Median all_gather_into time (issue + wait; nan: none, see all_gather_pair): status exchange "
             f"{r0['status_all_gather_median_us']:.0f} us, data {r0['data_all_gather_median_us']:.0f} us. Baseline "
             "phases (median us per call): "
             + ", ".join(f"{k} {v:.0f}" for k, v in r0["baseline_phases_us"].items())
@@ -468,9 +468,12 @@ def render(results_path: str, docs_dir: str) -> str:
             "",
             "Measured inside the ranks by wrapping the package's functions with `time.perf_counter` timers in the "
             "benchmark process (the package source is not changed; *exclusive* is a function's time minus the "
-            "wrapped functions it calls; the wrappers add about 1 us each), and by `cProfile` on rank 0. A call whose "
-            "outputs fit the status round's payload makes one `all_gather_into` (reported as the status exchange, "
-            "data 0); otherwise the status exchange comes first and the data gather second.",
+            "wrapped functions it calls; the wrappers add about 1 us each), and by `cProfile` on rank 0. These are "
+            "repeated calls, so they take the steady path (`_steady_run`, see `colossalai_cmap/steady.py`). A call "
+            "whose outputs fit the status round's payload makes one `all_gather_into` (reported as the status "
+            "exchange, data 0; `RoundBuffers.write` and `.read` pack and unpack it). A larger single output sends "
+            "its data all-gather and the status round together (`all_gather_pair`, in the phase table; the two "
+            "all_gather_into columns are then `nan`).",
             "",
         ]
         md += _profile_section(res["profile"])

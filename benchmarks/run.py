@@ -573,19 +573,24 @@ class PhaseTracer:
 
 
 def _install_tracer() -> PhaseTracer:
-    from colossalai_cmap import comm, gather, layout, pipeline
+    from colossalai_cmap import comm, gather, layout, pipeline, steady
 
     tracer = PhaseTracer()
     for owner, attr, label in (
         (pipeline.Cmapped, "__call__", "Cmapped.__call__ (self)"),
         (pipeline, "resolve_group", "resolve_group"),
         (pipeline, "check_placement", "check_placement x2"),
+        (steady, "plan_key", "steady.plan_key"),
+        (steady, "requires_grad", "steady.requires_grad"),
         (pipeline, "flatten_args", "flatten_args"),
         (pipeline.Cmapped, "_distributed", "_distributed (self)"),
-        (pipeline, "_requires_grad", "_requires_grad"),
         (pipeline.Cmapped, "_run", "_run (self)"),
+        (pipeline.Cmapped, "_steady_run", "_steady_run (self)"),
+        (pipeline.Cmapped, "_steady_finish", "_steady_finish (self)"),
+        (pipeline.Cmapped, "_steady_speculated", "_steady_speculated (self)"),
+        (steady.RoundBuffers, "write", "RoundBuffers.write (header + payload)"),
+        (steady.RoundBuffers, "read", "RoundBuffers.read (results)"),
         (pipeline, "group_device", "group_device"),
-        (pipeline, "plan", "plan"),
         (pipeline.Cmapped, "_input_sig", "_input_sig"),
         (comm, "digest", "comm.digest (crc32 of repr)"),
         (pipeline, "take_local", "take_local"),
@@ -595,6 +600,7 @@ def _install_tracer() -> PhaseTracer:
         (pipeline, "flatten_out_dims", "flatten_out_dims"),
         (pipeline, "infer_layout", "infer_layout"),
         (pipeline.Cmapped, "_finish", "_finish (self)"),
+        (pipeline.Cmapped, "_conclude", "_conclude (self)"),
         (layout.OutLayout, "digest", "OutLayout.digest"),
         (layout, "digest", "comm.digest (crc32 of repr)"),
         (comm, "exchange_status", "exchange_status (self)"),
@@ -606,6 +612,7 @@ def _install_tracer() -> PhaseTracer:
         (gather, "pack", "pack"),
         (gather, "unpack", "unpack"),
         (comm, "all_gather_into", "all_gather_into"),
+        (comm, "all_gather_pair", "all_gather_pair (data + status together)"),
     ):
         tracer.wrap(owner, attr, label)
     return tracer
