@@ -9,17 +9,17 @@ from cases import assert_same
 import colossalai_cmap as cm
 
 
-def _count_steady(f):
-    """Count the calls that finish through the steady round (test instrumentation on the runner instance)."""
+def _count_steady(f, method="_steady_finish"):
+    """Count the calls that finish through a steady-path method (test instrumentation on the runner instance)."""
     runner = f.cmap_runner
-    inner = runner._steady_finish
+    inner = getattr(runner, method)
     hits = [0]
 
     def counted(*args):
         hits[0] += 1
         return inner(*args)
 
-    runner._steady_finish = counted
+    setattr(runner, method, counted)
     return hits
 
 
@@ -134,15 +134,7 @@ def check_steady_speculated():
         return (r * 2 + 1).unsqueeze(0).expand(2, -1)
 
     f = cm.cmap(func, out_dims=1)
-    runner = f.cmap_runner
-    inner = runner._steady_speculated
-    hits = [0]
-
-    def counted(*args):
-        hits[0] += 1
-        return inner(*args)
-
-    runner._steady_speculated = counted
+    hits = _count_steady(f, "_steady_speculated")
     for B in (1201, 1201, 1201, 1201):  # over 1 MiB per rank
         x = torch.arange(B * 300, dtype=torch.float32).view(B, 300)
         assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x)), B
