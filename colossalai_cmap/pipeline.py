@@ -67,6 +67,7 @@ class Cmapped:
         self._steady_ok = src is None and axis_name is None and not check_inputs and randomness == "error"
         self._steady_ok = self._steady_ok and dst != "local"
         self._clean_call: Optional[Tuple[Any, ...]] = None
+        self._steady_vmap: Optional[Callable] = None
 
     # ------------------------------------------------------------------ entry
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -122,7 +123,19 @@ class Cmapped:
         res.layout = plan.layout
         if rows:
             try:
-                out = self._run_shard(flat, take_local(flat.leaves, flat.dims, plan.offset, rows), rows, {}, None)
+                shard = take_local(flat.leaves, flat.dims, plan.offset, rows)
+                if self.mode == "vmap":  # built once: torch.vmap's wrapper costs a few us per call
+                    if self._steady_vmap is None:
+                        self._steady_vmap = torch.vmap(
+                            self.func,
+                            self.in_dims,
+                            self.out_dims,
+                            randomness=self.randomness,
+                            chunk_size=self.chunk_size,
+                        )
+                    out = self._steady_vmap(*flat.unflatten(shard))
+                else:
+                    out = self._run_shard(flat, shard, rows, {}, None)
                 res.flat, spec = tree_flatten(out)
                 if not plan.layout.matches(res.flat, spec):
                     res.layout = self._layout_of(res.flat, spec)
@@ -840,4 +853,5 @@ def _with_func(base: Cmapped, func: Callable) -> Cmapped:
     clone = object.__new__(Cmapped)
     clone.__dict__.update(base.__dict__)
     clone.func = func
+    clone._steady_vmap = None
     return clone
