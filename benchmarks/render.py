@@ -435,6 +435,22 @@ def render(results_path: str, docs_dir: str) -> str:
         f"{max(r['max_abs_diff'] for r in timing):.3g}).",
         "",
     ]
+    md += [
+        "The two ways to tell every rank every other rank's status, each at its leanest, hand-written: "
+        "*(baseline + status) / baseline* is a second, tiny all_gather (cmap sends it together with the data "
+        "all-gather, `all_gather_pair`, for outputs too large for the status round's payload); "
+        "*fused_header / baseline* is one all_gather of an int64 header and the padded rows packed into one byte "
+        "buffer, the header table read back and the rows cut out with one `torch.cat` (cmap's status round with "
+        "payload, for small outputs). Per (case, P), (baseline + status) / fused_header: "
+        + "; ".join(
+            f"{r['case']} P={r['P']}: {r['ratios']['(baseline+status)/baseline']:.3f} / "
+            f"{r['ratios']['fused_header/baseline']:.3f}"
+            for r in timing
+        )
+        + ". The tiny case's fused_header is the floor of any design that carries a status header: cmap's own "
+        "software overhead comes on top of it.",
+        "",
+    ]
     ceil = [r for r in timing if "baseline_ceil_plan" in r["times"]]
     if ceil:
         md += [

@@ -41,6 +41,7 @@ import ctypes
 import gc
 import io
 import json
+import math
 import os
 import platform
 import pstats
@@ -71,7 +72,7 @@ import colossalai_cmap  # noqa: E402
 from colossalai_cmap import comm as cmap_comm  # noqa: E402
 
 MiB = 1 << 20
-VARIANTS = ("cmap", "baseline", "baseline+status", "gather_only", "vmap_full", "vmap_shard")
+VARIANTS = ("cmap", "baseline", "baseline+status", "fused_header", "gather_only", "vmap_full", "vmap_shard")
 RANK0_ONLY = ("vmap_full", "vmap_shard")
 GOAL_LARGE, GOAL_TINY, LARGE_BYTES = 1.05, 1.3, MiB
 
@@ -170,9 +171,20 @@ class Baseline:
         ceil_plan: shard as ``ceil(B / P)`` rows per rank with the remainder on the last ranks, instead of
             ``tensor_split``'s plan; then only short ranks pad and the first B rows of the gathered buffer are the
             result, returned as a view with no copy.
+        fused: the leanest one-collective design that still tells every rank every other rank's status (DESIGN.md
+            §5): an int64 header and the padded rows packed into one byte buffer, one all_gather, the header table
+            read back, the rows cut out of the gathered blocks with one ``torch.cat``.
     """
 
-    def __init__(self, func: Callable, in_dims: Any, batch: int, status: bool = False, ceil_plan: bool = False) -> None:
+    def __init__(
+        self,
+        func: Callable,
+        in_dims: Any,
+        batch: int,
+        status: bool = False,
+        ceil_plan: bool = False,
+        fused: bool = False,
+    ) -> None:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.sizes = shard_sizes(batch, self.world)
         self.ceil_plan = ceil_plan
@@ -181,7 +193,7 @@ class Baseline:
             self.sizes = [min(max(batch - i * cap, 0), cap) for i in range(self.world)]
         self.rows, self.offset, self.cap = self.sizes[self.rank], sum(self.sizes[: self.rank]), max(self.sizes)
         self.even = len(set(self.sizes)) == 1
-        self.in_dims, self.status, self.batch = in_dims, status, batch
+        self.in_dims, self.status, self.batch, self.fused = in_dims, status, batch, fused
         self.vf = torch.vmap(func, in_dims)
 
     def shard(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -198,6 +210,8 @@ class Baseline:
             dist.all_gather_into_tensor(table, header)
             table.tolist()
         shape, dtype = local.shape[1:], local.dtype
+        if self.fused:
+            return self._fused(local)
         if self.even:
             out = torch.empty((self.world * self.rows, *shape), dtype=dtype)
             dist.all_gather_into_tensor(out, local.contiguous())
@@ -211,6 +225,20 @@ class Baseline:
         if self.ceil_plan:
             return buf.narrow(0, 0, self.batch)
         return torch.cat([buf.narrow(0, r * self.cap, n) for r, n in enumerate(self.sizes)])
+
+    def _fused(self, local: torch.Tensor) -> torch.Tensor:
+        shape, dtype = local.shape[1:], local.dtype
+        row = local[0].numel() * local.element_size() if self.rows else math.prod(shape) * dtype.itemsize
+        head = 80  # 10 x int64, as cmap's header
+        send = torch.empty(head + self.cap * row, dtype=torch.uint8)
+        send.numpy()[:head].view("int64")[:] = (1, 0, self.rows, 1, 1, self.batch, 1, self.cap * row, 0, 0)
+        send.narrow(0, head, self.rows * row).view(dtype).view(local.shape).copy_(local)
+        recv = torch.empty((self.world, send.numel()), dtype=torch.uint8)
+        dist.all_gather_into_tensor(recv.view(-1), send)
+        recv.numpy()[:, :head].view("int64").tolist()
+        return torch.cat(
+            [recv[r].narrow(0, head, n * row).view(dtype).view(n, *shape) for r, n in enumerate(self.sizes) if n]
+        )
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         return self.communicate(self.compute(args))
@@ -261,6 +289,7 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
     base = Baseline(case.func, case.in_dims, case.batch)
     base_status = Baseline(case.func, case.in_dims, case.batch, status=True)
     base_ceil = Baseline(case.func, case.in_dims, case.batch, ceil_plan=True)
+    base_fused = Baseline(case.func, case.in_dims, case.batch, fused=True)
     variants = VARIANTS + case.extras
     vf = torch.vmap(case.func, case.in_dims)
     local = base.compute(args)
@@ -270,6 +299,7 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         "cmap": lambda: cm(*args),
         "baseline": lambda: base(*args),
         "baseline+status": lambda: base_status(*args),
+        "fused_header": lambda: base_fused(*args),
         "gather_only": lambda: base.communicate(local),
         "vmap_full": lambda: vf(*args),
         "vmap_shard": lambda: shard0.compute(args),
@@ -277,7 +307,11 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
     }
     # correctness first: cmap == baseline == single-process vmap (each rank checks its own copy)
     got, ref, single = cm(*args), base(*args), vf(*args)
-    check = {"cmap_vs_vmap_maxabs": _max_diff(got, single), "baseline_vs_vmap_maxabs": _max_diff(ref, single)}
+    check = {
+        "cmap_vs_vmap_maxabs": _max_diff(got, single),
+        "baseline_vs_vmap_maxabs": _max_diff(ref, single),
+        "fused_header_vs_vmap_maxabs": _max_diff(base_fused(*args), single),
+    }
     if case.extras:
         check["baseline_ceil_plan_vs_vmap_maxabs"] = _max_diff(base_ceil(*args), single)
     del got, ref, single
@@ -334,6 +368,7 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
         "baseline/vmap": med["baseline"] / med["vmap_full"],
         "(baseline+status)/baseline": med["baseline+status"] / med["baseline"],
         "cmap/(baseline+status)": med["cmap"] / med["baseline+status"],
+        "fused_header/baseline": med["fused_header"] / med["baseline"],
         "paired cmap/baseline": paired("cmap", "baseline"),
         "min cmap/baseline": result["times"]["cmap"]["min_s"] / result["times"]["baseline"]["min_s"],
         "cpu cmap/baseline": result["times"]["cmap"]["cpu_sum_median_s"]
