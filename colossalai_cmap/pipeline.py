@@ -147,15 +147,15 @@ class Cmapped:
         spec = self._speculate
         if res.layout is not plan.layout or plan.device.type != "cpu":
             pass
-        elif spec is None and plan.buffers(self._round).fits:
-            return self._steady_finish(group, res, plan, plan.buffers(self._round))
+        elif spec is None and self._plans.buffers(plan, self._round).fits:
+            return self._steady_finish(group, res, plan, self._plans.buffers(plan, self._round))
         elif spec is not None and spec[:2] == (plan.sig, plan.layout.digest) and spec[4] == plan.sizes:
             return self._steady_speculated(group, res, plan, spec)
         return self._finish(group, res, plan.sig, rows, plan.batch, plan.sizes, plan.device, None)
 
     def _steady_speculated(self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, spec: Any) -> Any:
         """A steady call of a large single output: the data all-gather and the status round go together."""
-        digest, buf = plan.layout.digest, plan.buffers(self._round)
+        digest, buf = plan.layout.digest, self._plans.buffers(plan, self._round)
         block = plan.layout.segments(plan.rows)[1] if res.has_data else 0
         with torch.no_grad():
             also, ok = _speculative_buffers(spec, res, plan.sig, plan.rows, group, plan.device)

@@ -23,6 +23,9 @@ from .layout import BATCHED, REPLICATED, OutLayout
 from .sharding import rows_first
 
 _SIZE = 64
+# Reusable round buffers kept by one cmap's plans together, at most (older plans drop theirs first and rebuild them
+# when called again): (P + 1) round-sized buffers per plan would otherwise add up over many argument shapes.
+BUFFER_BUDGET = 16 << 20
 
 
 class RoundBuffers:
@@ -34,6 +37,7 @@ class RoundBuffers:
         self.send = torch.empty(head + round_bytes, dtype=torch.uint8)
         self.recv = torch.empty((len(plan.sizes), head + round_bytes), dtype=torch.uint8)
         self.recv_flat = self.recv.view(-1)
+        self.nbytes = self.send.numel() + self.recv.numel()
         self.head = self.send.numpy()[:head].view(numpy.int64)
         self.head[:] = 0
         self.table = self.recv.numpy()[:, :head].view(numpy.int64)
@@ -103,13 +107,6 @@ class SteadyPlan:
     layout: OutLayout
     rounds: Dict[int, RoundBuffers] = field(default_factory=dict)
 
-    def buffers(self, round_bytes: int) -> RoundBuffers:
-        found = self.rounds.get(round_bytes)
-        if found is None:
-            self.rounds.clear()  # only the current round size is ever used
-            found = self.rounds[round_bytes] = RoundBuffers(self, round_bytes)
-        return found
-
 
 def plan_key(leaves: Sequence[Any]) -> Tuple[Any, ...]:
     """The argument leaves' shapes, dtypes and devices (tensors) or values (other leaves)."""
@@ -133,6 +130,7 @@ class SteadyPlans:
         plan = self._plans.get(key)
         if plan is None or plan.pg is not pg or plan.spec != spec:
             return None
+        self._plans.move_to_end(key)
         return plan
 
     def put(self, key: Tuple[Any, ...], plan: SteadyPlan) -> None:
@@ -143,6 +141,24 @@ class SteadyPlans:
 
     def clear(self) -> None:
         self._plans.clear()
+
+    def buffers(self, plan: SteadyPlan, round_bytes: int) -> RoundBuffers:
+        """``plan``'s round buffers for this round size, within :data:`BUFFER_BUDGET` over all plans."""
+        found = plan.rounds.get(round_bytes)
+        if found is None:
+            plan.rounds.clear()  # only the current round size is ever used
+            found = plan.rounds[round_bytes] = RoundBuffers(plan, round_bytes)
+            total = self.buffer_bytes()
+            for other in list(self._plans.values()):  # least recently used first
+                if total <= BUFFER_BUDGET:
+                    break
+                if other is not plan:
+                    total -= sum(b.nbytes for b in other.rounds.values())
+                    other.rounds.clear()
+        return found
+
+    def buffer_bytes(self) -> int:
+        return sum(b.nbytes for plan in self._plans.values() for b in plan.rounds.values())
 
 
 def requires_grad(leaves: List[Any], func: Any) -> bool:

@@ -109,6 +109,19 @@ def check_steady_round_sizes_and_grad():
     return True
 
 
+def check_steady_buffer_budget():
+    """Many argument shapes, each with outputs near the largest status round: the reusable buffers stay bounded."""
+    from colossalai_cmap.steady import BUFFER_BUDGET
+
+    f = cm.cmap(lambda x: x + 1)
+    plans = f.cmap_runner._plans
+    for _ in range(3):
+        for d in range(40000, 40016):  # about 480 KB per rank each: 512 KiB rounds, 24 MiB of buffers untrimmed
+            x = torch.ones(6, d)
+            assert torch.equal(f(x), x + 1)
+    return plans.buffer_bytes(), BUFFER_BUDGET
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_steady_matches_vmap(worlds, size):
     hits = worlds(size).run(check_steady_matches_vmap)
@@ -150,3 +163,8 @@ def check_steady_speculated():
 def test_steady_speculated(worlds):
     hits = worlds(2).run(check_steady_speculated)
     assert all(h >= 1 for h in hits), hits
+
+
+def test_steady_buffer_budget(worlds):
+    for used, budget in worlds(2).run(check_steady_buffer_budget):
+        assert 0 < used <= budget, (used, budget)
