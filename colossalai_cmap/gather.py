@@ -76,6 +76,14 @@ def unpack(blocks: torch.Tensor, layout: OutLayout, sizes: Sequence[int], caps: 
     return out
 
 
+def cut_rows(recv: torch.Tensor, sizes: Sequence[int], cap: int) -> torch.Tensor:
+    """The rows of ``[P * cap, ...]`` gathered blocks without their padding: a view of the first ``sum(sizes)`` rows
+    when they form a prefix (the block split), else one copy."""
+    if is_prefix(sizes):
+        return recv.narrow(0, 0, sum(sizes))
+    return torch.cat([recv.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
+
+
 def _direct_leaf(layout: OutLayout, sizes: Sequence[int]) -> Optional[int]:
     """The index of the only tensor leaf when it can be gathered in its own dtype (no packing)."""
     tensors = [i for i, leaf in enumerate(layout.leaves) if leaf.kind != CONSTANT]
@@ -118,10 +126,7 @@ def gather(
             comm.gather_to(send, list(recv.chunk(world)) if receives else None, dst, group, call, timeout)
         if not receives:
             return None
-        if is_prefix(sizes):
-            recv = recv.narrow(0, 0, sum(sizes))
-        else:
-            recv = torch.cat([recv.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
+        recv = cut_rows(recv, sizes, cap)
         out = list(flat_local)
         out[direct] = recv.movedim(0, leaf.out_dim)
         return out
@@ -168,9 +173,7 @@ def _all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group, call: 
     send = x if x.shape[0] == cap else torch.cat([x, x.new_zeros((cap - x.shape[0], *x.shape[1:]))])
     recv = torch.empty((group.size * cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather_into(recv, send.contiguous(), group, call, timeout)
-    if is_prefix(sizes):
-        return recv.narrow(0, 0, sum(sizes))
-    return torch.cat([recv.narrow(0, r * cap, n) for r, n in enumerate(sizes)])
+    return cut_rows(recv, sizes, cap)
 
 
 class _GatherRows(torch.autograd.Function):

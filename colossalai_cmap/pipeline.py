@@ -14,10 +14,10 @@ from . import autograd, comm, context, steady
 from .comm import BATCH, EMPTY, FAILED, INPUT_SIG, LAYOUT_SIG, OK, ROWS, STATUS
 from .errors import CmapError, RankFailure
 from .execute import rng_scope, run_shard
-from .gather import batched_empty_like, gather, gather_batched, is_batched, pack, share_replicated, unpack
+from .gather import batched_empty_like, cut_rows, gather, gather_batched, is_batched, pack, share_replicated, unpack
 from .groups import Group, group_device, resolve_group
 from .layout import BATCHED, CONSTANT, REPLICATED, OutLayout, infer_layout, replicated_checksums
-from .sharding import is_prefix, split_for, take_local
+from .sharding import split_for, take_local
 from .specs import FlatArgs, check_placement, flatten_args, flatten_out_dims, normalise_out_dim
 
 Placement = Union[int, str, None]
@@ -64,10 +64,11 @@ class Cmapped:
         self._sigs: Dict[Any, List[Tuple[Any, int]]] = {}
         # Repeated calls with the same argument shapes reuse the checked plan of the last clean call.
         self._plans = steady.SteadyPlans()
-        self._steady_ok = src is None and axis_name is None and not check_inputs and randomness == "error"
-        self._steady_ok = self._steady_ok and dst != "local"
+        self._steady_ok = (
+            src is None and dst != "local" and axis_name is None and not check_inputs and randomness == "error"
+        )
         self._clean_call: Optional[Tuple[Any, ...]] = None
-        self._steady_vmap: Optional[Callable] = None
+        self._vmapped: Optional[Callable] = None  # torch.vmap's wrapper, built once: it costs a few us per call
 
     # ------------------------------------------------------------------ entry
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -86,7 +87,7 @@ class Cmapped:
             plan = self._plans.get(key, group.pg, spec)
             if (
                 plan is not None
-                and not steady.requires_grad(leaves, self.func)
+                and not (torch.is_grad_enabled() and _grad_anchor(leaves, {}, self.func) is not None)
                 and torch._C._functorch.maybe_current_level() is None
             ):
                 return self._steady_run(group, FlatArgs(leaves, list(plan.dims), spec, plan.batch), plan)
@@ -123,19 +124,7 @@ class Cmapped:
         res.layout = plan.layout
         if rows:
             try:
-                shard = take_local(flat.leaves, flat.dims, plan.offset, rows)
-                if self.mode == "vmap":  # built once: torch.vmap's wrapper costs a few us per call
-                    if self._steady_vmap is None:
-                        self._steady_vmap = torch.vmap(
-                            self.func,
-                            self.in_dims,
-                            self.out_dims,
-                            randomness=self.randomness,
-                            chunk_size=self.chunk_size,
-                        )
-                    out = self._steady_vmap(*flat.unflatten(shard))
-                else:
-                    out = self._run_shard(flat, shard, rows, {}, None)
+                out = self._run_shard(flat, take_local(flat.leaves, flat.dims, plan.offset, rows), rows, {}, None)
                 res.flat, spec = tree_flatten(out)
                 if not plan.layout.matches(res.flat, spec):
                     res.layout = self._layout_of(res.flat, spec)
@@ -145,17 +134,19 @@ class Cmapped:
                 res.failure = RankFailure.from_exception(exc, group.rank, group.global_rank)
                 res.cause = exc
         spec = self._speculate
-        if res.layout is not plan.layout or plan.device.type != "cpu":
-            pass
-        elif spec is None and self._plans.buffers(plan, self._round).fits:
-            return self._steady_finish(group, res, plan, self._plans.buffers(plan, self._round))
-        elif spec is not None and spec[:2] == (plan.sig, plan.layout.digest) and spec[4] == plan.sizes:
-            return self._steady_speculated(group, res, plan, spec)
+        if res.layout is plan.layout and plan.device.type == "cpu":
+            buf = self._plans.buffers(plan, self._round)
+            if spec is None and buf.fits:
+                return self._steady_finish(group, res, plan, buf)
+            if spec is not None and spec[:2] == (plan.sig, plan.layout.digest) and spec[4] == plan.sizes:
+                return self._steady_speculated(group, res, plan, buf, spec)
         return self._finish(group, res, plan.sig, rows, plan.batch, plan.sizes, plan.device, None)
 
-    def _steady_speculated(self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, spec: Any) -> Any:
+    def _steady_speculated(
+        self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, buf: steady.RoundBuffers, spec: Any
+    ) -> Any:
         """A steady call of a large single output: the data all-gather and the status round go together."""
-        digest, buf = plan.layout.digest, self._plans.buffers(plan, self._round)
+        digest = plan.layout.digest
         block = plan.layout.segments(plan.rows)[1] if res.has_data else 0
         with torch.no_grad():
             also, ok = _speculative_buffers(spec, res, plan.sig, plan.rows, group, plan.device)
@@ -169,19 +160,13 @@ class Cmapped:
             self._round = comm.next_round_size(table)  # and the speculation stays: same table, same layout
             index = spec[3]
             out = [leaf.value for leaf in plan.layout.leaves]
-            out[index] = _cut_rows(also[0], plan.sizes, spec[2]).movedim(0, plan.layout.leaves[index].out_dim)
+            out[index] = cut_rows(also[0], plan.sizes, spec[2]).movedim(0, plan.layout.leaves[index].out_dim)
             return tree_unflatten(out, plan.layout.spec)
-        payloads = buf.payloads.clone()
-        if any(row[comm.KIND] != comm.STATUS_ROUND for row in table):  # a peer is still inside func: go on as usual
-            with torch.no_grad():
-                table, payloads = comm.exchange_status(
-                    header, group, plan.device, self.call, self.timeout, None, self._round
-                )
-        return self._conclude(
-            group, res, plan.sig, plan.rows, plan.sizes, plan.device, None, table, payloads, digest, spec, also
-        )
+        return self._steady_fallback(group, res, plan, buf, table, header, None, spec, also)
 
-    def _steady_finish(self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, buf: Any) -> Any:
+    def _steady_finish(
+        self, group: Group, res: "_LocalResult", plan: steady.SteadyPlan, buf: steady.RoundBuffers
+    ) -> Any:
         """The status round of a steady call whose outputs have the plan's layout, through reusable buffers."""
         digest = plan.layout.digest
         header = [OK if res.has_data else EMPTY, plan.rows, plan.sig, digest, plan.batch, 1, buf.block, 0]
@@ -196,15 +181,31 @@ class Cmapped:
             if self.dst != -1 and self.dst != group.rank:
                 return None
             return tree_unflatten(buf.read(), plan.layout.spec)
-        payloads = buf.payloads.clone()
+        writer = _payload_writer(res, plan.rows, buf.block, plan.device) if res.has_data else None
+        return self._steady_fallback(group, res, plan, buf, table, header, writer, None, None)
+
+    def _steady_fallback(
+        self,
+        group: Group,
+        res: "_LocalResult",
+        plan: steady.SteadyPlan,
+        buf: steady.RoundBuffers,
+        table: List[List[int]],
+        header: List[int],
+        writer: Optional[Callable[[torch.Tensor], None]],
+        spec: Optional[Tuple[Any, ...]],
+        also: Optional[Tuple[torch.Tensor, torch.Tensor]],
+    ) -> Any:
+        """A steady round that was not clean: the general end of call from the same table, on every rank."""
+        payloads = buf.payloads.clone()  # the buffers are reused by the next call
         if any(row[comm.KIND] != comm.STATUS_ROUND for row in table):  # a peer is still inside func: go on as usual
-            writer = _payload_writer(res, plan.rows, buf.block, plan.device) if res.has_data else None
             with torch.no_grad():
                 table, payloads = comm.exchange_status(
                     header, group, plan.device, self.call, self.timeout, writer, self._round
                 )
+        digest = plan.layout.digest
         return self._conclude(
-            group, res, plan.sig, plan.rows, plan.sizes, plan.device, None, table, payloads, digest, None, None
+            group, res, plan.sig, plan.rows, plan.sizes, plan.device, None, table, payloads, digest, spec, also
         )
 
     # -------------------------------------------------------- no distributed
@@ -231,6 +232,12 @@ class Cmapped:
     def _run_shard(
         self, flat: FlatArgs, shard: List[Any], rows: int, kwargs: Dict[str, Any], frame: Optional[context.AxisFrame]
     ) -> Any:
+        if self.mode == "vmap" and frame is None and rows:
+            if self._vmapped is None:
+                self._vmapped = torch.vmap(
+                    self.func, self.in_dims, self.out_dims, randomness=self.randomness, chunk_size=self.chunk_size
+                )
+            return self._vmapped(*flat.unflatten(shard), **kwargs)
         return run_shard(
             self.func,
             flat,
@@ -465,7 +472,7 @@ class Cmapped:
         if spec is not None and all(row[comm.SPECULATED] for row in table):
             # Every rank's outputs matched the previous call's layout: the data all-gather issued together with
             # the status round already holds the result.
-            recv = _cut_rows(also[0], sizes, spec[2])
+            recv = cut_rows(also[0], sizes, spec[2])
             out = list(local)
             out[spec[3]] = recv.movedim(0, layout.leaves[spec[3]].out_dim)
             return tree_unflatten(out, layout.spec)
@@ -794,13 +801,6 @@ def _speculative_buffers(
     return (recv, send), int(ok)
 
 
-def _cut_rows(recv: torch.Tensor, sizes: Sequence[int], cap: int) -> torch.Tensor:
-    """The gathered rows without padding: a view when they form a prefix, else one copy."""
-    if is_prefix(sizes):
-        return recv.narrow(0, 0, sum(sizes))
-    return torch.cat([recv.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
-
-
 def _stand_in(flat: FlatArgs, shard: List[Any], local_only: bool) -> List[Any]:
     """One example for an empty shard: the first global example when every rank holds the inputs, else zeros."""
     out = []
@@ -853,5 +853,5 @@ def _with_func(base: Cmapped, func: Callable) -> Cmapped:
     clone = object.__new__(Cmapped)
     clone.__dict__.update(base.__dict__)
     clone.func = func
-    clone._steady_vmap = None
+    clone._vmapped = None
     return clone

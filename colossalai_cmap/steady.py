@@ -139,9 +139,6 @@ class SteadyPlans:
         while len(self._plans) > _SIZE:
             self._plans.popitem(last=False)
 
-    def clear(self) -> None:
-        self._plans.clear()
-
     def buffers(self, plan: SteadyPlan, round_bytes: int) -> RoundBuffers:
         """``plan``'s round buffers for this round size, within :data:`BUFFER_BUDGET` over all plans."""
         found = plan.rounds.get(round_bytes)
@@ -159,12 +156,3 @@ class SteadyPlans:
 
     def buffer_bytes(self) -> int:
         return sum(b.nbytes for plan in self._plans.values() for b in plan.rounds.values())
-
-
-def requires_grad(leaves: List[Any], func: Any) -> bool:
-    """Whether autograd would record this call (the steady path has no backward)."""
-    if not torch.is_grad_enabled():
-        return False
-    if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
-        return True
-    return isinstance(func, torch.nn.Module) and any(p.requires_grad for p in func.parameters())
