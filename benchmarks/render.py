@@ -7,27 +7,17 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from common import GOAL_LARGE, GOAL_TINY, MiB, fmt_bytes  # noqa: E402
 
-MiB = 1 << 20
-GOAL_LARGE, GOAL_TINY = 1.05, 1.3
 DPI = 72
 COLORS = {1: "tab:green", 2: "tab:blue", 4: "tab:orange"}
-
-
-def _fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("MiB", MiB), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{int(n)} B"
 
 
 def _rst_to_md(text: str) -> str:
@@ -153,7 +143,7 @@ def plot_memory(memory: Sequence[Dict[str, Any]], path: str) -> None:
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
-        ax.set_title(f"{case} (P={max(worlds)}, out {_fmt_bytes(full)})", fontsize=8)
+        ax.set_title(f"{case} (P={max(worlds)}, out {fmt_bytes(full)})", fontsize=8)
         ax.set_ylabel("peak RSS / full output", fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     axes[0][0].legend(fontsize=7)
@@ -211,7 +201,7 @@ def _timing_table(timing: Sequence[Dict[str, Any]]) -> List[str]:
     for r in timing:
         t, q = r["times"], r["ratios"]
         lines.append(
-            f"| {r['case']} | {r['description']} | {r['P']} | {_fmt_bytes(r['out_bytes'])} | "
+            f"| {r['case']} | {r['description']} | {r['P']} | {fmt_bytes(r['out_bytes'])} | "
             f"{_ms(t['cmap']['median_s'])} | {_ms(t['baseline']['median_s'])} | {_ms(t['vmap_full']['median_s'])} | "
             f"**{q['cmap/baseline']:.3f}** | {_goal_cells(r)} | "
             f"{q['min cmap/baseline']:.3f} | {q['cpu cmap/baseline']:.3f} | {q['cmap/vmap']:.2f} | {r['collectives_per_call']:g} | "
@@ -236,10 +226,10 @@ def _memory_table(memory: Sequence[Dict[str, Any]]) -> List[str]:
         pr = r["per_rank"]
         coll = pr[0]["collectives"]
         lines.append(
-            f"| {r['case']} | {r['P']} | {r['variant']} | {_fmt_bytes(pr[0]['rss_peak'])} | "
-            f"{_fmt_bytes(max(x['rss_peak'] for x in pr[1:]))} | {_fmt_bytes(pr[0]['torch_peak'])} | "
-            f"{_fmt_bytes(max(x['torch_peak'] for x in pr[1:]))} | {_fmt_bytes(r['full_out_bytes'])} | "
-            f"{_fmt_bytes(r['shard_out_bytes'][0])} | {'-' if coll is None else coll} |"
+            f"| {r['case']} | {r['P']} | {r['variant']} | {fmt_bytes(pr[0]['rss_peak'])} | "
+            f"{fmt_bytes(max(x['rss_peak'] for x in pr[1:]))} | {fmt_bytes(pr[0]['torch_peak'])} | "
+            f"{fmt_bytes(max(x['torch_peak'] for x in pr[1:]))} | {fmt_bytes(r['full_out_bytes'])} | "
+            f"{fmt_bytes(r['shard_out_bytes'][0])} | {'-' if coll is None else coll} |"
         )
     return lines
 
@@ -285,8 +275,8 @@ def _memory_findings(memory: Sequence[Dict[str, Any]]) -> List[str]:
         gap_all = all_["per_rank"][0]["rss_peak"] - all_["per_rank"][0]["torch_peak"]
         extra = others - others_shard
         gloo = (
-            f"Rank 0's resident peak exceeds its torch allocations by {_fmt_bytes(max(gap0, 0))} with `dst=0` and "
-            f"{_fmt_bytes(max(gap_all, 0))} with `dst=-1`"
+            f"Rank 0's resident peak exceeds its torch allocations by {fmt_bytes(max(gap0, 0))} with `dst=0` and "
+            f"{fmt_bytes(max(gap_all, 0))} with `dst=-1`"
         )
         if max(gap0, gap_all) > 0.5 * full:
             gloo += (
@@ -297,11 +287,11 @@ def _memory_findings(memory: Sequence[Dict[str, Any]]) -> List[str]:
         else:
             gloo += " (gloo's flat receive buffer is not alive at the peak here)."
         lines.append(
-            f"- {case}, P={p}: with `dst=0` the other ranks peak at {_fmt_bytes(others)}, "
-            f"{_fmt_bytes(max(extra, 0))} above computing their shard alone ({_fmt_bytes(others_shard)}); the full "
-            f"output is {_fmt_bytes(full)}, so they {'never allocate it' if extra < 0.9 * full else '**allocate it**'}"
+            f"- {case}, P={p}: with `dst=0` the other ranks peak at {fmt_bytes(others)}, "
+            f"{fmt_bytes(max(extra, 0))} above computing their shard alone ({fmt_bytes(others_shard)}); the full "
+            f"output is {fmt_bytes(full)}, so they {'never allocate it' if extra < 0.9 * full else '**allocate it**'}"
             f"{' (the extra is the packed send buffer, one copy of the shard)' if extra > 0.1 * full else ''}. "
-            f"`dst='local'` peaks at {_fmt_bytes(max(x['rss_peak'] for x in local['per_rank']))}, the shard "
+            f"`dst='local'` peaks at {fmt_bytes(max(x['rss_peak'] for x in local['per_rank']))}, the shard "
             f"computation itself. {gloo}"
         )
     return lines
@@ -530,9 +520,9 @@ def render(results_path: str, docs_dir: str) -> str:
         ]
         for c in res["chunk"]:
             md.append(
-                f"| {c['P']} | {c['chunk_size']} | {c['rows_per_rank']} | {_fmt_bytes(c['intermediate_bytes'])} | "
-                f"{_fmt_bytes(max(x['rss_peak'] for x in c['per_rank']))} | "
-                f"{_fmt_bytes(max(x['torch_peak'] for x in c['per_rank']))} |"
+                f"| {c['P']} | {c['chunk_size']} | {c['rows_per_rank']} | {fmt_bytes(c['intermediate_bytes'])} | "
+                f"{fmt_bytes(max(x['rss_peak'] for x in c['per_rank']))} | "
+                f"{fmt_bytes(max(x['torch_peak'] for x in c['per_rank']))} |"
             )
         md.append("")
     md += [
@@ -569,7 +559,7 @@ def render(results_path: str, docs_dir: str) -> str:
         fitted = " / ".join(f"{t1 / model_time(ref, p, alpha, beta, ovh[case]):.2g}" for p in (2, 4, 8, 16))
         free = " / ".join(f"{t1 / model_time(ref, p, 0.0, 0.0, ovh[case]):.2g}" for p in (2, 4, 8, 16))
         md.append(
-            f"| {case} | {_fmt_bytes(ref['out_bytes'])} | {_ms(t1)} | {frac} | {ovh[case] * 1e3:.3g} | {fitted} "
+            f"| {case} | {fmt_bytes(ref['out_bytes'])} | {_ms(t1)} | {frac} | {ovh[case] * 1e3:.3g} | {fitted} "
             f"| {free} |"
         )
     md += [

@@ -67,14 +67,13 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from common import fmt_bytes, goal_for  # noqa: E402
 
 import colossalai_cmap  # noqa: E402
 from colossalai_cmap import comm as cmap_comm  # noqa: E402
 
-MiB = 1 << 20
 VARIANTS = ("cmap", "baseline", "baseline+status", "fused_header", "gather_only", "vmap_full", "vmap_shard")
 RANK0_ONLY = ("vmap_full", "vmap_shard")
-GOAL_LARGE, GOAL_TINY, LARGE_BYTES = 1.05, 1.3, MiB
 
 
 # ---------------------------------------------------------------------------------------------------- functions
@@ -384,16 +383,6 @@ def _goal_text(r: Dict[str, Any]) -> str:
     return "-" if r["goal"] is None else f"<={r['goal']} " + ("ok" if r["pass"] else "NO")
 
 
-def goal_for(name: str, world: int, out_bytes: int) -> Optional[float]:
-    """Issue 7's goals, for the worlds it asks for (P = 2 and 4): 1.05x from 1 MiB of output, 1.3x for the tiny
-    case. P = 1 rows (cmap's software overhead alone) and the medium case are reported without a goal."""
-    if world < 2:
-        return None
-    if out_bytes >= LARGE_BYTES:
-        return GOAL_LARGE
-    return GOAL_TINY if name == "tiny" else None
-
-
 # ----------------------------------------------------------------------------------------------------- memory
 _LIBC: Optional[ctypes.CDLL] = None
 
@@ -616,13 +605,14 @@ def _install_tracer() -> PhaseTracer:
         (pipeline, "resolve_group", "resolve_group"),
         (pipeline, "check_placement", "check_placement x2"),
         (steady, "plan_key", "steady.plan_key"),
-        (steady, "requires_grad", "steady.requires_grad"),
+        (pipeline, "_grad_anchor", "_grad_anchor"),
         (pipeline, "flatten_args", "flatten_args"),
         (pipeline.Cmapped, "_distributed", "_distributed (self)"),
         (pipeline.Cmapped, "_run", "_run (self)"),
         (pipeline.Cmapped, "_steady_run", "_steady_run (self)"),
         (pipeline.Cmapped, "_steady_finish", "_steady_finish (self)"),
         (pipeline.Cmapped, "_steady_speculated", "_steady_speculated (self)"),
+        (pipeline.Cmapped, "_steady_fallback", "_steady_fallback (self)"),
         (steady.RoundBuffers, "write", "RoundBuffers.write (header + payload)"),
         (steady.RoundBuffers, "read", "RoundBuffers.read (results)"),
         (pipeline, "group_device", "group_device"),
@@ -831,13 +821,6 @@ def _git_commit() -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ output
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("MiB", MiB), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{int(n)} B"
-
-
 def format_table(timing: List[Dict[str, Any]]) -> str:
     """The summary table (plain text)."""
     head = (
@@ -850,7 +833,7 @@ def format_table(timing: List[Dict[str, Any]]) -> str:
         lines.append(
             f"{r['case']:8s} {r['P']:>2d} {q['cmap/baseline']:>9.3f} "
             f"{_goal_text(r):>11s} {q['cmap/vmap']:>9.3f} "
-            f"{r['collectives_per_call']:>9.2f} {_fmt_bytes(r['out_bytes']):>10s} "
+            f"{r['collectives_per_call']:>9.2f} {fmt_bytes(r['out_bytes']):>10s} "
             f"{t['cmap']['median_s'] * 1e3:>8.3f}ms {t['baseline']['median_s'] * 1e3:>8.3f}ms "
             f"{t['vmap_full']['median_s'] * 1e3:>8.3f}ms {q['(baseline+status)/baseline']:>12.3f}"
         )
@@ -868,9 +851,9 @@ def format_memory(memory: List[Dict[str, Any]]) -> str:
         ranks = r["per_rank"]
         others = ranks[1:]
         lines.append(
-            f"{r['case']:7s} {r['P']:>2d} {r['variant']:22s} {_fmt_bytes(ranks[0]['rss_peak']):>10s} "
-            f"{_fmt_bytes(max(o['rss_peak'] for o in others)):>10s} {_fmt_bytes(ranks[0]['torch_peak']):>11s} "
-            f"{_fmt_bytes(max(o['torch_peak'] for o in others)):>12s} {_fmt_bytes(r['full_out_bytes']):>9s} "
+            f"{r['case']:7s} {r['P']:>2d} {r['variant']:22s} {fmt_bytes(ranks[0]['rss_peak']):>10s} "
+            f"{fmt_bytes(max(o['rss_peak'] for o in others)):>10s} {fmt_bytes(ranks[0]['torch_peak']):>11s} "
+            f"{fmt_bytes(max(o['torch_peak'] for o in others)):>12s} {fmt_bytes(r['full_out_bytes']):>9s} "
             f"{'' if ranks[0]['collectives'] is None else ranks[0]['collectives']:>4}"
         )
     return "\n".join(lines)
