@@ -1,23 +1,33 @@
-"""Tensors that ``func`` reads without being given them (closures, globals, module attributes) get vmap's gradient.
+"""Tensors that ``func`` reads without being given them (closures, globals, attributes) get vmap's gradient.
 
 Each rank's local graph gives such a tensor this rank's share of its gradient; the whole gradient is the sum over
-the group, as jax's ``shard_map`` transposes a closed-over value into a psum of its cotangents. After the shard has
-run, :func:`watch` walks the local graph of the outputs, at every autograd level (an outer ``torch.func.grad``
-has its own), and finds each edge from a node made during this call into a node made before it: the leaf of a
-closure-captured tensor, or the last op of one computed earlier. A hook on the node sums that edge's gradient over
-the group with a ``Join`` (one collective per node, for all its edges), which is differentiable, so double backward
-and function transforms see the sum too. The walk stops at the call's own entry, whose backward sums already.
+the group, as jax's ``shard_map`` transposes a closed-over value into a psum of its cotangents. Three mechanisms,
+each catching what the one before leaves:
 
-Every rank builds the same graph (an empty shard runs a stand-in example), so the hooks fire in the same order on
-every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
+1. Modules func names directly are reparametrized with their parameters through the call's entry (:mod:`bucket`).
+2. :class:`Interceptor`, a ``TorchFunctionMode``, routes every other tensor that requires grad and was made before
+   the call through a ``Scatter`` at its first use. The local graph then saves the routed value, so double backward
+   through the cmap sees the sum too. It runs only where it can matter: when func's closures, globals or partial
+   arguments hold such a tensor, or when an earlier call of this cmap found one by the walk below.
+3. :func:`watch` walks the outputs' local graph after the shard has run, at every autograd level (an outer
+   ``torch.func.grad`` has its own), and finds each edge from a node made during this call into a node made before
+   it: a tensor that reached the graph another way (say, as the argument of a ``torch.func.grad`` inside func).
+   A hook on the node sums that edge's gradient over the group with a differentiable ``Join`` (one collective per
+   node). This is exact to first order; a higher-order gradient through such an edge misses the other ranks' terms
+   of the nodes that backward itself creates, which is why (2) comes first.
+
+Every rank builds the same graph (an empty shard runs a stand-in example), so entries and hooks run in the same
+order on every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
 """
 
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+from .bucket import referenced
 from .layout import digest
-from .primitives import JoinSpec, Link, joined
+from .primitives import JoinSpec, Link, ScatterSpec, joined, requires_grad, scattered
 from .roles import COPY
 
 WHAT = "the gradient of closure-captured tensors"
@@ -75,3 +85,55 @@ def _hook(ks: Sequence[int], link: Link) -> Any:
         return tuple(out)
 
     return hook
+
+
+# ----------------------------------------------------------------------------------------------- interception
+_SKIP = {torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, torch.Tensor.register_hook}
+_ACCESSORS = ("__get__", "__set__")
+
+
+def may_capture(func: Callable) -> bool:
+    """Whether func's closures, globals or partial arguments hold a tensor that requires grad (one level deep)."""
+    for value in referenced(func):
+        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+            return True
+    return False
+
+
+class Interceptor(TorchFunctionMode):
+    """Routes each tensor that requires grad and was made before the call through the call's entry, at first use."""
+
+    def __init__(self, owner: object, start: int, link: Link) -> None:
+        super().__init__()
+        self.owner, self.start, self.link = owner, start, link
+        self.level = torch._C._functorch.maybe_current_level() or 0  # wrappers above it were made in the call
+        self.aliases: Dict[int, Any] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _SKIP and getattr(func, "__name__", "") not in _ACCESSORS:
+            args = tuple(self._routed(a) for a in args)
+            if kwargs:
+                kwargs = {k: self._routed(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _routed(self, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+            return type(v)(self._one(t) for t in v) if type(v) in (list, tuple) else v
+        return self._one(v)
+
+    def _one(self, v: Any) -> Any:
+        if not requires_grad(v):
+            return v
+        if torch._C._functorch.maybe_get_level(v) > self.level:
+            return v  # a wrapper made inside this call
+        node = v.grad_fn
+        if node is not None and node._sequence_nr() >= self.start:
+            return v  # made in this call
+        found = self.aliases.get(id(v))
+        if found is None or found[0] is not v:
+            with torch._C.DisableTorchFunction():
+                alias = scattered(ScatterSpec(self.link, (COPY,), self.owner), [v])[0]
+            found = self.aliases[id(v)] = (v, alias)
+        return found[1]

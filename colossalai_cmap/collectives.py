@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from .context import AxisFrame, lookup
+from .context import lookup
 from .primitives import JoinSpec, ScatterSpec, joined, scattered
 from .protocol import Kind
 from .roles import COPY, MAX, MIN, Rows

@@ -21,9 +21,10 @@ from .errors import CmapError, RankFailure
 from .groups import Group, group_device, resolve_group
 from .options import Options, check_placement
 from .plan import FastPath, PlanCache, key_of, make_plan
-from .primitives import JoinSpec, Link, join_failed, not_differentiable
+from .primitives import JoinSpec, Link, join_failed, not_differentiable, requires_grad
 from .protocol import Kind
-from .rank import Inputs, run_rank
+from .entry import Inputs
+from .rank import run_rank
 from .specs import flatten, flatten_args
 
 
@@ -41,6 +42,7 @@ class Cmapped:
         self.options = options
         self.plans = PlanCache()
         self._vmapped: Optional[Callable] = None
+        self.captures = False  # an earlier call found closure-captured tensors that require grad
         self._last: Optional[Tuple[Any, ...]] = None  # what stats describes, kept raw: it is rarely read
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -123,7 +125,7 @@ def _any_requires_grad(inputs: Inputs, func: Callable) -> bool:
     if not torch.is_grad_enabled():
         return False
     leaves = inputs.leaves + (tree_flatten(inputs.kwargs)[0] if inputs.kwargs else [])
-    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
+    if any(requires_grad(v) for v in leaves):
         return True
     return isinstance(func, torch.nn.Module) and any(p.requires_grad for p in func.parameters())
 

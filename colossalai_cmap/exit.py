@@ -6,20 +6,21 @@ but the round still runs: a failure anywhere must reach every rank.
 """
 
 import zlib
-from typing import Any, List, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from . import comm
 from .checks import check_table
 from .errors import CmapError
-from .layout import BATCHED, CONSTANT, replicated_checksums
+from .layout import BATCHED, replicated_checksums
 from .options import Options
 from .plan import CallPlan
 from .primitives import Exit, JoinSpec, Link, join, join_failed, joined
 from .protocol import Header, Kind, Round, Status
-from .rank import Failed, Inputs, Outputs
+from .entry import Inputs
+from .rank import Failed, Outputs
 from .roles import KEEP, SAME, Rows
 from .specs import unflatten
 

@@ -7,7 +7,7 @@ the digests, so ranks whose outputs differ in structure, per-example shape or dt
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import TreeSpec

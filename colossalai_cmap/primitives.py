@@ -17,7 +17,6 @@ import torch
 from . import faults, protocol
 from .errors import RankFailure
 from .groups import Group
-from .layout import digest
 from .protocol import Header, Kind, Round, Status
 from .roles import FIRST, KEEP, SAME, Role, Rows, is_rows, join_transpose, scatter_transpose, shifted
 from . import transfer
@@ -178,6 +177,17 @@ def _name(spec: JoinSpec) -> str:
 
 
 # --------------------------------------------------------------------------------------- differentiable versions
+def requires_grad(t: Any) -> bool:
+    """Whether ``t`` requires grad at any autograd level (a vmap wrapper hides its inner tensor's flag)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    while not t.requires_grad:
+        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+        t = torch._C._functorch.get_unwrapped(t)
+    return True
+
+
 def needs_function(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the Function machinery is needed: a derivative to track, or a function transform to obey."""
     if torch._C._functorch.maybe_current_level() is not None:
@@ -228,6 +238,7 @@ class Join(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         ctx.spec = inputs[0]
+        ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[1:]]  # zeros for a missing tangent
         _non_differentiable(ctx, output)
 
     @staticmethod
@@ -240,12 +251,10 @@ class Join(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, _: Any, *tangents: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
-        spec = ctx.spec
-        picked = [i for i, t in enumerate(tangents) if t is not None]
-        settled = spec.settled()
-        sub = JoinSpec(spec.link, tuple(settled[i] for i in picked), f"the tangents of {spec.what}")
-        out = Join.apply(sub, *[tangents[i] for i in picked]) if picked else ()
-        return _spread(picked, out, len(tangents))[1:]
+        # Every rank joins every tangent (zeros where one has none): a peer's may be set where this one's is not.
+        full = [t if t is not None else torch.zeros(s, dtype=d, device=v) for t, (s, d, v) in zip(tangents, ctx.like)]
+        sub = JoinSpec(ctx.spec.link, ctx.spec.settled(), f"the tangents of {ctx.spec.what}", sync=True)
+        return tuple(Join.apply(sub, *full))
 
     @staticmethod
     def vmap(info: Any, in_dims: Tuple[Optional[int], ...], spec: JoinSpec, *xs: torch.Tensor) -> Tuple[Any, Any]:

@@ -12,19 +12,20 @@ the status round, so every rank raises together. The steps:
    mapped inputs that func changed in place are noted, to be written back on every rank.
 """
 
+import contextlib
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec
 
-from . import closures, context, faults, protocol
+from . import bucket, closures, context, faults, protocol
+from .entry import Inputs, enter, tracking
 from .errors import RankFailure
 from .execute import Shard, rng_scope, run_shard
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .plan import CallPlan
-from .primitives import Link, ScatterSpec, scattered
-from .roles import COPY, KEEP, Rows
+from .primitives import Link, requires_grad
 from .specs import flatten, flatten_out_dims, normalise_out_dim
 
 
@@ -44,15 +45,6 @@ class Failed(NamedTuple):
     cause: BaseException
 
 
-class Inputs(NamedTuple):
-    """What the call was given: the flat positional leaves (whole, or this rank's with ``src`` set), the kwargs, and
-    with ``src=r`` the example an empty shard runs instead."""
-
-    leaves: List[Any]
-    kwargs: Dict[str, Any]
-    stand_in: Optional[List[Any]] = None
-
-
 def run_rank(
     cm: Any, plan: CallPlan, inputs: Inputs, link: Link, hint: Optional[OutLayout]
 ) -> Union[Outputs, Failed]:
@@ -63,7 +55,8 @@ def run_rank(
         if faults.ACTIVE:
             faults.check("args", group)
         owner, start = object(), torch._C._autograd._get_sequence_nr()
-        leaves, kwargs = _enter(opts, plan, inputs, link, owner)
+        entered = enter(opts, func, plan, inputs, link, owner)
+        leaves = entered.leaves
         empty, extra = plan.rows == 0 and plan.batch != 0, _extra_rows(opts, plan)
         if extra:
             leaves = _stand_in(opts, plan, inputs, leaves, extra)
@@ -72,7 +65,9 @@ def run_rank(
         shard = Shard(leaves, plan.dims, plan.spec, plan.rows + extra)
         if faults.ACTIVE:
             faults.check("func", group)
-        out = _run(cm, shard, kwargs, frame, seed, link)
+        intercept = _interceptor(cm, owner, start, link)
+        with bucket.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
+            out = _run(cm, shard, entered.kwargs, frame, seed, link)
         if faults.ACTIVE:
             faults.check("layout", group)
         flat, spec = flatten(out)
@@ -80,9 +75,20 @@ def run_rank(
         if extra:
             flat = [v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v for v, leaf in zip(flat, layout.leaves)]
         graph_sig = _record(opts, flat, layout, owner, start, link)
+        if graph_sig:  # closure-captured tensors reached the graph unseen: route them at first use from now on
+            cm.captures = True
         return Outputs(flat, spec, layout, empty, graph_sig, _mutated(versions, inputs.leaves, plan))
     except Exception as exc:  # every rank learns of it in the status round
         return Failed(RankFailure.from_exception(exc, group.rank, group.global_rank), exc)
+
+
+def _interceptor(cm: Any, owner: object, start: int, link: Link) -> Optional[closures.Interceptor]:
+    """The closure interceptor, where it can matter (:mod:`closures`)."""
+    if not (cm.options.differentiable and tracking()):
+        return None
+    if cm.captures or closures.may_capture(cm.func):
+        return closures.Interceptor(owner, start, link)
+    return None
 
 
 def _run(cm: Any, shard: Shard, kwargs: Dict[str, Any], frame: Any, seed: Optional[int], link: Link) -> Any:
@@ -97,44 +103,6 @@ def _run(cm: Any, shard: Shard, kwargs: Dict[str, Any], frame: Any, seed: Option
         context.SPLITTING.pop()
 
 
-def _enter(opts: Options, plan: CallPlan, inputs: Inputs, link: Link, owner: object) -> Tuple[List[Any], Dict]:
-    """This rank's leaves (views), with the tensors that require grad passing through one tagged ``Scatter``."""
-    leaves, kwargs = list(inputs.leaves), inputs.kwargs
-    cut = opts.src is None
-    if opts.differentiable and _tracking() and (kwargs or any(_requires_grad(v) for v in leaves)):
-        kw_leaves, kw_spec = tree_flatten(kwargs)
-        picked = [(True, i) for i, v in enumerate(leaves) if _requires_grad(v)]
-        picked += [(False, j) for j, v in enumerate(kw_leaves) if _requires_grad(v)]
-        if picked:
-            roles = tuple(_role(plan, i, cut) if is_arg else COPY for is_arg, i in picked)
-            tensors = [leaves[i] if is_arg else kw_leaves[i] for is_arg, i in picked]
-            entered = scattered(ScatterSpec(link, roles, owner), tensors)
-            for (is_arg, i), t in zip(picked, entered):
-                if is_arg:
-                    leaves[i] = t
-                else:
-                    kw_leaves[i] = t
-            kwargs = tree_unflatten(kw_leaves, kw_spec)
-    if opts.src is None:
-        for i in plan.mapped:
-            if leaves[i] is inputs.leaves[i]:  # not cut by the entry
-                leaves[i] = leaves[i].narrow(plan.dims[i], plan.offset, plan.rows)
-    return leaves, kwargs
-
-
-def _role(plan: CallPlan, i: int, cut: bool) -> Any:
-    d = plan.dims[i]
-    if d is None:
-        return COPY
-    return Rows(d, plan.sizes) if cut else KEEP
-
-
-def _tracking() -> bool:
-    return torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None
-
-
-def _requires_grad(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.requires_grad
 
 
 def _extra_rows(opts: Options, plan: CallPlan) -> int:
@@ -143,7 +111,7 @@ def _extra_rows(opts: Options, plan: CallPlan) -> int:
     if plan.batch == 0:
         return 0
     per_row = opts.mode == "loop" or opts.chunk_size is not None
-    if per_row and opts.axis_name is None and opts.differentiable and plan.sizes and _tracking():
+    if per_row and opts.axis_name is None and opts.differentiable and plan.sizes and tracking():
         return max(plan.sizes) - plan.rows
     return 1 if plan.rows == 0 else 0
 
@@ -163,7 +131,7 @@ def _stand_in(opts: Options, plan: CallPlan, inputs: Inputs, leaves: List[Any], 
             shape[d] = 1
             row = mine.new_zeros(shape)
         rows = row if extra == 1 else torch.cat([row] * extra, dim=d)
-        out[i] = torch.cat([mine, rows], dim=d) if mine.requires_grad or plan.rows else rows
+        out[i] = torch.cat([mine, rows], dim=d)  # mine carries the graph and the tangents, even with no rows
     return out
 
 
@@ -204,13 +172,13 @@ def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional
 
 def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: object, start: int, link: Link) -> int:
     """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
-    if not (opts.differentiable and torch.is_grad_enabled() and any(_requires_grad(v) for v in flat)):
+    if not (opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
         return 0
     if faults.ACTIVE:
         faults.check("record", link.group)
     for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
         # A replicated output that is itself a closure-captured tensor needs a node of this call to hook.
-        if leaf.kind == REPLICATED and _requires_grad(v) and (v.grad_fn is None or v.grad_fn._sequence_nr() < start):
+        if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or v.grad_fn._sequence_nr() < start):
             flat[i] = v.view_as(v)
     return closures.watch(flat, owner, start, link)
 

@@ -17,7 +17,8 @@ from .groups import Group, group_device
 from .layout import digest
 from .plan import CallPlan, split
 from .primitives import Link, not_differentiable
-from .rank import Failed, Inputs, run_rank
+from .entry import Inputs
+from .rank import Failed, run_rank
 from .roles import Rows
 from .specs import describe_arg, flatten_args, leaf_paths
 from .route import Item, offsets, typed
