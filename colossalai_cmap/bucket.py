@@ -57,7 +57,7 @@ def trainable(modules: List[nn.Module]) -> List[torch.Tensor]:
     seen: Dict[int, torch.Tensor] = {}
     for m in modules:
         for p in m.parameters():
-            if p.requires_grad:
+            if p.requires_grad and not p.is_meta:  # a meta module is a skeleton for functional_call
                 seen.setdefault(id(p), p)
     return list(seen.values())
 

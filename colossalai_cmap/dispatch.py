@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import comm, context, exit, stats
+from . import comm, context, exit, faults, stats
 from .errors import CmapError, RankFailure
 from .groups import Group, group_device, resolve_group
 from .options import Options, check_placement
@@ -56,6 +56,11 @@ class Cmapped:
         """What the last call did on this rank (:class:`~colossalai_cmap.stats.CallStats`); None before the first."""
         return None if self._last is None else stats.describe(*self._last)
 
+    @property
+    def cached_plans(self) -> int:
+        """How many argument signatures' plans this cmap keeps for repeated calls (at most 64)."""
+        return len(self.plans)
+
     def vmapped(self) -> Callable:
         """``torch.vmap(func, ...)`` with this cmap's options, built once (it costs a few microseconds)."""
         if self._vmapped is None:
@@ -70,6 +75,7 @@ def dispatch(cm: Cmapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         return run_local(cm, group, args, kwargs)
     comm.check_usable(group, cm.options.call)
     if isinstance(cm.options.src, int):
+        _checked(cm, group, args, lambda: check_placement(cm.options.call, "src", cm.options.src, group.size, ()))
         from .scatter import run_from_src
 
         return run_from_src(cm, group, args, kwargs)
@@ -95,10 +101,22 @@ def dispatch(cm: Cmapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
 
 def _plan(cm: Cmapped, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any], link: Link) -> Any:
     """Check the arguments and plan; a rank whose check fails tells every rank in the status round."""
-    try:
+
+    def plan() -> Any:
         check_placement(cm.options.call, "dst", cm.options.dst, group.size, (-1, "local"))
         return make_plan(cm.options, cm.func, group, args, kwargs)
+
+    return _checked(cm, group, args, plan, link)
+
+
+def _checked(cm: Cmapped, group: Group, args: Tuple[Any, ...], check: Callable, link: Optional[Link] = None) -> Any:
+    """``check()``, or if it raises here, the status round in which every rank learns of it, and raise."""
+    try:
+        return check()
     except Exception as exc:
+        if link is None:
+            device = group_device(group, _first_device(tree_flatten(args)[0]))
+            link = Link(group, device, cm.options.call, cm.options.timeout)
         failure = RankFailure.from_exception(exc, group.rank, group.global_rank)
         join_failed(JoinSpec(link, (), kind=Kind.STATUS), failure, exc)
 
@@ -144,6 +162,9 @@ def run_local(cm: Cmapped, group: Group, args: Tuple[Any, ...], kwargs: Dict[str
     log = stats.open_log()
     try:
         opts = cm.options
+        if faults.ACTIVE:
+            faults.check("args", group)
+            faults.check("func", group)
         if opts.mode == "vmap" and opts.axis_name is None and opts.chunk_size is None:
             return cm.vmapped()(*args, **kwargs)
         return _local_shard(cm, args, kwargs)

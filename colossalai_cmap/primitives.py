@@ -273,6 +273,7 @@ class Scatter(torch.autograd.Function):
         ctx.spec = inputs[0]
         if inputs[0].owner is not None:
             ctx._cmap_owner = inputs[0].owner
+        ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
         _non_differentiable(ctx, output)
 
     @staticmethod
