@@ -126,14 +126,19 @@ class Interceptor(TorchFunctionMode):
     def _one(self, v: Any) -> Any:
         if not requires_grad(v):
             return v
-        if torch._C._functorch.maybe_get_level(v) > self.level:
-            return v  # a wrapper made inside this call
-        node = v.grad_fn
-        if node is not None and node._sequence_nr() >= self.start:
-            return v  # made in this call
+        if torch._C._functorch.maybe_get_level(v) > self.level or self._made_here(v):
+            return v
         found = self.aliases.get(id(v))
         if found is None or found[0] is not v:
             with torch._C.DisableTorchFunction():
                 alias = scattered(ScatterSpec(self.link, (COPY,), self.owner), [v])[0]
             found = self.aliases[id(v)] = (v, alias)
         return found[1]
+
+    def _made_here(self, v: torch.Tensor) -> bool:
+        """Whether some level of ``v`` has an autograd node made during this call (the entry's outputs too)."""
+        for t in _levels(v):
+            node = t.grad_fn
+            if node is not None:
+                return node._sequence_nr() >= self.start
+        return False

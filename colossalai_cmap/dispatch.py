@@ -42,7 +42,8 @@ class Cmapped:
         self.options = options
         self.plans = PlanCache()
         self._vmapped: Optional[Callable] = None
-        self.captures = False  # an earlier call found closure-captured tensors that require grad
+        # Whether the last call that tracked gradients met closure-captured tensors (None: no such call yet).
+        self.captures: Optional[bool] = None
         self._last: Optional[Tuple[Any, ...]] = None  # what stats describes, kept raw: it is rarely read
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -16,20 +16,10 @@ import torch
 
 from . import faults, protocol
 from .errors import RankFailure
-from .groups import Group
-from .protocol import Header, Kind, Round, Status
+from .protocol import Header, Kind, Link, Round, Status
 from .roles import FIRST, KEEP, SAME, Role, Rows, is_rows, join_transpose, scatter_transpose, shifted
 from . import transfer
 from .route import pack, unpack
-
-
-class Link(NamedTuple):
-    """Where a primitive communicates, and how its errors are named."""
-
-    group: Group
-    device: torch.device
-    call: str
-    timeout: Optional[float]
 
 
 class Exit(NamedTuple):
@@ -90,7 +80,7 @@ def join(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torc
     link = spec.link
     group = link.group
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
-    rt = protocol.route(group, link.device, (spec.what, spec.roles, sizes), tensors)
+    rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -107,7 +97,7 @@ def join(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torc
         failure, cause = RankFailure.from_exception(exc, group.rank, group.global_rank), exc
     rnd = _round(spec, _header(spec, rt, failure))
     if rnd.failed:
-        protocol.raise_failures(rnd, failure, group, _name(spec), cause, link.timeout, link.device)
+        protocol.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)))
     if spec.exit is not None:
         spec.exit.check(rnd)
     if rt.items:
@@ -121,7 +111,7 @@ def _settle(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor]
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = protocol.route(link.group, link.device, (spec.what, spec.roles, sizes), tensors)
+        rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors)
         if not rnd.inline:
             prep = transfer.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
@@ -139,8 +129,8 @@ def join_failed(spec: JoinSpec, failure: RankFailure, cause: BaseException) -> N
     """This rank's side of a call's exit when func raised here: the same round, then every rank raises."""
     link = spec.link
     header = Header(Kind.STATUS, Status.FAILED, inline=1)
-    rnd = protocol.status_round(link.group, header, link.device, link.call, link.timeout)
-    protocol.raise_failures(rnd, failure, link.group, link.call, cause, link.timeout, link.device)
+    rnd = protocol.status_round(link, header)
+    protocol.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 
 
@@ -168,8 +158,8 @@ def _header(spec: JoinSpec, rt: Any, failure: Any) -> Header:
 def _round(spec: JoinSpec, header: Header) -> Round:
     link = spec.link
     if spec.kind == Kind.STATUS:
-        return protocol.status_round(link.group, header, link.device, link.call, link.timeout)
-    return protocol.checked_round(link.group, header, link.device, _name(spec), link.timeout, what=spec.what)
+        return protocol.status_round(link, header)
+    return protocol.checked_round(link, header, spec.what)
 
 
 def _name(spec: JoinSpec) -> str:

@@ -31,6 +31,15 @@ PAYLOAD_BYTES = max(16, int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")
 ROUND_BYTES = HEADER_BYTES + PAYLOAD_BYTES
 
 
+class Link(NamedTuple):
+    """Where an exchange communicates, and how its errors are named."""
+
+    group: Group
+    device: torch.device
+    call: str
+    timeout: Optional[float]
+
+
 class Kind(IntEnum):
     STATUS = 1
     OP = 2
@@ -115,79 +124,52 @@ def _buffers(group: Group, device: torch.device) -> _Buffers:
 _ROUTES_MAX = 512
 
 
-def route(group: Group, device: torch.device, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor]) -> Route:
+def route(link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor]) -> Route:
     """The route of an exchange on this group (:mod:`route`), kept with the group's round buffers."""
-    buf = _buffers(group, device)
+    buf = _buffers(link.group, link.device)
     if len(buf.routes) > _ROUTES_MAX:
         buf.routes.clear()
-    return routes.route(buf.routes, group.rank, (buf.payload, buf.payloads), key, tensors)
+    return routes.route(buf.routes, link.group.rank, (buf.payload, buf.payloads), key, tensors)
 
 
-def exchange(
-    group: Group,
-    header: Header,
-    device: torch.device,
-    call: str,
-    timeout: Optional[float],
-) -> Round:
-    """One round: every rank's header and payload (packed beforehand into :func:`payload`)."""
-    buf = _buffers(group, device)
+def exchange(link: Link, header: Header) -> Round:
+    """One round: every rank's header and payload (packed beforehand, through a :class:`Route`)."""
+    buf = _buffers(link.group, link.device)
     buf.write_header(header)
-    comm.all_gather_into(buf.recv.view(-1), buf.send, group, call, timeout)
+    comm.all_gather_into(buf.recv.view(-1), buf.send, link.group, link.call, link.timeout)
     return Round(buf.read_table(), buf.payloads)
 
 
-def status_round(
-    group: Group,
-    header: Header,
-    device: torch.device,
-    call: str,
-    timeout: Optional[float],
-) -> Round:
+def status_round(link: Link, header: Header) -> Round:
     """The end-of-shard round; repeats while a peer is still in an ``OP`` or ``GRAD`` round (it gives that up)."""
     while True:
-        rnd = exchange(group, header, device, call, timeout)
+        rnd = exchange(link, header)
         if all(h.kind == Kind.STATUS for h in rnd.table):
             return rnd
 
 
-def checked_round(
-    group: Group,
-    header: Header,
-    device: torch.device,
-    call: str,
-    timeout: Optional[float],
-    what: str = "collective",
-) -> Round:
+def checked_round(link: Link, header: Header, what: str) -> Round:
     """An ``OP`` or ``GRAD`` round: every rank must be at the same collective (same ``digest``)."""
-    rnd = exchange(group, header, device, call, timeout)
+    rnd = exchange(link, header)
     away = [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
     if away and header.kind == Kind.OP:
         raise CollectiveAborted(_away_in_func(what, away))
     if away:
-        raise CmapError(_away_in_backward(call, what, away))
+        raise CmapError(_away_in_backward(link.call, what, away))
     if len({h.digest for h in rnd.table}) != 1:
         if header.kind == Kind.OP:
             raise CollectiveAborted(_mismatch(what, rnd))
-        raise CmapError(f"{call}: {_mismatch(what, rnd)}")
+        raise CmapError(f"{link.call}: {_mismatch(what, rnd)}")
     return rnd
 
 
-def raise_failures(
-    rnd: Round,
-    failure: Optional[RankFailure],
-    group: Group,
-    call: str,
-    cause: Optional[BaseException],
-    timeout: Optional[float],
-    device: torch.device,
-) -> None:
+def raise_failures(rnd: Round, failure: Optional[RankFailure], cause: Optional[BaseException], link: Link) -> None:
     """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``."""
     if not rnd.failed:
         return
-    failures = [f for f in comm.all_gather_object(failure, group, call, timeout, device) if f is not None]
+    failures = [f for f in comm.all_gather_object(failure, link.group, link.call, link.timeout, link.device) if f]
     real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
-    raise CmapError.from_failures(call, real or failures, group.rank) from cause
+    raise CmapError.from_failures(link.call, real or failures, link.group.rank) from cause
 
 
 def _away_in_func(what: str, away: list) -> str:

@@ -75,20 +75,21 @@ def run_rank(
         if extra:
             flat = [v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v for v, leaf in zip(flat, layout.leaves)]
         graph_sig = _record(opts, flat, layout, owner, start, link)
-        if graph_sig:  # closure-captured tensors reached the graph unseen: route them at first use from now on
-            cm.captures = True
+        if intercept is not None or graph_sig:  # what this call found decides whether the next one intercepts
+            cm.captures = bool(graph_sig or (intercept is not None and intercept.aliases))
         return Outputs(flat, spec, layout, empty, graph_sig, _mutated(versions, inputs.leaves, plan))
     except Exception as exc:  # every rank learns of it in the status round
         return Failed(RankFailure.from_exception(exc, group.rank, group.global_rank), exc)
 
 
 def _interceptor(cm: Any, owner: object, start: int, link: Link) -> Optional[closures.Interceptor]:
-    """The closure interceptor, where it can matter (:mod:`closures`)."""
+    """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
+    no closure-captured tensor at all, and func's closures hold none now."""
     if not (cm.options.differentiable and tracking()):
         return None
-    if cm.captures or closures.may_capture(cm.func):
-        return closures.Interceptor(owner, start, link)
-    return None
+    if cm.captures is False and not closures.may_capture(cm.func):
+        return None
+    return closures.Interceptor(owner, start, link)
 
 
 def _run(cm: Any, shard: Shard, kwargs: Dict[str, Any], frame: Any, seed: Optional[int], link: Link) -> Any:
@@ -146,7 +147,7 @@ def _frame_and_seed(
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
     if need_sizes or opts.randomness == "same":
         header = protocol.Header(protocol.Kind.OP, rows=plan.rows, input_sig=seed or 0, digest=1)
-        rnd = protocol.checked_round(link.group, header, link.device, link.call, link.timeout, what="the call's start")
+        rnd = protocol.checked_round(link, header, "the call's start")
         sizes = tuple(h.rows for h in rnd.table) if need_sizes else sizes
         seed = rnd.table[0].input_sig if opts.randomness == "same" else seed
     if opts.randomness == "different":
