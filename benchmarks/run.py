@@ -1,9 +1,15 @@
-"""The colossalai-cmap benchmark suite (issue 7, DESIGN.md §4): cmap against hand-written torch.distributed code and
-against single-process ``torch.vmap``, as ratios measured side by side in one run.
+"""The colossalai-cmap benchmark suite: cmap against hand-written torch.distributed code and against single-process
+``torch.vmap``, as ratios measured side by side in one run.
 
 Run it as ``python benchmarks/run.py`` (``make bench``). It launches its own gloo worlds of P = 2 and P = 4 processes
-on 127.0.0.1 (and a world of one process for the small cases, which isolates cmap's software overhead) (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), prints a table, writes
-``benchmarks/results.json`` and renders ``docs/performance.md`` with its plots (``benchmarks/render.py``).
+on 127.0.0.1 (and a world of one process for the small cases, which isolates cmap's software overhead)
+(``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), prints a table, writes ``benchmarks/results.json`` and renders
+``docs/performance.md`` with its plots (``benchmarks/render.py``). ``python benchmarks/run.py --quick`` is a smoke
+test: every case with a few repetitions, its results and rendered docs written to a temporary folder.
+
+What cmap sends: every call makes one fixed-size status round, an all_gather of a 96-byte header plus a 256-byte
+payload per rank. Outputs that fit in the payload ride in it (one collective per call); larger outputs take a second
+collective (with ``dst=-1``, one all_gather of the padded rows straight into the result buffer).
 
 How time is measured (also written into results.json):
 
@@ -11,10 +17,12 @@ How time is measured (also written into results.json):
   ``cmap`` (``dst=-1``, ``src=None``); ``baseline`` (narrow the shard, ``torch.vmap``, one
   ``all_gather_into_tensor`` into an output allocated for that call; uneven B: pad the send to the largest shard
   and cut the padding out with one ``torch.cat`` of views); ``baseline+status`` (the baseline plus one int64
-  all_gather of a 5-field header and a ``.tolist()``, i.e. what cmap's status exchange costs); ``gather_only``
-  (only the baseline's communication, of a precomputed shard); ``vmap_full`` (single-process ``torch.vmap`` on the
-  whole batch, timed on rank 0 while the other ranks wait in a barrier, which costs no CPU on gloo) and
-  ``vmap_shard`` (``torch.vmap`` on rank 0's shard alone, same protocol).
+  all_gather of a 5-field header and a ``.tolist()``, i.e. what a second, small status collective costs);
+  ``fused_header`` (one all_gather of a 96-byte int64 header and the padded rows packed into one byte buffer, the
+  header table read back and the rows cut out with one ``torch.cat``: the leanest one-collective design that still
+  carries every rank's status); ``gather_only`` (only the baseline's communication, of a precomputed shard);
+  ``vmap_full`` (single-process ``torch.vmap`` on the whole batch, timed on rank 0 while the other ranks wait in a
+  barrier, which costs no CPU on gloo) and ``vmap_shard`` (``torch.vmap`` on rank 0's shard alone, same protocol).
 * One timed block = ``dist.barrier()``, then ``inner`` back-to-back calls timed with ``time.perf_counter`` on every
   rank; the block time is the maximum over ranks, divided by ``inner``. The reported time is the median over the
   repetitions (after warm-up blocks that are not timed).
@@ -70,7 +78,6 @@ import torch.multiprocessing as mp  # noqa: E402
 from common import fmt_bytes, goal_for  # noqa: E402
 
 import colossalai_cmap  # noqa: E402
-from colossalai_cmap import comm as cmap_comm  # noqa: E402
 
 VARIANTS = ("cmap", "baseline", "baseline+status", "fused_header", "gather_only", "vmap_full", "vmap_shard")
 RANK0_ONLY = ("vmap_full", "vmap_shard")
