@@ -21,35 +21,60 @@ except ImportError:  # pragma: no cover - other torch versions: the closure walk
     _reparametrize_module = None
 
 
-def modules_of(func: Callable) -> List[nn.Module]:
-    """The modules ``func`` names directly, each once."""
+class References:
+    """Where the values func names directly live: itself, a bound method's instance, partial arguments, closure
+    cells, and the globals its code reads. Found once, when the cmap is made; read at each call, so a rebound cell or
+    global is seen. Only slots that held a tensor, a module or a container when the cmap was made are kept (others,
+    such as the ``torch`` module, cost nothing per call); anything else reaches the closure walk."""
+
+    def __init__(self, func: Callable) -> None:
+        self.fixed: List[Any] = []
+        self.cells: List[Any] = []
+        self.names: List[str] = []
+        self.namespace: Dict[str, Any] = {}
+        self._find(func)
+
+    def _find(self, func: Any) -> None:
+        self.fixed += [v for v in (func, getattr(func, "__self__", None)) if isinstance(v, nn.Module)]
+        if isinstance(func, functools.partial):
+            self.fixed += [v for v in (*func.args, *func.keywords.values()) if _kept(v)]
+            self._find(func.func)
+            return
+        self.cells += [c for c in getattr(func, "__closure__", None) or () if _kept(_contents(c))]
+        code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+        if code is not None and namespace is not None:
+            self.namespace = namespace
+            self.names = [n for n in code.co_names if _kept(namespace.get(n))]
+
+    def __bool__(self) -> bool:
+        return bool(self.fixed or self.cells or self.names)
+
+    def values(self) -> Iterator[Any]:
+        yield from self.fixed
+        yield from (_contents(c) for c in self.cells)
+        yield from (self.namespace.get(n) for n in self.names)
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _kept(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict))
+
+
+def modules_of(refs: References) -> List[nn.Module]:
+    """The modules func names directly, each once."""
     if _reparametrize_module is None:
         return []
     found: Dict[int, nn.Module] = {}
-    for value in referenced(func):
+    for value in refs.values():
         if isinstance(value, nn.Module):
             found.setdefault(id(value), value)
     return list(found.values())
-
-
-def referenced(func: Any) -> Iterator[Any]:
-    """What func names directly: itself, a bound method's instance, closure cells, partial arguments, globals."""
-    yield func
-    if isinstance(func, functools.partial):
-        yield from referenced(func.func)
-        yield from func.args
-        yield from func.keywords.values()
-        return
-    yield getattr(func, "__self__", None)
-    code = getattr(func, "__code__", None)
-    for cell in getattr(func, "__closure__", None) or ():
-        try:
-            yield cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-    if code is not None:
-        names = getattr(func, "__globals__", {})
-        yield from (names[n] for n in code.co_names if n in names)
 
 
 def trainable(modules: List[nn.Module]) -> List[torch.Tensor]:

@@ -62,9 +62,7 @@ def _replicated_error(opts: Options, seen: Sequence[Any]) -> CmapError:
     """An out_dims=None output differs across ranks (found by check_inputs): name it and each rank's checksum."""
     sums = [(r, dict(checksums)) for r, checksums in enumerate(seen) if checksums]
     bad = [i for i in sums[0][1] if len({s.get(i) for _, s in sums}) > 1]
-    detail = "; ".join(
-        f"output leaf {i}: " + ", ".join(f"rank {r} crc32 {s[i]:#010x}" for r, s in sums) for i in bad
-    )
+    detail = "; ".join(f"output leaf {i}: " + ", ".join(f"rank {r} crc32 {s[i]:#010x}" for r, s in sums) for i in bad)
     return CmapError(
         f"{opts.call}: an output declared replicated (out_dims=None) is not the same on every rank ({detail}). "
         f"out_dims=None promises one value shared by every example, such as the result of a psum; give the output an "

@@ -20,12 +20,12 @@ Every rank builds the same graph (an empty shard runs a stand-in example), so en
 order on every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
 """
 
-from typing import Any, Callable, Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .bucket import referenced
+from .bucket import References
 from .layout import digest
 from .primitives import JoinSpec, Link, ScatterSpec, joined, requires_grad, scattered
 from .roles import COPY
@@ -92,9 +92,11 @@ _SKIP = {torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, to
 _ACCESSORS = ("__get__", "__set__")
 
 
-def may_capture(func: Callable) -> bool:
+def may_capture(refs: References) -> bool:
     """Whether func's closures, globals or partial arguments hold a tensor that requires grad (one level deep)."""
-    for value in referenced(func):
+    if not refs:
+        return False
+    for value in refs.values():
         values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
         if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
             return True

@@ -108,7 +108,9 @@ def _apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
         out = _gather(x, name) if op == "gather" else _reduce(x, name, op)
         return out.unsqueeze(0).expand(x.shape[0], *out.shape)
     if frame.mode == "loop" and not _is_batched(x):
-        return frame.loop.run(x, lambda stacked: _gather(stacked, name) if op == "gather" else _reduce(stacked, name, op))
+        return frame.loop.run(
+            x, lambda stacked: _gather(stacked, name) if op == "gather" else _reduce(stacked, name, op)
+        )
     return _Batched.apply(x, name, op)
 
 

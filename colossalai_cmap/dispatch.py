@@ -16,14 +16,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import comm, context, exit, faults, stats
+from . import bucket, comm, context, exit, faults, stats
+from .entry import Inputs
 from .errors import CmapError, RankFailure
 from .groups import Group, group_device, resolve_group
 from .options import Options, check_placement
 from .plan import FastPath, PlanCache, key_of, make_plan
 from .primitives import JoinSpec, Link, join_failed, not_differentiable, requires_grad
 from .protocol import Kind
-from .entry import Inputs
 from .rank import run_rank
 from .specs import flatten, flatten_args
 
@@ -41,6 +41,7 @@ class Cmapped:
         self.func = func
         self.options = options
         self.plans = PlanCache()
+        self.refs = bucket.References(func)  # where func's closures and globals live (closure handling)
         self._vmapped: Optional[Callable] = None
         # Whether the last call that tracked gradients met closure-captured tensors (None: no such call yet).
         self.captures: Optional[bool] = None
@@ -66,7 +67,9 @@ class Cmapped:
         """``torch.vmap(func, ...)`` with this cmap's options, built once (it costs a few microseconds)."""
         if self._vmapped is None:
             o = self.options
-            self._vmapped = torch.vmap(self.func, o.in_dims, o.out_dims, randomness=o.randomness, chunk_size=o.chunk_size)
+            self._vmapped = torch.vmap(
+                self.func, o.in_dims, o.out_dims, randomness=o.randomness, chunk_size=o.chunk_size
+            )
         return self._vmapped
 
 

@@ -6,7 +6,7 @@ inputs are gathered, the gradients of unmapped inputs, keyword tensors and the p
 (:mod:`bucket`) are summed over the group. The tag is where the closure walk (:mod:`closures`) stops.
 """
 
-from typing import Any, Callable, Dict, List, NamedTuple
+from typing import Any, Dict, List, NamedTuple
 
 import torch
 from torch import nn
@@ -37,12 +37,12 @@ class Entered(NamedTuple):
     aliases: Dict[int, torch.Tensor]  # id of a parameter -> its value through the entry
 
 
-def enter(opts: Options, func: Callable, plan: CallPlan, inputs: Inputs, link: Link, owner: object) -> Entered:
+def enter(opts: Options, refs: bucket.References, plan: CallPlan, inputs: Inputs, link: Link, owner: object) -> Entered:
     leaves, kwargs, modules, aliases = list(inputs.leaves), inputs.kwargs, [], {}
     if opts.differentiable and tracking():
         kw_leaves, kw_spec = tree_flatten(kwargs) if kwargs else ([], None)
-        modules = bucket.modules_of(func)
-        params = bucket.trainable(modules)
+        modules = bucket.modules_of(refs) if refs else []
+        params = bucket.trainable(modules) if modules else []
         picked = [(leaves, i, _role(opts, plan, i)) for i, v in enumerate(leaves) if requires_grad(v)]
         picked += [(kw_leaves, j, COPY) for j, v in enumerate(kw_leaves) if requires_grad(v)]
         if picked or params:
@@ -69,5 +69,3 @@ def _role(opts: Options, plan: CallPlan, i: int) -> Role:
 
 def tracking() -> bool:
     return torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None
-
-

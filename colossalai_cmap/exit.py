@@ -13,13 +13,13 @@ from torch.utils._pytree import tree_flatten
 
 from . import comm
 from .checks import check_table
+from .entry import Inputs
 from .errors import CmapError
 from .layout import BATCHED, replicated_checksums
 from .options import Options
 from .plan import CallPlan
 from .primitives import Exit, JoinSpec, Link, join, join_failed, joined
 from .protocol import Header, Kind, Round, Status
-from .entry import Inputs
 from .rank import Failed, Outputs
 from .roles import KEEP, SAME, Rows
 from .specs import unflatten
@@ -49,7 +49,14 @@ def finish(opts: Options, plan: CallPlan, result: Any, inputs: Inputs, link: Lin
     out: Outputs = result
     tensors = out.layout.tensors
     check = ExitCheck(opts, out, link)
-    spec = JoinSpec(link, _roles(opts, plan, out, tensors), "the outputs", Kind.STATUS, _dst(opts), _exit(opts, plan, out, inputs, check))
+    spec = JoinSpec(
+        link,
+        _roles(opts, plan, out, tensors),
+        "the outputs",
+        Kind.STATUS,
+        _dst(opts),
+        _exit(opts, plan, out, inputs, check),
+    )
     values = [out.flat[i] for i in tensors]
     got = join(spec, values) if isinstance(opts.dst, int) and opts.dst != -1 else joined(spec, values)
     mask = 0

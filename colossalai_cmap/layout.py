@@ -12,7 +12,6 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import TreeSpec
 
-
 BATCHED, REPLICATED, CONSTANT = "batched", "replicated", "constant"
 
 

@@ -68,7 +68,11 @@ def make_plan(opts: Options, func: Callable, group: Group, args: Tuple[Any, ...]
 
 
 def _input_sig(
-    opts: Options, spec: TreeSpec, leaves: Sequence[Any], dims: Sequence[Optional[int]], kwargs: Dict[str, Any],
+    opts: Options,
+    spec: TreeSpec,
+    leaves: Sequence[Any],
+    dims: Sequence[Optional[int]],
+    kwargs: Dict[str, Any],
     keep_batch: bool,
 ) -> int:
     parts: List[Any] = [spec, opts.mode]

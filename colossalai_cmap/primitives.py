@@ -14,11 +14,10 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import faults, protocol
+from . import faults, protocol, transfer
 from .errors import RankFailure
 from .protocol import Header, Kind, Link, Round, Status
 from .roles import FIRST, KEEP, SAME, Role, Rows, is_rows, join_transpose, scatter_transpose, shifted
-from . import transfer
 from .route import pack, unpack
 
 

@@ -45,17 +45,15 @@ class Failed(NamedTuple):
     cause: BaseException
 
 
-def run_rank(
-    cm: Any, plan: CallPlan, inputs: Inputs, link: Link, hint: Optional[OutLayout]
-) -> Union[Outputs, Failed]:
+def run_rank(cm: Any, plan: CallPlan, inputs: Inputs, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
     """This rank's part of the call with ``plan``, for the cmap ``cm``; never raises."""
-    opts, func = cm.options, cm.func
+    opts = cm.options
     group = link.group
     try:
         if faults.ACTIVE:
             faults.check("args", group)
         owner, start = object(), torch._C._autograd._get_sequence_nr()
-        entered = enter(opts, func, plan, inputs, link, owner)
+        entered = enter(opts, cm.refs, plan, inputs, link, owner)
         leaves = entered.leaves
         empty, extra = plan.rows == 0 and plan.batch != 0, _extra_rows(opts, plan)
         if extra:
@@ -66,14 +64,20 @@ def run_rank(
         if faults.ACTIVE:
             faults.check("func", group)
         intercept = _interceptor(cm, owner, start, link)
-        with bucket.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
+        if entered.aliases or intercept is not None:
+            with bucket.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
+                out = _run(cm, shard, entered.kwargs, frame, seed, link)
+        else:
             out = _run(cm, shard, entered.kwargs, frame, seed, link)
         if faults.ACTIVE:
             faults.check("layout", group)
         flat, spec = flatten(out)
         layout = layout_of(opts, flat, spec, hint)
         if extra:
-            flat = [v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v for v, leaf in zip(flat, layout.leaves)]
+            flat = [
+                v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v
+                for v, leaf in zip(flat, layout.leaves)
+            ]
         graph_sig = _record(opts, flat, layout, owner, start, link)
         if intercept is not None or graph_sig:  # what this call found decides whether the next one intercepts
             cm.captures = bool(graph_sig or (intercept is not None and intercept.aliases))
@@ -87,7 +91,7 @@ def _interceptor(cm: Any, owner: object, start: int, link: Link) -> Optional[clo
     no closure-captured tensor at all, and func's closures hold none now."""
     if not (cm.options.differentiable and tracking()):
         return None
-    if cm.captures is False and not closures.may_capture(cm.func):
+    if cm.captures is False and not closures.may_capture(cm.refs):
         return None
     return closures.Interceptor(owner, start, link)
 
@@ -102,8 +106,6 @@ def _run(cm: Any, shard: Shard, kwargs: Dict[str, Any], frame: Any, seed: Option
             return run_shard(opts, cm.func, shard, kwargs, frame)
     finally:
         context.SPLITTING.pop()
-
-
 
 
 def _extra_rows(opts: Options, plan: CallPlan) -> int:

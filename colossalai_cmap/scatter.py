@@ -12,16 +12,16 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import comm, exit, faults, stats
+from .entry import Inputs
 from .errors import CmapError, RankFailure
 from .groups import Group, group_device
 from .layout import digest
 from .plan import CallPlan, split
 from .primitives import Link, not_differentiable
-from .entry import Inputs
 from .rank import Failed, run_rank
 from .roles import Rows
-from .specs import describe_arg, flatten_args, leaf_paths
 from .route import Item, offsets, typed
+from .specs import describe_arg, flatten_args, leaf_paths
 from .transfer import pack_padded
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
@@ -31,7 +31,9 @@ def run_from_src(cm: Any, group: Group, args: Tuple[Any, ...], kwargs: Dict[str,
     opts = cm.options
     log, plan = stats.open_log(), None
     try:
-        device = group_device(group, next((v.device for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor)), None))
+        device = group_device(
+            group, next((v.device for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor)), None)
+        )
         link = Link(group, device, opts.call, opts.timeout)
         plan, inputs, failure = _receive(cm, group, args, kwargs, link)
         grad = torch.is_grad_enabled() and any(v.requires_grad for v in tree_flatten(args)[0] if torch.is_tensor(v))

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import (
+    TreeSpec,
+    _broadcast_to_and_flatten,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 Dim = Optional[int]
 

@@ -54,7 +54,9 @@ def prepare(
         recv = torch.empty((group.size, send.numel()), dtype=torch.uint8, device=device) if receives else None
         if receives:
             total = sum(sizes)
-            results.update({it.index: torch.empty(it.rows_shape(total), dtype=it.dtype, device=device) for it in gathered})
+            results.update(
+                {it.index: torch.empty(it.rows_shape(total), dtype=it.dtype, device=device) for it in gathered}
+            )
     flats = {key: _flat(found, tensors) for key, found in _by_op(items).items()}
     return Prepared(tuple(items), tuple(sizes), results, send, recv, flats)
 

@@ -44,7 +44,10 @@ def check_repeated_calls_match_vmap():
                     continue
                 assert_same(actual, expected, True, f"{name} B={B}")
                 if call == 0:
-                    first = (actual, torch.utils._pytree.tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, expected))
+                    first = (
+                        actual,
+                        torch.utils._pytree.tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, expected),
+                    )
             if first is not None:  # later calls reuse the round buffers: the first result must be untouched
                 assert_same(first[0], first[1], True, f"{name} B={B}, first call")
     return fast

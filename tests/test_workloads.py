@@ -84,7 +84,9 @@ def neural_tangent_kernel(mapper):
 
     jac1 = mapper(jacrev(fnet_single), (None, 0))(params, x1)
     jac2 = mapper(jacrev(fnet_single), (None, 0))(params, x2)
-    blocks = [torch.einsum("Naf,Mbf->NMab", j1.flatten(2), j2.flatten(2)) for j1, j2 in zip(jac1.values(), jac2.values())]
+    blocks = [
+        torch.einsum("Naf,Mbf->NMab", j1.flatten(2), j2.flatten(2)) for j1, j2 in zip(jac1.values(), jac2.values())
+    ]
     return torch.stack(blocks).sum(0)
 
 
