@@ -55,6 +55,17 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, call: st
     _wait(dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True), group, call, "all_gather", timeout)
 
 
+def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Any:
+    """An all-gather left in flight, to wait for with :func:`finish` (data sent together with a round)."""
+    stats.note("all_gather", inp.numel() * inp.element_size())
+    return dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True)
+
+
+def finish(work: Any, group: Group, call: str, timeout: Optional[float]) -> None:
+    """Wait, with the bound, for a collective :func:`issue_all_gather` left in flight."""
+    _wait(work, group, call, "all_gather", timeout)
+
+
 def gather_to(
     inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:

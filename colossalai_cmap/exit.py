@@ -97,7 +97,8 @@ def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Inputs, check: Ex
         if not out.empty:
             values = zlib.crc32(repr(replicated_checksums(out.flat, out.layout)).encode()) or 1
     status = Status.EMPTY if out.empty else Status.OK
-    return Exit(status, input_sig, out.layout.digest, plan.batch, out.graph_sig, out.mutated, values, check)
+    early = opts.axis_name is None  # no collective inside func that a peer could still be waiting in
+    return Exit(status, input_sig, out.layout.digest, plan.batch, out.graph_sig, out.mutated, values, early, check)
 
 
 def _content(leaves: Sequence[Any]) -> bytes:

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import faults, protocol, transfer
+from .channel import channel
 from .errors import RankFailure
 from .protocol import Header, Kind, Link, Round, Status
 from .roles import FIRST, KEEP, SAME, Role, Rows, is_rows, join_transpose, scatter_transpose, shifted
@@ -31,6 +32,7 @@ class Exit(NamedTuple):
     graph_sig: int
     flags: int
     values: int
+    early: bool  # data may be sent right behind the status round (no collective inside func can be pending)
     check: Callable[[Round], None]  # raises on ranks that disagree; also keeps the table for the caller
 
 
@@ -94,14 +96,33 @@ def join(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torc
             prep = transfer.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = RankFailure.from_exception(exc, group.rank, group.global_rank), exc
-    rnd = _round(spec, _header(spec, rt, failure))
+    ch = channel(group, link.device)
+    if spec.kind == Kind.GRAD and torch._C._current_graph_task_id() >= 0:
+        _unsettle(ch)
+    early = transfer.early(prep, ch, group) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
+    rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
+    if spec.exit is not None:
+        transfer.meet_early(rnd, ch, link)
     if rnd.failed:
         protocol.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)))
     if spec.exit is not None:
         spec.exit.check(rnd)
     if rt.items:
         results = _settle(spec, rt, rnd, tensors, prep)
+    if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
+        ch.unsettled, ch.last_data = False, transfer.early_shape(prep) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
+
+
+def _unsettle(ch: Any) -> None:
+    """Inside a backward: until it finishes, a peer may be left waiting in one of its exchanges if this rank's
+    backward raises, so this rank must not send data ahead of its next round."""
+    ch.unsettled = True
+
+    def settled() -> None:
+        ch.unsettled = False
+
+    torch.autograd.Variable._execution_engine.queue_callback(settled)
 
 
 def _settle(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:
@@ -110,11 +131,13 @@ def _settle(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor]
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors)
+        rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors, rnd)
         if not rnd.inline:
             prep = transfer.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
         return unpack(rt, spec.dst in (-1, link.group.rank))
+    if all(h.early for h in rnd.table):
+        return transfer.taken_early(prep)
     return transfer.finish(prep, link.group, spec.dst, link.call, link.timeout)
 
 
@@ -129,11 +152,12 @@ def join_failed(spec: JoinSpec, failure: RankFailure, cause: BaseException) -> N
     link = spec.link
     header = Header(Kind.STATUS, Status.FAILED, inline=1)
     rnd = protocol.status_round(link, header)
+    transfer.meet_early(rnd, channel(link.group, link.device), link)
     protocol.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 
 
-def _header(spec: JoinSpec, rt: Any, failure: Any) -> Header:
+def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Header:
     status = Status.FAILED if failure is not None else Status.OK
     ex = spec.exit
     if ex is None:
@@ -151,13 +175,14 @@ def _header(spec: JoinSpec, rt: Any, failure: Any) -> Header:
         ex.graph_sig,
         ex.flags,
         ex.values,
+        int(early),
     )
 
 
-def _round(spec: JoinSpec, header: Header) -> Round:
+def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = None) -> Round:
     link = spec.link
     if spec.kind == Kind.STATUS:
-        return protocol.status_round(link, header)
+        return protocol.status_round(link, header, early)
     return protocol.checked_round(link, header, spec.what)
 
 

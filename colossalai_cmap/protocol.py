@@ -1,8 +1,9 @@
 """The status protocol: every collective a peer might be waiting in is a round of one fixed size.
 
-A round is one ``all_gather`` of a header (:class:`Header`, twelve int64) and a payload area of
-:data:`PAYLOAD_BYTES` per rank. Small data rides in the payload, so a small call costs this one collective. Because
-every round on a group has the same size, whatever two ranks are doing, their rounds pair up: a rank that failed,
+A round is one ``all_gather`` of a header (:class:`Header`, twelve int64) and a payload area per rank (256 bytes to
+start with; :mod:`channel` says how it adapts, always alike on every rank). Small data rides in the payload, so a
+small call costs this one collective. Because every round on a group has the same size on every rank, whatever two
+ranks are doing, their rounds pair up: a rank that failed,
 finished early or left a backward meets its peers in a round, they read its header, and all of them raise or retry
 together. gloo never sees unequal sizes, and the group stays in step.
 
@@ -12,23 +13,17 @@ still in an ``OP`` or ``GRAD`` round repeats: that peer sees it, gives up its co
 round.
 """
 
-import os
 from enum import IntEnum
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
-import numpy
 import torch
 
 from . import comm
 from . import route as routes
+from .channel import channel
 from .errors import CmapError, CollectiveAborted, RankFailure
 from .groups import Group
 from .route import Route
-
-HEADER_LEN = 12
-HEADER_BYTES = HEADER_LEN * 8  # keeps the payload 16-byte aligned
-PAYLOAD_BYTES = max(16, int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16)
-ROUND_BYTES = HEADER_BYTES + PAYLOAD_BYTES
 
 
 class Link(NamedTuple):
@@ -66,14 +61,15 @@ class Header(NamedTuple):
     graph_sig: int = 0  # the closure edges found in this rank's local graph
     flags: int = 0  # bit k: func changed the k-th mapped input in place
     values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty shard)
-    spare: int = 0
+    early: int = 0  # 1: this rank sent its data together with this round (:mod:`transfer`)
 
 
 class Round(NamedTuple):
     """A finished round: every rank's header, and the payloads (valid until the next round on this group)."""
 
     table: Tuple[Header, ...]
-    payloads: torch.Tensor  # [P, PAYLOAD_BYTES] uint8
+    payloads: torch.Tensor  # [P, payload bytes] uint8
+    early: Any = None  # the data collective sent right behind the round, still in flight
 
     @property
     def failed(self) -> bool:
@@ -84,68 +80,41 @@ class Round(NamedTuple):
         return all(h.inline for h in self.table)
 
 
-class _Buffers:
-    """One group's reusable round buffers: this rank's header is written in place, the table read in place."""
-
-    def __init__(self, group: Group, device: torch.device) -> None:
-        with torch.inference_mode(False):  # written later under any mode, so never an inference tensor
-            self.send = torch.zeros(ROUND_BYTES, dtype=torch.uint8, device=device)
-            self.recv = torch.empty((group.size, ROUND_BYTES), dtype=torch.uint8, device=device)
-        self.payload = self.send.narrow(0, HEADER_BYTES, PAYLOAD_BYTES)
-        self.payloads = self.recv.narrow(1, HEADER_BYTES, PAYLOAD_BYTES)
-        self.cpu = device.type == "cpu"
-        self.routes: dict = {}  # the exchanges' routes through these buffers (:mod:`route`)
-        if self.cpu:
-            self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)
-            self.table = self.recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
-
-    def write_header(self, header: Header) -> None:
-        if self.cpu:
-            self.head[:] = header
-        else:
-            self.send[:HEADER_BYTES].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
-
-    def read_table(self) -> Tuple[Header, ...]:
-        rows = self.table.tolist() if self.cpu else self.recv[:, :HEADER_BYTES].view(torch.int64).tolist()
-        return tuple(Header._make(row) for row in rows)
-
-
-_BUFFERS: Dict[Tuple[int, torch.device], Tuple[object, _Buffers]] = {}
-
-
-def _buffers(group: Group, device: torch.device) -> _Buffers:
-    key = (id(group.pg), device)
-    found = _BUFFERS.get(key)
-    if found is None or found[0] is not group.pg:
-        found = _BUFFERS[key] = (group.pg, _Buffers(group, device))
-    return found[1]
-
-
 _ROUTES_MAX = 512
 
 
-def route(link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor]) -> Route:
-    """The route of an exchange on this group (:mod:`route`), kept with the group's round buffers."""
-    buf = _buffers(link.group, link.device)
-    if len(buf.routes) > _ROUTES_MAX:
-        buf.routes.clear()
-    return routes.route(buf.routes, link.group.rank, (buf.payload, buf.payloads), key, tensors)
+def route(link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], after: Optional[Round] = None) -> Route:
+    """The route of an exchange on this group (:mod:`route`), kept with the group's round buffers; or, ``after`` a
+    round (when only the round told the row counts), through that round's payloads, whatever buffers come next."""
+    ch = channel(link.group, link.device)
+    if after is not None:
+        return routes.route({}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors)
+    if len(ch.routes) > _ROUTES_MAX:
+        ch.routes.clear()
+    return routes.route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors)
 
 
-def exchange(link: Link, header: Header) -> Round:
-    """One round: every rank's header and payload (packed beforehand, through a :class:`Route`)."""
-    buf = _buffers(link.group, link.device)
-    buf.write_header(header)
-    comm.all_gather_into(buf.recv.view(-1), buf.send, link.group, link.call, link.timeout)
-    return Round(buf.read_table(), buf.payloads)
+def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
+    """One round: every rank's header and payload (packed beforehand, through a :class:`Route`). ``also`` issues a
+    collective right behind the round (data sent early), left in flight in the returned round's ``early``."""
+    ch = channel(link.group, link.device)
+    ch.write_header(header)
+    work = comm.issue_all_gather(ch.recv.view(-1), ch.send, link.group)
+    early = also() if also is not None else None
+    comm.finish(work, link.group, link.call, link.timeout)
+    rnd = Round(tuple(Header._make(row) for row in ch.read_rows()), ch.payloads, early)
+    ch.agree(max(h.block for h in rnd.table))
+    return rnd
 
 
-def status_round(link: Link, header: Header) -> Round:
-    """The end-of-shard round; repeats while a peer is still in an ``OP`` or ``GRAD`` round (it gives that up)."""
+def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
+    """The end-of-shard round; repeats while a peer is still in an ``OP`` or ``GRAD`` round (it gives that up). Data
+    is sent early (``also``) only where no peer can be in such a round, so a repeat never follows it."""
     while True:
-        rnd = exchange(link, header)
+        rnd = exchange(link, header, also)
         if all(h.kind == Kind.STATUS for h in rnd.table):
             return rnd
+        also = None
 
 
 def checked_round(link: Link, header: Header, what: str) -> Round:

@@ -6,13 +6,15 @@ reduction and dtype carries the sums. :func:`prepare` packs and allocates everyt
 failure there travels in the round; :func:`finish` only runs the collectives and copies into those buffers.
 """
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .channel import Channel
 from .groups import Group
+from .protocol import Round
 from .roles import COPY, MAX, MIN, Role, is_rows
 from .route import Item, offsets, rows_first, typed
 
@@ -110,6 +112,44 @@ def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tenso
     """Same-dtype items in one buffer for one all-reduce (gloo reduces no bool; complex goes as real pairs)."""
     flat = torch.cat([resolved(tensors[it.index]).reshape(-1) for it in items])
     return flat.to(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat) if flat.is_complex() else flat
+
+
+# ------------------------------------------------------------------------------------------------ data sent early
+def early_shape(prep: Prepared) -> Optional[Tuple[Any, ...]]:
+    """What a data phase sends, when it is one rows tensor in its own dtype: (rows per rank, row shape, dtype)."""
+    gathered = [it for it in prep.items if not it.reduced]
+    if prep.flats or len(gathered) != 1 or not is_rows(gathered[0].role):
+        return None
+    return (max(prep.sizes), gathered[0].shape, gathered[0].dtype)
+
+
+def early(prep: Optional[Prepared], ch: Channel, group: Group) -> Optional[Callable[[], Any]]:
+    """The data phase, to issue right behind the round, when its shape is the one the last exit on this group agreed
+    (so every rank in step sends the same shape) and no backward of this rank is unfinished (no peer may wait in it).
+    Ranks that do not send early learn from the round who did, and send a stand-in of that shape (:func:`meet_early`).
+    """
+    if prep is None or ch.unsettled or ch.last_data is None or early_shape(prep) != ch.last_data:
+        return None
+    return lambda: comm.issue_all_gather(prep.recv, prep.send, group)
+
+
+def meet_early(rnd: Round, ch: Channel, link: Any) -> None:
+    """After the round: wait for this rank's early data, or, if peers sent theirs and this rank did not, send a
+    stand-in of the same shape, so that the collectives pair up (in the same order on every rank)."""
+    if rnd.early is not None:
+        comm.finish(rnd.early, link.group, link.call, link.timeout)
+    elif any(h.early for h in rnd.table):
+        rows, shape, dtype = ch.last_data
+        send = torch.empty((rows, *shape), dtype=dtype, device=link.device)
+        recv = torch.empty((link.group.size * rows, *shape), dtype=dtype, device=link.device)
+        comm.all_gather_into(recv, send, link.group, link.call, link.timeout)
+
+
+def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
+    """The results of a data phase every rank sent early: only the cut remains."""
+    it = next(it for it in prep.items if not it.reduced)
+    _fill_cut(prep.results[it.index], prep.recv, prep.sizes)
+    return prep.results
 
 
 def finish(prep: Prepared, group: Group, dst: int, call: str, timeout: Optional[float]) -> Dict[int, torch.Tensor]:

@@ -83,26 +83,32 @@ def check_failure_and_layout_change():
 
 
 def check_sizes_and_collectives():
-    """Small outputs travel in the status round (one collective); large ones take one more; shapes alternate."""
+    """Small outputs travel in the status round (one collective). A larger one takes a second collective once; then
+    the group's rounds grow to carry it, on every rank alike, so repeated calls make one; after a run of small calls
+    the rounds shrink back."""
     f = cm.cmap(lambda x: x * 3)
     gen = torch.Generator().manual_seed(3)  # the same inputs on every rank
     small, big = torch.randn(6, 2, generator=gen), torch.randn(6, 4000, generator=gen)
-    counts = {}
-    for _ in range(3):
-        for x in (small, big):
-            with cm.record_collectives() as log:
-                assert torch.equal(f(x), x * 3)
-            counts[x.shape[1]] = (log.count, f.stats.collectives, f.stats.ops)
-    assert counts[2][:2] == (1, 1), counts
-    assert counts[4000][:2] == (2, 2) and counts[4000][2] == ("all_gather", "all_gather"), counts
+    seen = []
+    for x in (small, big, big, small, big):
+        with cm.record_collectives() as log:
+            assert torch.equal(f(x), x * 3)
+        assert log.count == f.stats.collectives
+        seen.append((x.shape[1], log.count))
+    assert seen == [(2, 1), (4000, 2), (4000, 1), (2, 1), (4000, 1)], seen
+    grown = f.stats.bytes
+    for _ in range(80):
+        f(small)
+    assert f.stats.collectives == 1 and f.stats.bytes < grown and f.stats.bytes == 96 + 256, (grown, f.stats)
     x = torch.randn(6, 2, generator=gen).requires_grad_()
     f(x).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
-    return counts
+    return seen
 
 
 def check_large_outputs():
-    """Large single outputs (the data phase): uneven B, out_dims=1, a failure in a repeated call, then recovery."""
+    """Outputs past the largest round (a data phase, sent together with the round once the group agreed on its shape):
+    uneven B, out_dims=1, a failure in a repeated call, ranks with different batch sizes, then recovery."""
     rank = dist.get_rank()
     state = {"fail": False}
 
@@ -112,13 +118,19 @@ def check_large_outputs():
         return (r * 2 + 1).unsqueeze(0).expand(2, -1)
 
     f = cm.cmap(func, out_dims=1)
-    for B in (1201, 1201, 7, 1201):
+    for B in (2401, 2401, 7, 2401, 2401):  # 1.4 MiB per rank and output row block: past the rounds' 1 MiB
         x = torch.arange(B * 300, dtype=torch.float32).view(B, 300)
-        assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x)), B
+        with cm.record_collectives() as log:
+            assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x)), B
+        assert log.count == 2, (B, log.entries)  # the round, and the data (sent with it when repeated)
     state["fail"] = True
     with pytest.raises(cm.CmapError, match="fails in a large call"):
         f(x)
     state["fail"] = False
+    assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x))
+    for mine in (2400 - rank, 2398 - 2 * rank):  # the same and another padded shape than the agreed one
+        with pytest.raises(cm.CmapError, match="different inputs"):
+            f(torch.ones(mine, 300))
     assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x))
     return f.stats.fast_path
 
