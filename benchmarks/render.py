@@ -316,7 +316,7 @@ def _function_table(rows: Sequence[Dict[str, Any]], first: str) -> List[str]:
     cum_first = first == "cum"
     cols = ("cumulative us", "% of call", "own us", "% of call")
     cols = cols if cum_first else cols[2:] + cols[:2]
-    lines = ["| function (file:line) | calls / call | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]
+    lines = ["| function (file) | calls / call | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]
     for t in rows:
         fn = t["function"].replace("|", "\\|")
         cum = f"{t['cum_us']:.1f} | {t['cum_pct']:.1f}%"

@@ -579,15 +579,16 @@ def _part(key: Tuple[str, int, str]) -> str:
 
 
 def _where(key: Tuple[str, int, str]) -> str:
-    """``name (file:line)``, the file relative to the package's parent folder; builtins by their name."""
-    path, line, name = key
+    """``name (file)``, the file relative to the package's parent folder; builtins by their name. No line numbers:
+    they change with every edit, and the report is read beside the code."""
+    path, _, name = key
     if path == "~":
         return name
     if _in_package(key):
         path = os.path.relpath(path, os.path.dirname(PACKAGE_DIR.rstrip(os.sep)))
     else:
         path = os.path.basename(path)
-    return f"{name} ({path}:{line})"
+    return f"{name} ({path})"
 
 
 def _profile_calls(fn: Callable, args: Sequence[Any], calls: int) -> Tuple[pstats.Stats, Tuple[str, int, str], float]:

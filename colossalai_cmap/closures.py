@@ -26,8 +26,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .bucket import References
+from .exchange import JoinSpec, ScatterSpec
 from .layout import digest
-from .primitives import JoinSpec, Link, ScatterSpec, joined, requires_grad, scattered
+from .primitives import joined, requires_grad, scattered
+from .protocol import Link
 from .roles import COPY
 
 WHAT = "the gradient of closure-captured tensors"

@@ -13,7 +13,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from .context import lookup
-from .primitives import JoinSpec, ScatterSpec, joined, scattered
+from .exchange import JoinSpec, ScatterSpec
+from .primitives import joined, scattered
 from .protocol import Kind
 from .roles import COPY, MAX, MIN, Rows
 

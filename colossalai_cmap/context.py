@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .groups import Group
-from .primitives import Link
+from .protocol import Link
 
 
 @dataclass

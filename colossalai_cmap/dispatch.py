@@ -19,11 +19,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import bucket, comm, context, exit, faults, stats
 from .entry import Inputs
 from .errors import CmapError, RankFailure
+from .exchange import JoinSpec, join_failed
 from .groups import Group, group_device, resolve_group
 from .options import Options, check_placement
 from .plan import FastPath, PlanCache, key_of, make_plan
-from .primitives import JoinSpec, Link, join_failed, not_differentiable, requires_grad
-from .protocol import Kind
+from .primitives import not_differentiable, requires_grad
+from .protocol import Kind, Link
 from .rank import run_rank
 from .specs import flatten, flatten_args
 
@@ -75,7 +76,7 @@ class Cmapped:
 
 def dispatch(cm: Cmapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     group = resolve_group(cm.options.call, cm.options.group)
-    if group.size == 1 or context.inside(group):
+    if group.size == 1 or context.inside(group) or _meta(args):
         return run_local(cm, group, args, kwargs)
     comm.check_usable(group, cm.options.call)
     if isinstance(cm.options.src, int):
@@ -150,6 +151,13 @@ def _any_requires_grad(inputs: Inputs, func: Callable) -> bool:
     if any(requires_grad(v) for v in leaves):
         return True
     return isinstance(func, torch.nn.Module) and any(p.requires_grad for p in func.parameters())
+
+
+def _meta(args: Tuple[Any, ...]) -> bool:
+    """Meta inputs carry shapes only: every rank computes the same shapes, so the call runs here, with no
+    communication (the shapes are vmap's)."""
+    first = next((v for v in args if isinstance(v, torch.Tensor)), None)
+    return first is not None and first.is_meta
 
 
 def _first_device(leaves: Any) -> Optional[torch.device]:

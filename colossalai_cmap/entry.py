@@ -13,9 +13,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import bucket
+from .exchange import ScatterSpec
 from .options import Options
 from .plan import CallPlan
-from .primitives import Link, ScatterSpec, requires_grad, scattered
+from .primitives import requires_grad, scattered
+from .protocol import Link
 from .roles import COPY, KEEP, Role, Rows
 
 

@@ -15,11 +15,12 @@ from . import comm
 from .checks import check_table
 from .entry import Inputs
 from .errors import CmapError
+from .exchange import Exit, JoinSpec, join, join_failed
 from .layout import BATCHED, replicated_checksums
 from .options import Options
 from .plan import CallPlan
-from .primitives import Exit, JoinSpec, Link, join, join_failed, joined
-from .protocol import Header, Kind, Round, Status
+from .primitives import joined
+from .protocol import Header, Kind, Link, Round, Status
 from .rank import Failed, Outputs
 from .roles import KEEP, SAME, Rows
 from .specs import unflatten

@@ -25,7 +25,8 @@ from .execute import Shard, rng_scope, run_shard
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .plan import CallPlan
-from .primitives import Link, requires_grad
+from .primitives import requires_grad
+from .protocol import Link
 from .specs import flatten, flatten_out_dims, normalise_out_dim
 
 

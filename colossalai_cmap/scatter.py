@@ -17,7 +17,8 @@ from .errors import CmapError, RankFailure
 from .groups import Group, group_device
 from .layout import digest
 from .plan import CallPlan, split
-from .primitives import Link, not_differentiable
+from .primitives import not_differentiable
+from .protocol import Link
 from .rank import Failed, run_rank
 from .roles import Rows
 from .route import Item, offsets, typed
