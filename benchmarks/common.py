@@ -1,4 +1,4 @@
-"""What the benchmark runner and the renderer share: the goals (issue 7, DESIGN.md §4) and byte formatting."""
+"""What the benchmark runner and the renderer share: the performance goals and byte formatting."""
 
 from typing import Optional
 
@@ -7,7 +7,7 @@ GOAL_LARGE, GOAL_TINY, LARGE_BYTES = 1.05, 1.3, MiB
 
 
 def goal_for(name: str, world: int, out_bytes: int) -> Optional[float]:
-    """Issue 7's goals, for the worlds it asks for (P = 2 and 4): 1.05x from 1 MiB of output, 1.3x for the tiny
+    """The goal for one (case, P) timing, judged at P = 2 and 4: 1.05x from 1 MiB of output, 1.3x for the tiny
     case. P = 1 rows (cmap's software overhead alone) and the medium case are reported without a goal."""
     if world < 2:
         return None

@@ -234,26 +234,6 @@ def _memory_table(memory: Sequence[Dict[str, Any]]) -> List[str]:
     return lines
 
 
-_COMM, _VMAP = "all_gather_into", "run_shard (torch.vmap)"
-
-
-def _breakdown(r0: Dict[str, Any]) -> Dict[str, float]:
-    """One rank's per-call split of cmap's time (medians, us) into parts comparable with the baseline's phases."""
-    ph, base = r0["phases"], r0["baseline_phases_us"]
-    book = sum(v["excl_us"] for k, v in ph.items() if k not in (_COMM, _VMAP))
-    pack = sum(ph[k]["excl_us"] for k in ("pack", "unpack") if k in ph)
-    return {
-        "status": r0["status_all_gather_median_us"],
-        "data": r0["data_all_gather_median_us"],
-        "base_gather": base["all_gather"],
-        "vmap": ph[_VMAP]["excl_us"] if _VMAP in ph else float("nan"),
-        "base_vmap": base["vmap"],
-        "book": book - pack,
-        "pack": pack,
-        "base_rest": base["narrow"] + base["alloc/pad"] + base["cut"],
-    }
-
-
 def _memory_findings(memory: Sequence[Dict[str, Any]]) -> List[str]:
     """Bullets checking the memory goals against the measured rows."""
     rows = {(r["case"], r["P"], r["variant"]): r for r in memory}
@@ -297,19 +277,52 @@ def _memory_findings(memory: Sequence[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+# What a profiled cmap call's time is split into (the keys of results.json's profile "breakdown_us", in order).
+PARTS = (
+    ("collectives", "in torch.distributed"),
+    ("vmap", "in torch.vmap(func)"),
+    ("calls_out", "in torch ops, pytree, builtins called by cmap"),
+    ("own", "cmap's own Python"),
+)
+
+
+def _ops_text(r0: Dict[str, Any]) -> str:
+    """The last call's collectives, e.g. ``2 (all_gather, all_gather; 2.001 MiB sent)``."""
+    last = r0["last_call"]
+    return f"{len(last['ops'])} ({', '.join(last['ops']) or 'none'}; {fmt_bytes(last['bytes'])} sent)"
+
+
 def _profile_summary(profile: Sequence[Dict[str, Any]]) -> List[str]:
+    head = " | ".join(label for _, label in PARTS)
     lines = [
-        "| case | P | cmap us | baseline us | status all_gather us | data all_gather us (baseline's) "
-        "| run_shard us (baseline's vmap) | pack + unpack us | other bookkeeping us (baseline's narrow, alloc, pad, cut) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| case | P | cmap us | baseline us | collectives / call | cmap us under cProfile | {head} "
+        "| baseline's all_gather / vmap / rest us |",
+        "|---|---|---|---|---|---|" + "---|" * len(PARTS) + "---|",
     ]
     for p in profile:
         r0 = p["per_rank"][0]
-        b = _breakdown(r0)
+        us, pct, b = r0["breakdown_us"], r0["breakdown_pct"], r0["baseline_phases_us"]
+        cells = " | ".join(f"{pct[k]:.0f}% ({us[k]:.0f})" for k, _ in PARTS)
+        rest = b["narrow"] + b["alloc/pad"] + b["cut"]
         lines.append(
-            f"| {p['case']} | {p['P']} | {r0['cmap_us']:.0f} | {r0['baseline_us']:.0f} | {b['status']:.0f} | "
-            f"{b['data']:.0f} ({b['base_gather']:.0f}) | {b['vmap']:.0f} ({b['base_vmap']:.0f}) | {b['pack']:.0f} | "
-            f"{b['book']:.0f} ({b['base_rest']:.0f}) |"
+            f"| {p['case']} | {p['P']} | {r0['cmap_us']:.0f} | {r0['baseline_us']:.0f} | {_ops_text(r0)} | "
+            f"{r0['profiled_us']:.0f} | {cells} | {b['all_gather']:.0f} / {b['vmap']:.0f} / {rest:.0f} |"
+        )
+    return lines
+
+
+def _function_table(rows: Sequence[Dict[str, Any]], first: str) -> List[str]:
+    """A markdown table of profiled functions, the cumulative (``first="cum"``) or own time columns first."""
+    cum_first = first == "cum"
+    cols = ("cumulative us", "% of call", "own us", "% of call")
+    cols = cols if cum_first else cols[2:] + cols[:2]
+    lines = ["| function (file) | calls / call | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]
+    for t in rows:
+        fn = t["function"].replace("|", "\\|")
+        cum = f"{t['cum_us']:.1f} | {t['cum_pct']:.1f}%"
+        own = f"{t['own_us']:.1f} | {t['own_pct']:.1f}%"
+        lines.append(
+            f"| `{fn}` | {t['calls_per_call']:g} | " + (f"{cum} | {own} |" if cum_first else f"{own} | {cum} |")
         )
     return lines
 
@@ -317,10 +330,10 @@ def _profile_summary(profile: Sequence[Dict[str, Any]]) -> List[str]:
 def _profile_section(profile: Sequence[Dict[str, Any]], top: int = 12) -> List[str]:
     lines: List[str] = _profile_summary(profile) + [
         "",
-        "*Other bookkeeping* is the sum of the exclusive times of every wrapped package function except the two "
-        "all_gathers, `run_shard`, `pack` and `unpack`; the tracer's own cost (about 1 us per wrapped call, some 30 "
-        "per cmap call) is inside it. All figures are medians over the calls on rank 0; they come from a different "
-        "moment of the run than the table above, so the totals differ.",
+        "Each part is a percentage of the profiled call (us per call in brackets); what cProfile could not attribute "
+        "(rounding) is left out. cProfile adds a roughly fixed cost to every Python function call, so it inflates "
+        "cmap's own Python share: compare *cmap us under cProfile* with the unprofiled *cmap us*. All figures are "
+        "from rank 0, from a different moment of the run than the table above, so the totals differ.",
         "",
     ]
     for p in profile:
@@ -328,36 +341,21 @@ def _profile_section(profile: Sequence[Dict[str, Any]], top: int = 12) -> List[s
         lines += [
             f"#### {p['case']}, P={p['P']} ({p['calls']} calls; rank 0)",
             "",
-            f"Untraced (median of blocks): cmap {r0['cmap_us']:.0f} us, baseline {r0['baseline_us']:.0f} us per call "
+            f"Unprofiled (median of blocks): cmap {r0['cmap_us']:.0f} us, baseline {r0['baseline_us']:.0f} us per call "
             f"(max over ranks: cmap {max(x['cmap_us'] for x in p['per_rank']):.0f} us, baseline "
-            f"{max(x['baseline_us'] for x in p['per_rank']):.0f} us). Traced: {r0['traced_total_us']:.0f} us per "
-            f"call (median). Median all_gather_into time (issue + wait; nan: none, see all_gather_pair): status exchange "
-            f"{r0['status_all_gather_median_us']:.0f} us, data {r0['data_all_gather_median_us']:.0f} us. Baseline "
-            "phases (median us per call): "
-            + ", ".join(f"{k} {v:.0f}" for k, v in r0["baseline_phases_us"].items())
-            + ".",
+            f"{max(x['baseline_us'] for x in p['per_rank']):.0f} us). Under cProfile: {r0['profiled_us']:.0f} us per "
+            f"call. Collectives per call: {_ops_text(r0)}"
+            f"{', fast path (plan reused)' if r0['last_call']['fast_path'] else ''}. Baseline phases (median us per "
+            "call): " + ", ".join(f"{k} {v:.0f}" for k, v in r0["baseline_phases_us"].items()) + ".",
             "",
-            "| phase (package function) | exclusive us / call (median) | inclusive us / call (median) | calls / call "
-            "| exclusive us / call (mean) |",
-            "|---|---|---|---|---|",
+            "cmap's functions by cumulative time (us per cmap call; % of the profiled call):",
+            "",
         ]
-        ranked = sorted(r0["phases"].items(), key=lambda kv: -kv[1]["excl_us"])
-        for label, v in ranked[:top]:
-            lines.append(
-                f"| {label} | {v['excl_us']:.1f} | {v['incl_us']:.1f} | {v['calls_per_call']:g} "
-                f"| {v['excl_mean_us']:.1f} |"
-            )
-        if len(ranked) > top:
-            rest = ranked[top:]
-            lines.append(
-                f"| {len(rest)} others ({', '.join(k for k, _ in rest[:4])}, ...) | "
-                f"{sum(v['excl_us'] for _, v in rest):.1f} | | | {sum(v['excl_mean_us'] for _, v in rest):.1f} |"
-            )
-        lines += ["", "cProfile, top functions by own time (us per cmap call; cProfile inflates small functions):", ""]
-        lines += ["| function | calls / call | own us | cumulative us |", "|---|---|---|---|"]
-        for t in r0["cprofile_top"][:10]:
-            fn = t["function"].replace("|", "\\|")
-            lines.append(f"| `{fn}` | {t['calls_per_call']:g} | {t['tottime_us']:.1f} | {t['cumtime_us']:.1f} |")
+        lines += _function_table(r0["package_by_cumulative"][:top], "cum")
+        lines += ["", "cmap's functions by own time (where *cmap's own Python* goes):", ""]
+        lines += _function_table(r0["package_by_own"][:8], "own")
+        lines += ["", "All functions by own time (cmap's, torch's and builtins):", ""]
+        lines += _function_table(r0["cprofile_top"][:10], "own")
         lines.append("")
     return lines
 
@@ -392,12 +390,12 @@ def render(results_path: str, docs_dir: str) -> str:
         f"{meta.get('load_average_at_start', ['?'])[0]:.3g} at the start, {meta.get('load_average_at_end', ['?'])[0]:.3g}"
         f" at the end), so absolute times mean little; the ratios are what to read. Whole run: {meta['wall_s']} s.",
         "",
-        "## Goals (DESIGN.md §4)",
+        "## Goals",
         "",
         "- At 1 MiB of output or more, cmap takes at most **1.05x** the hand-written baseline's time.",
         "- For tiny calls, at most **1.3x** (the tiny case).",
-        "- The goals are judged in the worlds issue 7 asks for, P = 2 and P = 4. The P = 1 rows (cmap's software "
-        "overhead alone) and the medium case (256 KiB, neither tiny nor 1 MiB) are reported without a goal.",
+        "- The goals are judged in worlds of P = 2 and P = 4. The P = 1 rows (cmap's software overhead alone) and "
+        "the medium case (256 KiB, neither tiny nor 1 MiB) are reported without a goal.",
         "- One data collective for all output leaves, plus at most one small metadata or status exchange.",
         "- Replicated inputs are not copied; with `dst=r` other ranks hold at most their own shard's output; with "
         "`dst=-1` the result is one preallocated buffer.",
@@ -416,8 +414,7 @@ def render(results_path: str, docs_dir: str) -> str:
         "call summed over ranks (all threads), which other jobs on the machine disturb much less. "
         "*(baseline + status) / baseline* is the hand-written baseline with one extra 5 x int64 all_gather (and "
         "`.tolist()`) in front of its data all_gather: what a second, tiny collective costs on its own; the last "
-        "column subtracts that cost from cmap's time, estimating cmap with the status exchange fused into the data "
-        "collective (DESIGN.md §5). "
+        "column subtracts that cost from cmap's time, estimating cmap's ratio if its status round cost nothing. "
         "*cmap / vmap* compares with single-process `torch.vmap` on the whole batch; here the P ranks share 2 vCPUs "
         "with about one core's throughput (and other jobs), so it says little about scaling (see the scaling "
         "model). Every case first checks that "
@@ -427,11 +424,12 @@ def render(results_path: str, docs_dir: str) -> str:
     ]
     md += [
         "The two ways to tell every rank every other rank's status, each at its leanest, hand-written: "
-        "*(baseline + status) / baseline* is a second, tiny all_gather (cmap sends it together with the data "
-        "all-gather, `all_gather_pair`, for outputs too large for the status round's payload); "
-        "*fused_header / baseline* is one all_gather of an int64 header and the padded rows packed into one byte "
-        "buffer, the header table read back and the rows cut out with one `torch.cat` (cmap's status round with "
-        "payload, for small outputs). Per (case, P), (baseline + status) / fused_header: "
+        "*(baseline + status) / baseline* is a second, tiny all_gather (cmap's way for outputs too large for the "
+        "status round's 256-byte payload: the status round, then one all_gather of the padded rows straight into "
+        "the result buffer); *fused_header / baseline* is one all_gather of a 96-byte int64 header and the padded "
+        "rows packed into one byte buffer, the header table read back and the rows cut out with one `torch.cat` "
+        "(cmap's way for outputs that fit the payload: they ride in the status round, one collective per call). "
+        "Per (case, P), (baseline + status) / fused_header: "
         + "; ".join(
             f"{r['case']} P={r['P']}: {r['ratios']['(baseline+status)/baseline']:.3f} / "
             f"{r['ratios']['fused_header/baseline']:.3f}"
@@ -468,26 +466,30 @@ def render(results_path: str, docs_dir: str) -> str:
         _rst_to_md(meta["timing_method"]),
         "",
     ]
-    if res.get("profile"):
+    # profiles from an older results.json (a different format) are left out; rerun benchmarks/run.py for them
+    profile = [p for p in res.get("profile", []) if p.get("per_rank") and "breakdown_us" in p["per_rank"][0]]
+    if profile:
         md += [
             "## Where cmap's overhead goes",
             "",
-            "Measured inside the ranks by wrapping the package's functions with `time.perf_counter` timers in the "
-            "benchmark process (the package source is not changed; *exclusive* is a function's time minus the "
-            "wrapped functions it calls; the wrappers add about 1 us each), and by `cProfile` on rank 0. These are "
-            "repeated calls, so they take the steady path (`_steady_run`, see `colossalai_cmap/steady.py`). A call "
-            "whose outputs fit the status round's payload makes one `all_gather_into` (reported as the status "
-            "exchange, data 0; `RoundBuffers.write` and `.read` pack and unpack it). A larger single output sends "
-            "its data all-gather and the status round together (`all_gather_pair`, in the phase table; the two "
-            "all_gather_into columns are then `nan`).",
+            "Measured inside the ranks with `cProfile`: every rank profiles its own repeated calls of the case's "
+            "cmap (nothing in the package is patched or wrapped). Every call makes one fixed-size status round, an "
+            "all_gather of a 96-byte header plus a 256-byte payload per rank; outputs that fit in the payload ride "
+            "in it (one collective per call), larger outputs take a second collective, one all_gather of the padded "
+            "rows straight into the result buffer. The collectives of each call are counted by "
+            "`colossalai_cmap.record_collectives()` and `cmap(f).stats`. The call's time is split, from the "
+            "profile's caller edges, into: time inside `torch.distributed` (issuing the collectives and waiting for "
+            "the peers; also its group queries, a few us), inside `torch.vmap` (the per-example function included), in the other functions cmap's "
+            "code calls (torch ops such as allocations, copies and views, pytree, builtins), and cmap's own Python "
+            "(the own time of the package's functions). The baseline's phases are timed by hand in the same blocks.",
             "",
         ]
-        md += _profile_section(res["profile"])
+        md += _profile_section(profile)
     if memory:
         md += [
             "## Memory",
             "",
-            "Peak memory of one steady-state call above the level just before it, per rank.",
+            "Peak memory of one repeated call (not the first) above the level just before it, per rank.",
             "",
             _rst_to_md(meta["memory_method"].split("\n", 1)[1].strip()),
             "",

@@ -1,9 +1,15 @@
-"""The colossalai-cmap benchmark suite (issue 7, DESIGN.md §4): cmap against hand-written torch.distributed code and
-against single-process ``torch.vmap``, as ratios measured side by side in one run.
+"""The colossalai-cmap benchmark suite: cmap against hand-written torch.distributed code and against single-process
+``torch.vmap``, as ratios measured side by side in one run.
 
 Run it as ``python benchmarks/run.py`` (``make bench``). It launches its own gloo worlds of P = 2 and P = 4 processes
-on 127.0.0.1 (and a world of one process for the small cases, which isolates cmap's software overhead) (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), prints a table, writes
-``benchmarks/results.json`` and renders ``docs/performance.md`` with its plots (``benchmarks/render.py``).
+on 127.0.0.1 (and a world of one process for the small cases, which isolates cmap's software overhead)
+(``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), prints a table, writes ``benchmarks/results.json`` and renders
+``docs/performance.md`` with its plots (``benchmarks/render.py``). ``python benchmarks/run.py --quick`` is a smoke
+test: every case with a few repetitions, its results and rendered docs written to a temporary folder.
+
+What cmap sends: every call makes one fixed-size status round, an all_gather of a 96-byte header plus a 256-byte
+payload per rank. Outputs that fit in the payload ride in it (one collective per call); larger outputs take a second
+collective (with ``dst=-1``, one all_gather of the padded rows straight into the result buffer).
 
 How time is measured (also written into results.json):
 
@@ -11,10 +17,12 @@ How time is measured (also written into results.json):
   ``cmap`` (``dst=-1``, ``src=None``); ``baseline`` (narrow the shard, ``torch.vmap``, one
   ``all_gather_into_tensor`` into an output allocated for that call; uneven B: pad the send to the largest shard
   and cut the padding out with one ``torch.cat`` of views); ``baseline+status`` (the baseline plus one int64
-  all_gather of a 5-field header and a ``.tolist()``, i.e. what cmap's status exchange costs); ``gather_only``
-  (only the baseline's communication, of a precomputed shard); ``vmap_full`` (single-process ``torch.vmap`` on the
-  whole batch, timed on rank 0 while the other ranks wait in a barrier, which costs no CPU on gloo) and
-  ``vmap_shard`` (``torch.vmap`` on rank 0's shard alone, same protocol).
+  all_gather of a 5-field header and a ``.tolist()``, i.e. what a second, small status collective costs);
+  ``fused_header`` (one all_gather of a 96-byte int64 header and the padded rows packed into one byte buffer, the
+  header table read back and the rows cut out with one ``torch.cat``: the leanest one-collective design that still
+  carries every rank's status); ``gather_only`` (only the baseline's communication, of a precomputed shard);
+  ``vmap_full`` (single-process ``torch.vmap`` on the whole batch, timed on rank 0 while the other ranks wait in a
+  barrier, which costs no CPU on gloo) and ``vmap_shard`` (``torch.vmap`` on rank 0's shard alone, same protocol).
 * One timed block = ``dist.barrier()``, then ``inner`` back-to-back calls timed with ``time.perf_counter`` on every
   rank; the block time is the maximum over ranks, divided by ``inner``. The reported time is the median over the
   repetitions (after warm-up blocks that are not timed).
@@ -39,7 +47,6 @@ import argparse
 import cProfile
 import ctypes
 import gc
-import io
 import json
 import math
 import os
@@ -70,7 +77,6 @@ import torch.multiprocessing as mp  # noqa: E402
 from common import fmt_bytes, goal_for  # noqa: E402
 
 import colossalai_cmap  # noqa: E402
-from colossalai_cmap import comm as cmap_comm  # noqa: E402
 
 VARIANTS = ("cmap", "baseline", "baseline+status", "fused_header", "gather_only", "vmap_full", "vmap_shard")
 RANK0_ONLY = ("vmap_full", "vmap_shard")
@@ -170,9 +176,9 @@ class Baseline:
         ceil_plan: shard as ``ceil(B / P)`` rows per rank with the remainder on the last ranks, instead of
             ``tensor_split``'s plan; then only short ranks pad and the first B rows of the gathered buffer are the
             result, returned as a view with no copy.
-        fused: the leanest one-collective design that still tells every rank every other rank's status (DESIGN.md
-            §5): an int64 header and the padded rows packed into one byte buffer, one all_gather, the header table
-            read back, the rows cut out of the gathered blocks with one ``torch.cat``.
+        fused: the leanest one-collective design that still tells every rank every other rank's status: a 96-byte
+            int64 header (the size of cmap's) and the padded rows packed into one byte buffer, one all_gather, the
+            header table read back, the rows cut out of the gathered blocks with one ``torch.cat``.
     """
 
     def __init__(
@@ -228,9 +234,9 @@ class Baseline:
     def _fused(self, local: torch.Tensor) -> torch.Tensor:
         shape, dtype = local.shape[1:], local.dtype
         row = local[0].numel() * local.element_size() if self.rows else math.prod(shape) * dtype.itemsize
-        head = 80  # 10 x int64, as cmap's header
+        head = 96  # 12 x int64, the size of cmap's status header
         send = torch.empty(head + self.cap * row, dtype=torch.uint8)
-        send.numpy()[:head].view("int64")[:] = (1, 0, self.rows, 1, 1, self.batch, 1, self.cap * row, 0, 0)
+        send.numpy()[:head].view("int64")[:] = (1, 0, self.rows, 1, 1, self.batch, 1, self.cap * row, 0, 0, 0, 0)
         send.narrow(0, head, self.rows * row).view(dtype).view(local.shape).copy_(local)
         recv = torch.empty((self.world, send.numel()), dtype=torch.uint8)
         dist.all_gather_into_tensor(recv.view(-1), send)
@@ -277,13 +283,13 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
-def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
+def bench_time(case: Case, reps_scale: float, min_reps: int = 10) -> Dict[str, Any]:
     """Time the variants of one case, interleaved; returns per-variant medians (max over ranks) and ratios."""
     from colossalai import cmap
 
     rank, world = dist.get_rank(), dist.get_world_size()
     args = case.inputs()
-    reps = max(10, int(round(case.reps * reps_scale)))
+    reps = max(min_reps, int(round(case.reps * reps_scale)))
     cm = cmap(case.func, in_dims=case.in_dims)
     base = Baseline(case.func, case.in_dims, case.batch)
     base_status = Baseline(case.func, case.in_dims, case.batch, status=True)
@@ -319,14 +325,14 @@ def bench_time(case: Case, reps_scale: float) -> Dict[str, Any]:
             _timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0)
     times: Dict[str, List[float]] = {name: [] for name in variants}
     cpu: Dict[str, List[float]] = {name: [] for name in variants}
-    before = cmap_comm.COUNTS["collectives"]
-    for rep in range(reps):
-        for k in range(len(variants)):
-            name = variants[(rep + k) % len(variants)]
-            wall, used = _timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0)
-            times[name].append(wall)
-            cpu[name].append(used)
-    collectives = (cmap_comm.COUNTS["collectives"] - before) / (reps * case.inner)
+    with colossalai_cmap.record_collectives() as log:  # only the cmap variant issues cmap's collectives
+        for rep in range(reps):
+            for k in range(len(variants)):
+                name = variants[(rep + k) % len(variants)]
+                wall, used = _timed_block(fns[name], case.inner, name not in RANK0_ONLY or rank == 0)
+                times[name].append(wall)
+                cpu[name].append(used)
+    collectives = log.count / (reps * case.inner)
     per_rank = _allgather_obj(times)
     per_rank_cpu = _allgather_obj(cpu)
     checks = _allgather_obj(check)
@@ -460,10 +466,10 @@ def bench_memory(case: Case) -> List[Dict[str, Any]]:
     full = one.element_size() * (one[0].numel() if one.dim() else 1) * case.batch
     rows = []
     for name, fn in fns.items():
-        fn()  # warm: layouts cached, as in a steady-state call
-        before = cmap_comm.COUNTS["collectives"]
-        rss_peak, rss_kept = _peak_rss(fn)
-        collectives = cmap_comm.COUNTS["collectives"] - before
+        fn()  # warm: the plan of this argument shape is cached, as in any repeated call
+        with colossalai_cmap.record_collectives() as log:
+            rss_peak, rss_kept = _peak_rss(fn)
+        collectives = log.count
         t_peak, t_kept, ops = _peak_torch(fn)
         mine = {"rss_peak": rss_peak, "rss_kept": rss_kept, "torch_peak": t_peak, "torch_kept": t_kept, "ops": ops}
         mine["collectives"] = collectives if name.startswith("cmap") else None
@@ -548,103 +554,114 @@ def bench_chunk() -> List[Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------------- profile
-class PhaseTracer:
-    """Wraps package functions (in this process only; the package source is untouched) to time each phase.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(colossalai_cmap.__file__)) + os.sep
+# Where a profiled cmap call's time goes (keys of results.json's "breakdown_us"):
+#   collectives: inside torch.distributed (issuing the collectives and waiting for them; its group queries too);
+#   vmap: inside torch.vmap, the per-example function included;
+#   calls_out: in the other functions that cmap's code calls (torch ops, pytree, builtins);
+#   own: the package's own Python (the own time of every function in colossalai_cmap);
+#   unattributed: what is left (cProfile's rounding; about 0).
+PARTS = ("collectives", "vmap", "calls_out", "own", "unattributed")
 
-    Each wrapped function gets inclusive and exclusive (minus wrapped callees) time, and a call count.
+
+def _in_package(key: Tuple[str, int, str]) -> bool:
+    return key[0] != "~" and os.path.abspath(key[0]).startswith(PACKAGE_DIR)
+
+
+def _part(key: Tuple[str, int, str]) -> str:
+    """The part of the call a function outside the package belongs to, judged by its file and name."""
+    path, name = key[0].replace(os.sep, "/"), key[2]
+    if "/torch/distributed/" in path or "_distributed_c10d" in name:
+        return "collectives"
+    if "/torch/_functorch/" in path or os.path.abspath(key[0]) == os.path.abspath(__file__):
+        return "vmap"
+    return "calls_out"
+
+
+def _where(key: Tuple[str, int, str]) -> str:
+    """``name (file)``, the file relative to the package's parent folder; builtins by their name. No line numbers:
+    they change with every edit, and the report is read beside the code."""
+    path, _, name = key
+    if path == "~":
+        return name
+    if _in_package(key):
+        path = os.path.relpath(path, os.path.dirname(PACKAGE_DIR.rstrip(os.sep)))
+    else:
+        path = os.path.basename(path)
+    return f"{name} ({path})"
+
+
+def _profile_calls(fn: Callable, args: Sequence[Any], calls: int) -> Tuple[pstats.Stats, Tuple[str, int, str], float]:
+    """cProfile ``calls`` calls ``fn(*args)`` made from one loop function; returns the stats, the loop's key in them
+    and the wall seconds per call under the profiler."""
+
+    def loop() -> None:
+        for _ in range(calls):
+            fn(*args)
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(loop)
+    wall = (time.perf_counter() - t0) / calls
+    stats = pstats.Stats(prof)
+    code = loop.__code__
+    root = next(k for k in stats.stats if k[0] == code.co_filename and k[1] == code.co_firstlineno)
+    return stats, root, wall
+
+
+def _breakdown(stats: pstats.Stats, root: Tuple[str, int, str]) -> Tuple[float, Dict[str, float]]:
+    """Split the profiled calls' time into :data:`PARTS` (seconds in all), from the profile's caller edges.
+
+    Returns:
+        (total seconds inside the cmap calls, seconds per part).
     """
-
-    def __init__(self) -> None:
-        self.incl: Dict[str, float] = {}
-        self.excl: Dict[str, float] = {}
-        self.calls: Dict[str, int] = {}
-        self.samples: Dict[str, List[float]] = {}
-        self.stack: List[List[float]] = []
-        self.undo: List[Tuple[Any, str, Any]] = []
-
-    def wrap(self, owner: Any, attr: str, label: str) -> None:
-        orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        tracer = self
-        is_prop = isinstance(orig, property)
-        target = orig.fget if is_prop else orig
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            frame = [0.0]
-            tracer.stack.append(frame)
-            t0 = time.perf_counter()
-            try:
-                return target(*a, **k)
-            finally:
-                dt = time.perf_counter() - t0
-                tracer.stack.pop()
-                tracer.incl[label] = tracer.incl.get(label, 0.0) + dt
-                tracer.excl[label] = tracer.excl.get(label, 0.0) + dt - frame[0]
-                tracer.calls[label] = tracer.calls.get(label, 0) + 1
-                tracer.samples.setdefault(label, []).append(dt)
-                if tracer.stack:
-                    tracer.stack[-1][0] += dt
-
-        setattr(owner, attr, property(wrapper) if is_prop else wrapper)
-        self.undo.append((owner, attr, orig))
-
-    def restore(self) -> None:
-        for owner, attr, orig in reversed(self.undo):
-            setattr(owner, attr, orig)
-        self.undo = []
-
-    def reset(self) -> None:
-        self.incl, self.excl, self.calls, self.samples = {}, {}, {}, {}
+    parts = dict.fromkeys(PARTS, 0.0)
+    total = 0.0
+    for key, (_, _, own, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        inside = _in_package(key)
+        if inside:
+            parts["own"] += own
+        for caller, edge in callers.items():
+            cum = edge[3]
+            if caller == root:
+                total += cum  # the cmap call itself
+            elif inside and not _in_package(caller):
+                parts[_part(caller)] -= cum  # package code run under a call out (a generator under any(), ...)
+            elif not inside and _in_package(caller):
+                parts[_part(key)] += cum
+    parts["unattributed"] = total - sum(parts.values())
+    return total, parts
 
 
-def _install_tracer() -> PhaseTracer:
-    from colossalai_cmap import comm, gather, layout, pipeline, steady
-
-    tracer = PhaseTracer()
-    for owner, attr, label in (
-        (pipeline.Cmapped, "__call__", "Cmapped.__call__ (self)"),
-        (pipeline, "resolve_group", "resolve_group"),
-        (pipeline, "check_placement", "check_placement x2"),
-        (steady, "plan_key", "steady.plan_key"),
-        (pipeline, "_grad_anchor", "_grad_anchor"),
-        (pipeline, "flatten_args", "flatten_args"),
-        (pipeline.Cmapped, "_distributed", "_distributed (self)"),
-        (pipeline.Cmapped, "_run", "_run (self)"),
-        (pipeline.Cmapped, "_steady_run", "_steady_run (self)"),
-        (pipeline.Cmapped, "_steady_finish", "_steady_finish (self)"),
-        (pipeline.Cmapped, "_steady_speculated", "_steady_speculated (self)"),
-        (pipeline.Cmapped, "_steady_fallback", "_steady_fallback (self)"),
-        (steady.RoundBuffers, "write", "RoundBuffers.write (header + payload)"),
-        (steady.RoundBuffers, "read", "RoundBuffers.read (results)"),
-        (pipeline, "group_device", "group_device"),
-        (pipeline.Cmapped, "_input_sig", "_input_sig"),
-        (comm, "digest", "comm.digest (crc32 of repr)"),
-        (pipeline, "take_local", "take_local"),
-        (pipeline.Cmapped, "_execute", "_execute (self)"),
-        (pipeline.Cmapped, "_seed", "_seed"),
-        (pipeline, "run_shard", "run_shard (torch.vmap)"),
-        (pipeline, "flatten_out_dims", "flatten_out_dims"),
-        (pipeline, "infer_layout", "infer_layout"),
-        (pipeline.Cmapped, "_finish", "_finish (self)"),
-        (pipeline.Cmapped, "_conclude", "_conclude (self)"),
-        (layout.OutLayout, "digest", "OutLayout.digest"),
-        (layout, "digest", "comm.digest (crc32 of repr)"),
-        (comm, "exchange_status", "exchange_status (self)"),
-        (comm, "raise_failures", "raise_failures"),
-        (pipeline, "_check_consistent", "_check_consistent"),
-        (pipeline.Cmapped, "_agree_layout", "_agree_layout"),
-        (pipeline, "gather", "gather (self)"),
-        (gather, "_direct_leaf", "_direct_leaf"),
-        (gather, "pack", "pack"),
-        (gather, "unpack", "unpack"),
-        (comm, "all_gather_into", "all_gather_into"),
-        (comm, "all_gather_pair", "all_gather_pair (data + status together)"),
-    ):
-        tracer.wrap(owner, attr, label)
-    return tracer
+def _top(
+    stats: pstats.Stats, root: Tuple[str, int, str], calls: int, total: float, n: int, key: str, package_only: bool
+) -> List[Dict[str, Any]]:
+    """The ``n`` functions with the most own (``key="own"``) or cumulative time, per cmap call."""
+    rows = []
+    for fkey, (_, nc, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if package_only and not _in_package(fkey):
+            continue
+        if fkey == root or fkey[2] == "<method 'disable' of '_lsprof.Profiler' objects>":
+            continue  # the profiling loop itself
+        rows.append(
+            {
+                "function": _where(fkey),
+                "in_package": _in_package(fkey),
+                "calls_per_call": nc / calls,
+                "own_us": own / calls * 1e6,
+                "cum_us": cum / calls * 1e6,
+                "own_pct": 100 * own / total if total else float("nan"),
+                "cum_pct": 100 * cum / total if total else float("nan"),
+            }
+        )
+    rows.sort(key=lambda r: -r[f"{key}_us"])
+    return rows[:n]
 
 
 def profile_case(case: Case, calls: int) -> Dict[str, Any]:
-    """Where cmap's time goes for one case: phase timings on every rank, the baseline's phases, and cProfile."""
+    """Where cmap's time goes for one case: unprofiled totals of cmap and the baseline (with the baseline's phases),
+    then a ``cProfile`` of ``calls`` cmap calls on every rank (each rank profiles its own process; nothing is
+    patched)."""
     from colossalai import cmap
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -654,42 +671,7 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
     for _ in range(2):
         cm(*args)
         base(*args)
-    # 1) phase tracer around the package's functions; the status and data all_gathers are told apart by order
-    tracer = _install_tracer()
-    try:
-        cm(*args)
-        tracer.reset()
-        per_call: Dict[str, List[float]] = {}
-        totals = []
-        _barrier()
-        for _ in range(calls):
-            excl, incl = dict(tracer.excl), dict(tracer.incl)
-            t0 = time.perf_counter()
-            cm(*args)
-            totals.append(time.perf_counter() - t0)
-            for label in tracer.excl:
-                per_call.setdefault(label + " excl", []).append(tracer.excl[label] - excl.get(label, 0.0))
-                per_call.setdefault(label + " incl", []).append(tracer.incl[label] - incl.get(label, 0.0))
-        traced_total = statistics.median(totals)
-    finally:
-        tracer.restore()
-    gathers = tracer.samples.get("all_gather_into", [])
-    if len(gathers) == 2 * calls:  # status round, then the data gather
-        status_gather, data_gather = statistics.median(gathers[0::2]), statistics.median(gathers[1::2])
-    elif len(gathers) == calls:  # one round carried the status and the outputs
-        status_gather, data_gather = statistics.median(gathers), 0.0
-    else:
-        status_gather = data_gather = float("nan")
-    phases = {
-        label: {
-            "excl_us": statistics.median(per_call[label + " excl"]) * 1e6,
-            "incl_us": statistics.median(per_call[label + " incl"]) * 1e6,
-            "excl_mean_us": tracer.excl[label] / calls * 1e6,
-            "calls_per_call": tracer.calls[label] / calls,
-        }
-        for label in tracer.excl
-    }
-    # 2) the same number of untraced cmap and baseline calls, interleaved in blocks, for the totals
+    # 1) unprofiled cmap and baseline calls, interleaved in blocks, for the totals and the baseline's phases
     plain, hand = [], []
     b_samples: Dict[str, List[float]] = {"narrow": [], "vmap": [], "alloc/pad": [], "all_gather": [], "cut": []}
     blocks = 5 if calls > 10 else 3 if calls > 2 else 2
@@ -730,36 +712,26 @@ def profile_case(case: Case, calls: int) -> Dict[str, Any]:
                 b_samples[key].append(dt)
         hand.append((time.perf_counter() - t0) / calls)
     b_phase = {k: statistics.median(v) * 1e6 for k, v in b_samples.items()}
-    # 3) cProfile of the untraced calls (this rank only; the others run the same calls unprofiled)
-    prof = cProfile.Profile()
+    # 2) cProfile of the same calls (every rank profiles its own; the ranks stay in step, call by call)
     _barrier()
-    prof.enable()
-    for _ in range(calls):
-        cm(*args)
-    prof.disable()
-    stream = io.StringIO()
-    stats = pstats.Stats(prof, stream=stream)
-    stats.sort_stats("tottime").print_stats(22)
-    top = []
-    for (fname, line, func), (cc, nc, tt, ct, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:22]:
-        where = f"{os.path.basename(fname)}:{line}({func})" if fname != "~" else func
-        top.append(
-            {
-                "function": where,
-                "calls_per_call": nc / calls,
-                "tottime_us": tt / calls * 1e6,
-                "cumtime_us": ct / calls * 1e6,
-            }
-        )
+    with colossalai_cmap.record_collectives() as log:
+        stats, root, wall = _profile_calls(cm, args, calls)
+    last = cm.stats
+    total, parts = _breakdown(stats, root)
     mine = {
-        "phases": phases,
-        "traced_total_us": traced_total * 1e6,
-        "status_all_gather_median_us": status_gather * 1e6,
-        "data_all_gather_median_us": data_gather * 1e6,
         "cmap_us": statistics.median(plain) * 1e6,
         "baseline_us": statistics.median(hand) * 1e6,
         "baseline_phases_us": b_phase,
-        "cprofile_top": top,
+        "profiled_us": total / calls * 1e6,
+        "profiled_wall_us": wall * 1e6,
+        "breakdown_us": {k: v / calls * 1e6 for k, v in parts.items()},
+        "breakdown_pct": {k: 100 * v / total if total else float("nan") for k, v in parts.items()},
+        "collectives_per_call": log.count / calls,
+        "collective_bytes_per_call": log.bytes / calls,
+        "last_call": {"ops": list(last.ops), "bytes": last.bytes, "fast_path": last.fast_path, "sizes": last.sizes},
+        "package_by_cumulative": _top(stats, root, calls, total, 16, "cum", package_only=True),
+        "package_by_own": _top(stats, root, calls, total, 12, "own", package_only=True),
+        "cprofile_top": _top(stats, root, calls, total, 22, "own", package_only=False),
     }
     everyone = _allgather_obj(mine)
     return {"case": case.name, "P": world, "calls": calls, "per_rank": everyone} if rank == 0 else {}
@@ -777,14 +749,14 @@ def _worker(rank: int, world: int, port: int, config: Dict[str, Any], out_path: 
     results: Dict[str, Any] = {"timing": [], "memory": [], "zero_copy": [], "chunk": [], "profile": []}
     for case in cases:
         t0 = time.time()
-        r = bench_time(case, config["reps_scale"])
+        r = bench_time(case, config["reps_scale"], config["min_reps"])
         if rank == 0:
             results["timing"].append(r)
             print(f"  [P={world}] {case.name:7s} timed in {time.time() - t0:5.1f} s", flush=True)
     if config["profile"]:
         for case in cases:
             if case.profile:
-                r = profile_case(case, calls={"tiny": 200, "uneven": 10}.get(case.name, 2))
+                r = profile_case(case, calls=config["profile_calls"].get(case.name, 2))
                 if rank == 0:
                     results["profile"].append(r)
     if config["memory"] and world > 1:
@@ -873,12 +845,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the overhead profile")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory checks")
     parser.add_argument("--no-render", action="store_true", help="do not render docs/performance.md")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results.json"))
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: every case with 3 repetitions and a short profile; results.json and the rendered docs go "
+        "to a new temporary folder unless --out or --docs name one (never the committed ones by default)",
+    )
+    parser.add_argument(
+        "--out", default=None, help="results file (default benchmarks/results.json; with --quick, a temporary one)"
+    )
+    parser.add_argument(
+        "--docs",
+        default=None,
+        help="where to render performance.md and img/ (default docs/; with --quick, next to --out)",
+    )
     opts = parser.parse_args(argv)
+    if opts.quick:
+        scratch = tempfile.mkdtemp(prefix="cmap-bench-quick-")
+        opts.out = opts.out or os.path.join(scratch, "results.json")
+        opts.docs = opts.docs or os.path.join(os.path.dirname(os.path.abspath(opts.out)), "docs")
+    opts.out = opts.out or os.path.join(ROOT, "benchmarks", "results.json")
+    opts.docs = opts.docs or os.path.join(ROOT, "docs")
     config = {
         "cases": opts.cases.split(","),
         "p1_cases": opts.p1_cases.split(","),
-        "reps_scale": opts.reps_scale,
+        "reps_scale": 0.0 if opts.quick else opts.reps_scale,
+        "min_reps": 3 if opts.quick else 10,
+        "profile_calls": {"tiny": 20, "uneven": 3} if opts.quick else {"tiny": 200, "uneven": 10},
         "profile": not opts.no_profile,
         "memory": not opts.no_memory,
     }
@@ -897,6 +890,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             .split("Memory (for")[0]
             .strip(),
             "memory_method": "Memory (for" + __doc__.split("Memory (for")[1].strip(),
+            "quick": opts.quick,
         },
         "timing": [],
         "memory": [],
@@ -930,7 +924,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import render
 
-        render.render(opts.out, os.path.join(ROOT, "docs"))
+        print(f"rendered {render.render(opts.out, opts.docs)}")
     return 0
 
 

@@ -20,6 +20,8 @@ _LAZY = {
     "axis_index": "collectives",
     "axis_size": "collectives",
     "shard_model": "tensor_parallel",
+    "record_collectives": "stats",
+    "CallStats": "stats",
 }
 
 __all__ = list(_LAZY) + ["__version__"]

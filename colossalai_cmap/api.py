@@ -1,10 +1,14 @@
-"""The public ``cmap`` function: arguments, docstring and decorator forms. The mechanics live in ``pipeline``."""
+"""The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in ``dispatch``."""
 
 import functools
 from typing import Any, Callable, Optional, Union
 
-from .execute import MODES, RANDOMNESS
-from .specs import call_name, check_in_dims_type, check_placement
+import torch.distributed as dist
+
+from .comm import default_timeout
+from .dispatch import Cmapped
+from .groups import resolve_group
+from .options import make_options
 
 __all__ = ["cmap"]
 
@@ -23,7 +27,7 @@ def cmap(
     axis_name: Optional[str] = None,
     timeout: Optional[float] = None,
     check_inputs: bool = False,
-) -> Callable:
+) -> Any:
     """``torch.vmap`` across the processes of a ``torch.distributed`` group, like ``jax.pmap``.
 
     ``cmap(f)(*args)`` splits the batch (the dims given by ``in_dims``) across the group, runs ``torch.vmap(f)``
@@ -92,71 +96,16 @@ def cmap(
         chunk_size=chunk_size,
         mode=mode,
         axis_name=axis_name,
-        timeout=timeout,
+        timeout=timeout if timeout is not None else default_timeout(),
         check_inputs=check_inputs,
     )
     if func is None:
-        return functools.partial(cmap, **options)
+        return functools.partial(cmap, **{**options, "timeout": timeout})
     if not callable(func):
         raise TypeError(f"cmap: expected a callable or nn.Module as func, got {type(func).__name__}.")
-    call = call_name(func, in_dims)
-    _check_options(call, **options)
-
-    from .pipeline import Cmapped
-
-    if isinstance(group, tuple) and dist_ready():
+    opts = make_options(func, **options)
+    if isinstance(group, tuple) and dist.is_available() and dist.is_initialized():
         # Creating a mesh's groups is a collective over the whole world: do it now, when every rank creates this
         # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer shard).
-        from .groups import resolve_group
-
-        resolve_group(call, group)
-    runner = Cmapped(func, call=call, **options)
-
-    @functools.wraps(func)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return runner(*args, **kwargs)
-
-    wrapped.cmap_runner = runner  # type: ignore[attr-defined]
-    return wrapped
-
-
-def dist_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _check_options(
-    call: str,
-    *,
-    in_dims: Any,
-    dst: Any,
-    src: Any,
-    randomness: str,
-    chunk_size: Optional[int],
-    mode: str,
-    axis_name: Optional[str],
-    timeout: Optional[float],
-    **_: Any,
-) -> None:
-    """Checks that need no group; ``dst``/``src`` ranges are checked per call against the group size."""
-    check_in_dims_type(call, in_dims)
-    if mode not in MODES:
-        raise ValueError(f"{call}: unknown mode={mode!r}; expected one of {', '.join(map(repr, MODES))}.")
-    if randomness not in RANDOMNESS:
-        raise ValueError(
-            f"{call}: unknown randomness={randomness!r}; expected one of {', '.join(map(repr, RANDOMNESS))}."
-        )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"{call}: chunk_size should be None or a positive int, got {chunk_size!r}.")
-    check_placement(call, "dst", dst, None, (-1, "local"))
-    check_placement(call, "src", src, None, (None, "local"))
-    if axis_name is not None and not isinstance(axis_name, str):
-        raise TypeError(f"{call}: axis_name must be a str or None, got {type(axis_name).__name__}.")
-    if axis_name is not None and chunk_size is not None:
-        raise ValueError(
-            f"{call}: chunk_size cannot be combined with axis_name: a collective such as psum needs "
-            f"every example of the shard at once, but chunks run one after another."
-        )
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"{call}: timeout must be a positive number of seconds, got {timeout!r}.")
+        resolve_group(opts.call, group)
+    return Cmapped(func, opts)

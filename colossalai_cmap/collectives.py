@@ -12,125 +12,60 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import comm
-from .context import AxisFrame, lookup
+from .context import lookup
+from .exchange import JoinSpec, ScatterSpec
+from .primitives import joined, scattered
+from .protocol import Kind
+from .roles import COPY, MAX, MIN, Rows
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "axis_index", "axis_size"]
 
-_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+_ROLES = {"sum": COPY, "max": MAX, "min": MIN}
 
 
 def _identity(op: str, like: torch.Tensor) -> torch.Tensor:
-    if op == "sum":
-        return torch.zeros_like(like)
     if like.dtype == torch.bool:
         return torch.full_like(like, op == "min")
     info = torch.finfo(like.dtype) if like.is_floating_point() else torch.iinfo(like.dtype)
     return torch.full_like(like, info.min if op == "max" else info.max)
 
 
-def _cross_rank(frame: AxisFrame, name: str, op: str, local: torch.Tensor) -> torch.Tensor:
-    """Reduce ``local`` (this rank's contribution) across the frame's group."""
-    if frame.group is None or frame.group.size == 1:
-        return local
-    comm.op_round(
-        f"p{op}({name!r})",
-        (tuple(local.shape), str(local.dtype)),
-        frame.group,
-        frame.device,
-        frame.call,
-        frame.timeout,
-        frame.round_bytes,
-    )
-    out = local.contiguous().clone()
-    reduce_op = getattr(torch.distributed.ReduceOp, _REDUCE_OPS[op])
-    dtype = out.dtype
-    if dtype == torch.bool:  # gloo reduces no bools
-        out = out.to(torch.uint8)
-    comm.all_reduce(out, frame.group, frame.call, frame.timeout, op=reduce_op)
-    return out.to(dtype)
-
-
-def _gather_rows(frame: AxisFrame, name: str, rows: torch.Tensor) -> torch.Tensor:
-    """All-gather every rank's real rows (dim 0) in global order; shards may be uneven."""
-    if frame.group is None or frame.group.size == 1:
-        return rows
-    sizes = list(frame.sizes)
-    cap = max(sizes)
-    comm.op_round(
-        f"all_gather({name!r})",
-        (tuple(rows.shape[1:]), str(rows.dtype)),
-        frame.group,
-        frame.device,
-        frame.call,
-        frame.timeout,
-        frame.round_bytes,
-    )
-    send = torch.zeros((cap, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-    send[: rows.shape[0]] = rows
-    buf = torch.empty((frame.group.size * cap, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-    comm.all_gather_into(buf, send, frame.group, frame.call, frame.timeout)
-    return torch.cat([buf[r * cap : r * cap + n] for r, n in enumerate(sizes)])
-
-
-def _sum_over_group(frame: AxisFrame, grad: torch.Tensor) -> torch.Tensor:
-    """Backward of a replicated result: every rank holds its examples' share of its gradient; sum them."""
-    if frame.group is None or frame.group.size == 1:
-        return grad
-    total = grad.contiguous().clone()
-    comm.all_reduce(total, frame.group, frame.call, frame.timeout)
-    return total
-
-
-class _Reduce(torch.autograd.Function):
-    """Physical op: ``x`` holds this run's rows on dim 0; returns the global reduction (no batch dim)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, name: str, op: str) -> torch.Tensor:
-        frame = lookup(name, f"p{op}")
-        empty = frame.dummy or x.shape[0] == 0
-        local = _identity(op, x.new_empty(x.shape[1:])) if empty else _local_reduce(op, x)
-        ctx.name, ctx.op, ctx.rows, ctx.dummy = name, op, x.shape[0], frame.dummy
-        ctx.frame = frame
-        return _cross_rank(frame, name, op, local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        if ctx.op != "sum":
-            raise RuntimeError(
-                f"p{ctx.op}({ctx.name!r}) is not differentiable; use psum/pmean/all_gather, or detach its input."
-            )
-        total = _sum_over_group(ctx.frame, grad)
-        if ctx.dummy:
-            total = torch.zeros_like(total)
-        return total.unsqueeze(0).expand(ctx.rows, *total.shape), None, None
-
-
-class _Gather(torch.autograd.Function):
-    """Physical op: ``x`` holds this run's rows on dim 0; returns all B rows in global order."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
-        frame = lookup(name, "all_gather")
-        real = x[:0] if frame.dummy else x
-        ctx.frame, ctx.rows, ctx.dummy = frame, x.shape[0], frame.dummy
-        return _gather_rows(frame, name, real)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
-        frame = ctx.frame
-        total = _sum_over_group(frame, grad)
-        if ctx.dummy:
-            return torch.zeros((ctx.rows, *grad.shape[1:]), dtype=grad.dtype, device=grad.device), None
-        return total.narrow(0, frame.offset, frame.rows), None
-
-
-def _local_reduce(op: str, x: torch.Tensor) -> torch.Tensor:
+def _local_reduce(op: str, rows: torch.Tensor) -> torch.Tensor:
     if op == "sum":
-        return x.sum(0)
-    if x.dtype == torch.bool:
-        return x.any(0) if op == "max" else x.all(0)
-    return x.amax(0) if op == "max" else x.amin(0)
+        return rows.sum(0)
+    if rows.shape[0] == 0:
+        return _identity(op, rows.new_empty(rows.shape[1:]))
+    if rows.dtype == torch.bool:
+        return rows.any(0) if op == "max" else rows.all(0)
+    return rows.amax(0) if op == "max" else rows.amin(0)
+
+
+def _reduce(rows: torch.Tensor, name: str, op: str) -> torch.Tensor:
+    """This run's rows (dim 0) reduced over every example of the global batch.
+
+    A sum is ``Scatter(Join(.))``: per-rank partial sums joined into the global sum, which every rank then uses as its
+    own value, so its backward sums the cotangents over the group too. An empty shard's stand-in contributes nothing,
+    through its graph (zero rows), so that backward still meets on every rank.
+    """
+    frame = lookup(name, f"p{op}")
+    local = _local_reduce(op, rows[:0] if frame.dummy else rows)
+    if frame.link is None or frame.link.group.size == 1:
+        return local
+    (total,) = joined(JoinSpec(frame.link, (_ROLES[op],), f"p{op}({name!r})", Kind.OP), [local])
+    if op != "sum":
+        return total
+    return scattered(ScatterSpec(frame.link, (COPY,)), [total])[0]
+
+
+def _gather(rows: torch.Tensor, name: str) -> torch.Tensor:
+    """Every rank's real rows (dim 0) in global order (shares may be uneven); backward sums, then takes the rows."""
+    frame = lookup(name, "all_gather")
+    real = rows[:0] if frame.dummy else rows
+    if frame.link is None or frame.link.group.size == 1:
+        return real
+    spec = JoinSpec(frame.link, (Rows(0, tuple(frame.sizes)),), f"all_gather({name!r})", Kind.OP)
+    (full,) = joined(spec, [real])
+    return scattered(ScatterSpec(frame.link, (COPY,)), [full])[0]
 
 
 class _Batched(torch.autograd.Function):
@@ -163,9 +98,7 @@ class _Batched(torch.autograd.Function):
         if dim is None:
             return _Batched.apply(x, name, op), None
         rows = x.movedim(dim, 0)
-        if op == "gather":
-            return _Gather.apply(rows, name), None
-        return _Reduce.apply(rows, name, op), None
+        return (_gather(rows, name) if op == "gather" else _reduce(rows, name, op)), None
 
 
 def _apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
@@ -173,12 +106,11 @@ def _apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}(x, {name!r}): x must be a Tensor, got {type(x).__name__}.")
     if frame.mode == "batched":
-        rows = x.shape[0]
-        out = _Gather.apply(x, name) if op == "gather" else _Reduce.apply(x, name, op)
-        return out.unsqueeze(0).expand(rows, *out.shape)
+        out = _gather(x, name) if op == "gather" else _reduce(x, name, op)
+        return out.unsqueeze(0).expand(x.shape[0], *out.shape)
     if frame.mode == "loop" and not _is_batched(x):
         return frame.loop.run(
-            x, lambda stacked: _Gather.apply(stacked, name) if op == "gather" else _Reduce.apply(stacked, name, op)
+            x, lambda stacked: _gather(stacked, name) if op == "gather" else _reduce(stacked, name, op)
         )
     return _Batched.apply(x, name, op)
 

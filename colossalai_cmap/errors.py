@@ -1,8 +1,9 @@
 """The exception every rank raises when a cmap call fails somewhere in its group."""
 
+import builtins
 import traceback
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Dict, Sequence, Type
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class RankFailure:
 class CmapError(RuntimeError):
     """Raised on every rank of the group when a cmap call fails on any of them.
 
+    When every failing rank raised the same built-in exception type (say ``ValueError`` for a bad argument), the
+    error is also an instance of that type, so ``except ValueError`` catches it on every rank as it would in one
+    process.
+
     Attributes:
         failures: one :class:`RankFailure` per failing rank, in group-rank order. Empty for failures that are
             not tied to one rank (for example inputs that differ across ranks, or a timeout).
@@ -36,6 +41,9 @@ class CmapError(RuntimeError):
         super().__init__(message)
         self.failures = tuple(failures)
 
+    def __str__(self) -> str:  # not a built-in base's (KeyError quotes its message)
+        return BaseException.__str__(self)
+
     @classmethod
     def from_failures(cls, call: str, failures: Sequence[RankFailure], my_group_rank: int) -> "CmapError":
         lines = [f"{call} failed on {len(failures)} rank(s):"]
@@ -44,4 +52,26 @@ class CmapError(RuntimeError):
         if remote:
             lines.append(f"Remote traceback (group rank {remote[0].group_rank}):")
             lines.append(remote[0].traceback.rstrip())
-        return cls("\n".join(lines), failures)
+        kinds = {f.exc_type for f in failures}
+        error_type = _with_builtin(kinds.pop()) if len(kinds) == 1 else cls
+        return error_type("\n".join(lines), failures)
+
+
+_DUAL: Dict[str, Type[CmapError]] = {}
+
+
+def _with_builtin(name: str) -> Type[CmapError]:
+    """``CmapError`` that is also the built-in exception ``name`` (plain ``CmapError`` for any other type)."""
+    base = getattr(builtins, name, None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(CmapError, base):
+        return CmapError
+    if name not in _DUAL:
+        try:
+            _DUAL[name] = type(f"CmapError[{name}]", (CmapError, base), {"__module__": __name__})
+        except TypeError:  # an incompatible layout (e.g. OSError's): plain CmapError
+            _DUAL[name] = CmapError
+    return _DUAL[name]
+
+
+class CollectiveAborted(RuntimeError):
+    """Raised inside func when peers are not at the same collective (they finished, failed, or called another)."""

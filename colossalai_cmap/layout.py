@@ -1,21 +1,18 @@
 """The output layout of a cmapped function: what one example's outputs look like.
 
-A rank with an empty shard never calls ``func``; it learns the layout from a rank that has data (or from its cache),
-so it can still take part in the gather and return correctly shaped empty outputs.
+Every rank computes it from its own outputs (an empty shard from its stand-in example) and the status round compares
+the digests, so ranks whose outputs differ in structure, per-example shape or dtype raise together.
 """
 
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_unflatten
-
-from .comm import digest
+from torch.utils._pytree import TreeSpec
 
 BATCHED, REPLICATED, CONSTANT = "batched", "replicated", "constant"
-_ALIGN = 16  # bytes; every leaf's segment starts aligned for any dtype
 
 
 @dataclass(frozen=True)
@@ -45,17 +42,10 @@ class OutLayout:
     def digest(self) -> int:
         return digest((self.spec, self.leaves))
 
-    @property
-    def batched(self) -> List[int]:
-        return [i for i, leaf in enumerate(self.leaves) if leaf.kind == BATCHED]
-
-    def segments(self, rows: int) -> Tuple[List[int], int]:
-        """Byte offset of each tensor leaf in one rank's packed row block of ``rows`` examples, and the block size."""
-        cache = self.__dict__.setdefault("_segment_cache", {})
-        found = cache.get(rows)
-        if found is None:
-            found = cache[rows] = self._segments(rows)
-        return found
+    @cached_property
+    def tensors(self) -> Tuple[int, ...]:
+        """The positions of the tensor leaves (the ones that can move)."""
+        return tuple(i for i, leaf in enumerate(self.leaves) if leaf.kind != CONSTANT)
 
     def matches(self, flat_out: Sequence[Any], spec: TreeSpec) -> bool:
         """Whether outputs just computed have this layout (a cheap check before reusing a cached layout)."""
@@ -77,30 +67,6 @@ class OutLayout:
                     return False
         return spec == self.spec
 
-    def _segments(self, rows: int) -> Tuple[List[int], int]:
-        offsets, acc = [], 0
-        for leaf in self.leaves:
-            offsets.append(acc)
-            if leaf.kind == BATCHED:
-                acc += _aligned(rows * leaf.row_bytes)
-            elif leaf.kind == REPLICATED:
-                acc += _aligned(leaf.row_bytes)
-        return offsets, acc
-
-    def empty_outputs(self, device: torch.device) -> Any:
-        """Outputs of an empty shard: size-0 batched leaves; replicated leaves are filled in by the gather."""
-        leaves = []
-        for leaf in self.leaves:
-            if leaf.kind == BATCHED:
-                shape = list(leaf.shape)
-                shape.insert(leaf.out_dim, 0)
-                leaves.append(torch.empty(shape, dtype=leaf.dtype, device=device))
-            elif leaf.kind == REPLICATED:
-                leaves.append(None)
-            else:
-                leaves.append(leaf.value)
-        return tree_unflatten(leaves, self.spec)
-
 
 def replicated_checksums(flat_out: Sequence[Any], layout: OutLayout) -> Tuple[Tuple[int, int], ...]:
     """``(leaf index, crc32 of its bytes)`` for each replicated (``out_dims=None``) output leaf; () when none.
@@ -111,13 +77,14 @@ def replicated_checksums(flat_out: Sequence[Any], layout: OutLayout) -> Tuple[Tu
     sums = []
     for i, (value, leaf) in enumerate(zip(flat_out, layout.leaves)):
         if leaf.kind == REPLICATED:
-            flat = value.detach().contiguous().cpu().reshape(-1)
+            flat = value.detach().resolve_conj().resolve_neg().contiguous().cpu().reshape(-1)
             sums.append((i, zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")))
     return tuple(sums)
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def digest(obj: object) -> int:
+    """A digest of ``repr(obj)`` that is the same in every process (``hash`` of a str is salted per process)."""
+    return zlib.crc32(repr(obj).encode()) or 1
 
 
 def infer_layout(flat_out: Sequence[Any], out_dims: Sequence[Optional[int]], spec: TreeSpec) -> OutLayout:

@@ -1,141 +1,180 @@
 """``src=r``: only group rank ``r`` holds the mapped inputs; it sends every other rank its shard.
 
-One small metadata broadcast (the argument structure, the mapped leaves' shapes and dtypes, and any error found
-while checking the arguments on ``r``), then one ``scatter`` of all mapped leaves packed together.
+One small metadata broadcast (the arguments' structure, the mapped leaves' shapes and dtypes, or the error found
+while checking them on ``r``), then one ``scatter`` of all mapped leaves packed together. A rank with an empty shard
+receives the first example in its block instead, to run as its stand-in. The output is not differentiable: the
+inputs were copied from one rank.
 """
 
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
-from . import comm
+from . import comm, exit, faults, stats
+from .entry import Inputs
 from .errors import CmapError, RankFailure
-from .gather import pack, typed_view
 from .groups import Group, group_device
-from .layout import BATCHED, LeafLayout, OutLayout
-from .sharding import split_for
-from .specs import FlatArgs, describe_arg, flatten_args, leaf_paths
-
-if TYPE_CHECKING:
-    from .pipeline import Cmapped
+from .layout import digest
+from .plan import CallPlan, split
+from .primitives import not_differentiable
+from .protocol import Link
+from .rank import Failed, run_rank
+from .roles import Rows
+from .route import Item, offsets, typed
+from .specs import describe_arg, flatten_args, leaf_paths
+from .transfer import pack_padded
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
 
 
-def _meta_of(flat: FlatArgs) -> dict:
+def run_from_src(cm: Any, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    opts = cm.options
+    log, plan = stats.open_log(), None
+    try:
+        device = group_device(
+            group, next((v.device for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor)), None)
+        )
+        link = Link(group, device, opts.call, opts.timeout)
+        plan, inputs, failure = _receive(cm, group, args, kwargs, link)
+        grad = torch.is_grad_enabled() and any(v.requires_grad for v in tree_flatten(args)[0] if torch.is_tensor(v))
+        with torch.no_grad():
+            result = failure or run_rank(cm, plan, inputs, link, None)
+            out = exit.finish(opts, plan, result, inputs, link)
+        if not grad or out is None:
+            return out
+        message = (
+            f"{opts.call}: the output of a cmap with src={opts.src!r} is not differentiable: its inputs were "
+            f"scattered from one rank. Use src=None to backpropagate to the inputs."
+        )
+        return tree_map(lambda v: not_differentiable(v, message), out)
+    finally:
+        stats.close_log(log)
+        cm._last = (log, group.size, False, False, plan)
+
+
+def _meta_of(cm: Any, args: Tuple[Any, ...]) -> Dict[str, Any]:
+    flat = flatten_args(cm.func, args, cm.options.in_dims, cm.options.call)
     kinds: List[Tuple[str, Any]] = []
     for leaf, d in zip(flat.leaves, flat.dims):
         if d is not None:
             shape = list(leaf.shape)
             del shape[d]
             kinds.append((_MAPPED, (tuple(shape), leaf.dtype, d)))
-        elif isinstance(leaf, torch.Tensor):
-            kinds.append((_TENSOR, None))
         else:
-            kinds.append((_CONST, leaf))
-    return {"spec": flat.spec, "dims": flat.dims, "kinds": kinds, "batch": flat.batch_size}
+            kinds.append((_TENSOR, None) if isinstance(leaf, torch.Tensor) else (_CONST, leaf))
+    return {"spec": flat.spec, "dims": tuple(flat.dims), "kinds": kinds, "batch": flat.batch_size, "flat": flat}
 
 
-def _input_layout(meta: dict) -> OutLayout:
-    leaves = [
-        LeafLayout(BATCHED, shape, dtype, d)
-        for kind, (shape, dtype, d) in ((k, v) for k, v in meta["kinds"] if k == _MAPPED)
-    ]
-    return OutLayout(meta["spec"], tuple(leaves))
+def _receive(
+    cm: Any, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any], link: Link
+) -> Tuple[CallPlan, Inputs, Optional[Failed]]:
+    """Broadcast the metadata and scatter the shards from ``src``; returns this rank's plan and leaves."""
+    opts, src = cm.options, cm.options.src
+    is_src = group.rank == src
+    meta, error, local = None, None, None
+    if is_src:
+        try:
+            faults.check("args", group)
+            local = _meta_of(cm, args)
+            meta = {k: v for k, v in local.items() if k != "flat"}
+        except Exception as exc:  # sent to every rank in the broadcast, so all raise together
+            meta, error = {"error": RankFailure.from_exception(exc, group.rank, group.global_rank)}, exc
+    meta = comm.broadcast_object(meta, src, group, opts.call, opts.timeout, link.device)
+    if "error" in meta:
+        raise CmapError.from_failures(f"{opts.call}, src={src}", [meta["error"]], group.rank) from error
+    sizes = split(meta["batch"], group.size, opts.gathers)
+    mapped = tuple(i for i, d in enumerate(meta["dims"]) if d is not None)
+    rows, offset = sizes[group.rank], sum(sizes[: group.rank])
+    plan = CallPlan(meta["spec"], meta["dims"], meta["batch"], sizes, rows, offset, digest(meta), mapped)
+    failure = None
+    try:
+        leaves = list(local["flat"].leaves) if is_src else _merge(cm, meta, args)
+    except Exception as exc:
+        failure, leaves = Failed(RankFailure.from_exception(exc, group.rank, group.global_rank), exc), None
+    shard, stand_in = _scatter(meta, plan, local["flat"].leaves if is_src else None, src, link)
+    if failure is None:
+        try:
+            faults.check("scatter", group)
+        except Exception as exc:
+            failure = Failed(RankFailure.from_exception(exc, group.rank, group.global_rank), exc)
+    merged = [shard.get(i, v) for i, v in enumerate(leaves)] if leaves is not None else []
+    return plan, Inputs(merged, kwargs, stand_in), failure
 
 
-def _merge(cm: "Cmapped", meta: dict, args: Tuple[Any, ...]) -> List[Any]:
+def _merge(cm: Any, meta: Dict[str, Any], args: Tuple[Any, ...]) -> List[Any]:
     """This rank's leaves under the source's structure: its own unmapped leaves, placeholders for mapped ones."""
-    spec, kinds = meta["spec"], meta["kinds"]
+    opts, spec, kinds = cm.options, meta["spec"], meta["kinds"]
     paths = leaf_paths(spec)
+    if len(args) > len(spec.children_specs):
+        raise ValueError(
+            f"{opts.call}, src={opts.src}: {len(args)} positional arguments here but "
+            f"{len(spec.children_specs)} on the source rank."
+        )
     leaves: List[Any] = []
     start = 0
     for i, child in enumerate(spec.children_specs):
-        count = child.num_leaves
-        mine = args[i] if i < len(args) else None
+        count, mine = child.num_leaves, args[i] if i < len(args) else None
+        span = range(start, start + count)
         if mine is None:
-            for (kind, value), path in zip(kinds[start : start + count], paths[start : start + count]):
-                if kind == _TENSOR:
+            for k in span:
+                if kinds[k][0] == _TENSOR:
                     raise ValueError(
-                        f"{cm.call}, src={cm.src}: {describe_arg(cm.func, path)} is an unmapped Tensor on the source "
-                        f"rank but None here; pass unmapped Tensor arguments on every rank."
+                        f"{opts.call}, src={opts.src}: {describe_arg(cm.func, paths[k])} is an unmapped Tensor on "
+                        f"the source rank but None here; pass unmapped Tensor arguments on every rank."
                     )
-                leaves.append(value if kind == _CONST else None)
+                leaves.append(kinds[k][1] if kinds[k][0] == _CONST else None)
         else:
             own, own_spec = tree_flatten(mine)
             if own_spec != child:
                 raise ValueError(
-                    f"{cm.call}, src={cm.src}: argument {i} has structure {own_spec} here but {child} on the source "
-                    f"rank; pass None or the same structure."
+                    f"{opts.call}, src={opts.src}: argument {i} has structure {own_spec} here but {child} on the "
+                    f"source rank; pass None or the same structure."
                 )
-            leaves += [None if kind == _MAPPED else v for (kind, _), v in zip(kinds[start : start + count], own)]
+            leaves += [None if kinds[k][0] == _MAPPED else v for k, v in zip(span, own)]
         start += count
-    if len(args) > len(spec.children_specs):
-        raise ValueError(
-            f"{cm.call}, src={cm.src}: {len(args)} positional arguments here but "
-            f"{len(spec.children_specs)} on the source rank."
-        )
     return leaves
 
 
-def receive_shards(
-    cm: "Cmapped", group: Group, args: Tuple[Any, ...]
-) -> Tuple[FlatArgs, List[Any], Tuple[int, ...], Optional[Tuple[RankFailure, BaseException]], torch.device]:
-    """Broadcast metadata and scatter the shards from ``cm.src``; returns this rank's flat args and shard."""
-    src, call = cm.src, cm.call
-    is_src = group.rank == src
-    flat: Optional[FlatArgs] = None
-    meta: Any = None
-    if is_src:
-        try:
-            flat = flatten_args(cm.func, args, cm.in_dims, call)
-            meta = _meta_of(flat)
-        except Exception as exc:  # sent to every rank in the broadcast, so all raise together
-            meta = {"error": RankFailure.from_exception(exc, group.rank, group.global_rank)}
-            error: Optional[BaseException] = exc
-    own_device = next((x.device for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)), None)
-    device = group_device(group, own_device)
-    meta = comm.broadcast_object(meta, src, group, call, cm.timeout, device)
-    if "error" in meta:
-        raise CmapError.from_failures(f"{call}, src={src}", [meta["error"]], group.rank) from (
-            error if is_src else None
-        )
-    sizes = split_for(cm.dst)(meta["batch"], group.size).sizes
-    failure: Optional[Tuple[RankFailure, BaseException]] = None
-    if is_src:
-        leaves = list(flat.leaves)
-    else:
-        try:
-            leaves = _merge(cm, meta, args)
-        except Exception as exc:
-            failure = (RankFailure.from_exception(exc, group.rank, group.global_rank), exc)
-            leaves = [None] * len(meta["kinds"])
-    layout = _input_layout(meta)
+def _scatter(
+    meta: Dict[str, Any], plan: CallPlan, full: Optional[List[Any]], src: int, link: Link
+) -> Tuple[Dict[int, torch.Tensor], Optional[List[Any]]]:
+    """One scatter of every mapped leaf, packed per rank for the largest share; an empty share gets the first
+    example in its block, as its stand-in."""
+    group = link.group
     mapped = [i for i, (kind, _) in enumerate(meta["kinds"]) if kind == _MAPPED]
-    cap = max(sizes)
-    _, block_size = layout.segments(cap)
-    recv = torch.empty(block_size, dtype=torch.uint8, device=device)
-    if block_size:
-        blocks = None
-        if is_src:
-            offsets = [sum(sizes[:r]) for r in range(group.size)]
-            blocks = [
-                pack(
-                    [flat.leaves[i].narrow(flat.dims[i], offsets[r], sizes[r]) for i in mapped],
-                    layout,
-                    sizes[r],
-                    cap,
-                    device,
-                )
-                for r in range(group.size)
-            ]
-        comm.scatter_from(recv, blocks, src, group, call, cm.timeout)
-    rows = sizes[group.rank]
-    seg_offsets, _ = layout.segments(cap)
-    shard = list(leaves)
-    for i, leaf, off in zip(mapped, layout.leaves, seg_offsets):
-        shard[i] = typed_view(recv, off, leaf.dtype, (rows, *leaf.shape)).movedim(0, leaf.out_dim)
-    placeholder = [x if x is not None or i not in mapped else shard[i] for i, x in enumerate(leaves)]
-    flat_local = FlatArgs(placeholder, meta["dims"], meta["spec"], rows)
-    return flat_local, shard, sizes, failure, device
+    items = [_item(k, meta["kinds"][i][1], plan) for k, i in enumerate(mapped)]
+    cap = max(max(plan.sizes), 1)
+    offs, block = offsets(items, cap)
+    recv = torch.empty(block, dtype=torch.uint8, device=link.device)
+    blocks = None
+    if full is not None:
+        rows = [[_rows_of(full[i], meta["kinds"][i][1][2], plan, r) for i in mapped] for r in range(group.size)]
+        blocks = [torch.zeros(block, dtype=torch.uint8, device=link.device) for _ in range(group.size)]
+        for r in range(group.size):
+            pack_padded(items, rows[r], cap, blocks[r])
+    if block:
+        comm.scatter_from(recv, blocks, src, group, link.call, link.timeout)
+    shard, stand_in = {}, None
+    for it, i, off in zip(items, mapped, offs):
+        shard[i] = typed(recv, off, it.dtype, (plan.rows, *it.shape)).movedim(0, meta["kinds"][i][1][2])
+    if plan.rows == 0 and plan.batch > 0:
+        stand_in = [None] * len(meta["kinds"])
+        for it, i, off in zip(items, mapped, offs):
+            stand_in[i] = typed(recv, off, it.dtype, (1, *it.shape)).movedim(0, meta["kinds"][i][1][2]).clone()
+    return shard, stand_in
+
+
+def _item(k: int, kind: Tuple[Any, ...], plan: CallPlan) -> Item:
+    shape, dtype, _ = kind
+    numel = 1
+    for s in shape:
+        numel *= s
+    return Item(k, Rows(0, plan.sizes), dtype, shape, numel * dtype.itemsize)
+
+
+def _rows_of(leaf: torch.Tensor, d: int, plan: CallPlan, r: int) -> torch.Tensor:
+    """Rank r's rows, batch dim first; the first example for an empty share (its stand-in)."""
+    n, start = plan.sizes[r], sum(plan.sizes[:r])
+    rows = leaf.narrow(d, start, n) if n else leaf.narrow(d, 0, min(1, leaf.shape[d]))
+    return rows.movedim(d, 0)

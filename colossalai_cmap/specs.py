@@ -8,9 +8,41 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, keystr, tree_flatten, tree_flatten_with_path
+from torch.utils._pytree import (
+    TreeSpec,
+    _broadcast_to_and_flatten,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 Dim = Optional[int]
+
+_LEAF = tree_flatten(0)[1]
+_FLAT_TUPLES: List[TreeSpec] = []
+
+
+def flatten(tree: Any) -> Tuple[List[Any], TreeSpec]:
+    """``tree_flatten``, with shortcuts for the common shapes of a call: one tensor, or a tuple of tensors."""
+    if type(tree) is torch.Tensor:
+        return [tree], _LEAF
+    if type(tree) is tuple and all(type(v) is torch.Tensor for v in tree):
+        n = len(tree)
+        while len(_FLAT_TUPLES) <= n:
+            _FLAT_TUPLES.append(tree_flatten((0,) * len(_FLAT_TUPLES))[1])
+        return list(tree), _FLAT_TUPLES[n]
+    return tree_flatten(tree)
+
+
+def unflatten(leaves: Sequence[Any], spec: TreeSpec) -> Any:
+    """``tree_unflatten``, with the same shortcuts as :func:`flatten`."""
+    if spec is _LEAF:
+        return leaves[0]
+    n = len(leaves)
+    if n < len(_FLAT_TUPLES) and spec is _FLAT_TUPLES[n]:
+        return tuple(leaves)
+    return tree_unflatten(list(leaves), spec)
 
 
 def call_name(func: Callable, in_dims: Any) -> str:
@@ -91,7 +123,7 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
         raise ValueError(
             f"{call}: got no positional inputs; cmap, like vmap, maps over at least one positional Tensor."
         )
-    leaves, spec = tree_flatten(args)
+    leaves, spec = flatten(args)
     dims = (
         [in_dims] * len(leaves)
         if in_dims is None or isinstance(in_dims, int)
@@ -167,15 +199,3 @@ def normalise_out_dim(call: str, dim: Dim, example_ndim: int, index: int) -> Dim
             f"{example_ndim}; expected {-(example_ndim + 1)} <= out_dim <= {example_ndim}."
         )
     return dim % (example_ndim + 1)
-
-
-def check_placement(call: str, name: str, value: Any, size: Optional[int], allowed: Sequence[Any]) -> None:
-    """``dst``/``src``: one of ``allowed`` or a group rank in ``[0, size)`` (any rank >= 0 when size is unknown)."""
-    if value in allowed and not isinstance(value, bool):
-        return
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value and (size is None or value < size):
-        return
-    choices = ", ".join(repr(a) for a in allowed)
-    where = "" if size is None else f" for a group of size {size}"
-    ranks = "a group rank >= 0" if size is None else f"a group rank in [0, {size})"
-    raise ValueError(f"{call}: {name}={value!r} is not valid{where}; expected {choices} or {ranks}.")

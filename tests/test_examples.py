@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
-EXAMPLES = ["quickstart", "batch_dot", "model", "dot_dst0", "vjp_jacobian", "per_sample_grads", "train_step"]
+EXAMPLES = ["quickstart", "batch_dot", "model", "dot_dst0", "vjp_jacobian", "per_sample_grads", "train_step", "maml"]
 
 
 def run_example(name: str) -> bool:

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from harness import DIED, World
 
 import colossalai_cmap as cm
-from colossalai_cmap import comm
 
 
 def _fails_on(ranks, exc=ValueError):
@@ -50,36 +49,53 @@ def _dot(x, y):
 
 
 def check_bad_arguments():
-    """Argument errors: same type and message on every rank, raised before any collective."""
+    """Argument errors: the same type and message on every rank, with no data moved: a rank whose arguments fail
+    its checks reports in the status round, so a rank-specific bad argument cannot leave its peers waiting."""
     x, y = torch.ones(6, 3), torch.ones(5, 3)
     size = dist.get_world_size()
-    bad = [
+    at_call = [
         (lambda: cm.cmap(_dot, in_dims=(0, 5))(x, x), ValueError, "cmap(_dot, in_dims=(0, 5)): argument 1 ('y')"),
         (lambda: cm.cmap(torch.dot, in_dims=(0,))(x, x), ValueError, "in_dims is not compatible"),
-        (lambda: cm.cmap(torch.dot, in_dims=[0, 0])(x, x), ValueError, "expected `in_dims` to be int or a"),
         (lambda: cm.cmap(lambda a, n: a * n, in_dims=(0, 0))(x, 3), ValueError, "argument 1 ('n')"),
         (lambda: cm.cmap(torch.dot)(x, y), ValueError, "different sizes"),
         (lambda: cm.cmap(lambda t: t["a"], in_dims=({"a": 2},))({"a": x}), ValueError, "argument 0 ('t')['a']"),
         (lambda: cm.cmap(torch.sin, dst=size)(x), ValueError, f"dst={size} is not valid"),
         (lambda: cm.cmap(torch.sin, src=size + 1)(x), ValueError, f"src={size + 1} is not valid"),
+        (lambda: cm.cmap(torch.sin, in_dims=None)(x), ValueError, "at least one Tensor"),
+    ]
+    at_creation = [  # no call, no group: raised where the cmap is made
+        (lambda: cm.cmap(torch.dot, in_dims=[0, 0]), ValueError, "expected `in_dims` to be int or a"),
         (lambda: cm.cmap(torch.sin, dst="all"), ValueError, "dst='all' is not valid"),
         (lambda: cm.cmap(torch.sin, mode="pmap"), ValueError, "unknown mode='pmap'"),
         (lambda: cm.cmap(torch.sin, randomness="x"), ValueError, "unknown randomness"),
         (lambda: cm.cmap(torch.sin, chunk_size=0), ValueError, "chunk_size"),
         (lambda: cm.cmap(torch.sin, group="world")(x), TypeError, "group='world' is not supported"),
-        (lambda: cm.cmap(torch.sin, in_dims=None)(x), ValueError, "at least one Tensor"),
     ]
     messages = []
-    for thunk, exc_type, needle in bad:
-        before = comm.COUNTS["collectives"]
-        with pytest.raises(exc_type) as info:
+    for thunk, exc_type, needle in at_call + at_creation:
+        with cm.record_collectives() as log, pytest.raises(exc_type) as info:
             thunk()
         assert needle in str(info.value), f"{needle!r} not in {info.value}"
         assert str(info.value).startswith("cmap("), str(info.value)
-        assert comm.COUNTS["collectives"] == before, f"communicated before raising: {info.value}"
-        messages.append(str(info.value))
+        if (thunk, exc_type, needle) in at_call:
+            assert isinstance(info.value, cm.CmapError), info.value
+            # the status round, then the failure details (their lengths and their bytes): nothing else
+            assert log.count == 3 and log.bytes < 10_000, log.entries
+        else:
+            assert log.count == 0, log.entries
+        messages.append(str(info.value).split("Remote traceback")[0])
     assert torch.equal(cm.cmap(torch.sin)(x), torch.sin(x))
     return messages
+
+
+def check_argument_error_on_one_rank():
+    """A bad argument on one rank only (its inputs differ): every rank raises, naming that rank; no hang."""
+    rank = dist.get_rank()
+    x = torch.ones(6, 3) if rank != 1 else torch.ones(6)
+    with pytest.raises(cm.CmapError, match=r"group rank 1 \(global rank 1\) raised ValueError"):
+        cm.cmap(torch.sum, in_dims=1)(x)
+    assert torch.equal(cm.cmap(torch.sum)(torch.ones(6, 3)), torch.full((6,), 3.0))
+    return True
 
 
 def check_divergent_inputs(kind):
@@ -143,13 +159,13 @@ def check_leaks(calls):
         f(torch.randn(9 + i % 5, 16), w)
         cm.cmap(torch.sin, dst=0)(torch.randn(7, 3))
     rss1, fds1 = proc.memory_info().rss, proc.num_fds()
-    cached = len(f.cmap_runner._layouts)
+    cached = f.cached_plans
     groups1 = len(dist.distributed_c10d._world.pg_map)
     return {
         "rss_growth_mib": (rss1 - rss0) / 2**20,
         "fd_growth": fds1 - fds0,
         "groups": (groups0, groups1),
-        "cached_layouts": cached,
+        "cached_plans": cached,
     }
 
 
@@ -168,9 +184,13 @@ def test_failure_propagates_to_every_rank(worlds, P, failing, dst, mode):
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_bad_arguments_raise_everywhere_before_communication(worlds, P):
+def test_bad_arguments_raise_the_same_error_everywhere(worlds, P):
     messages = worlds(P).run(check_bad_arguments)
     assert all(m == messages[0] for m in messages), "ranks disagree on the error messages"
+
+
+def test_argument_error_on_one_rank(worlds):
+    assert worlds(3).run(check_argument_error_on_one_rank) == [True] * 3
 
 
 @pytest.mark.parametrize("kind", ["batch", "shape", "dtype", "values"])
@@ -210,45 +230,4 @@ def test_no_leaks_over_2000_calls(worlds):
         assert s["rss_growth_mib"] < 20, s
         assert s["fd_growth"] <= 2, s
         assert s["groups"][0] == s["groups"][1], s
-        assert s["cached_layouts"] <= 64, s
-
-
-def check_speculation():
-    """Repeated large single-output calls send their data together with the status round; a change of batch size,
-    a failure, or inputs that differ across ranks must still give the right answer or a CmapError, never an abort."""
-    rank = dist.get_rank()
-    f = cm.cmap(lambda r: r * 2 + 1)
-    runner = f.cmap_runner
-    speculated, previous = 0, None
-    for B in (1200, 1200, 1200, 1201, 1201, 7, 1200, 1200):  # over 1 MiB per rank: the two-collective path
-        x = torch.arange(B * 600, dtype=torch.float32).view(B, 600)
-        was = runner._speculate is not None
-        before = comm.COUNTS["collectives"]
-        assert torch.equal(f(x), x * 2 + 1), B
-        speculated += was
-        # a steady call: status + data together; a changed batch size: its speculative data is discarded (+1)
-        assert comm.COUNTS["collectives"] - before == (2 if B == previous or not was else 3), B
-        previous = B
-    assert speculated >= 3, speculated
-    assert runner._speculate is not None, "steady large calls should speculate"
-    with pytest.raises(cm.CmapError, match="different inputs"):  # sizes from shared history: no gloo abort
-        f(torch.ones(1200 if rank == 0 else 1199, 600))
-
-    def g(r):
-        if dist.get_rank() == 1 and r.shape[0] == 600:
-            raise ValueError("fails on the third call")
-        return r + 1
-
-    h = cm.cmap(g, mode="batched")
-    for i in range(3):  # rank 1's shard has 600 rows only on the third call, while speculating
-        if i == 2:
-            with pytest.raises(cm.CmapError, match="fails on the third call"):
-                h(torch.ones(1200, 600))
-        else:
-            assert torch.equal(h(torch.ones(1198, 600)), torch.full((1198, 600), 2.0))
-    assert torch.equal(f(torch.ones(1200, 600)), torch.full((1200, 600), 3.0))
-    return True
-
-
-def test_speculative_data_gather_falls_back_safely(worlds):
-    assert worlds(2).run(check_speculation) == [True] * 2
+        assert s["cached_plans"] <= 64, s

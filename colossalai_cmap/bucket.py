@@ -1,0 +1,98 @@
+"""The parameters of the modules func uses, entered with the arguments so that backward sums them in one collective.
+
+A module's parameters are closure-captured tensors like any other, and :mod:`closures` would sum their gradients
+one autograd node at a time. A module that func names directly (func itself, the instance of a bound method, a
+closure cell, a ``functools.partial`` argument, or a global that func's code reads) is found here instead: its
+parameters that require grad go through the call's entry ``Scatter`` with the arguments, and func runs with the
+module reparametrized to those values (as ``torch.func.functional_call`` does), so one ``Join`` in backward sums
+every parameter's gradient. Anything not found here is still caught by the closure walk.
+"""
+
+import contextlib
+import functools
+from typing import Any, Callable, Dict, Iterator, List
+
+import torch
+from torch import nn
+
+try:  # the context manager behind torch.func.functional_call
+    from torch.nn.utils.stateless import _reparametrize_module
+except ImportError:  # pragma: no cover - other torch versions: the closure walk covers the parameters
+    _reparametrize_module = None
+
+
+class References:
+    """Where the values func names directly live: itself, a bound method's instance, partial arguments, closure
+    cells, and the globals its code reads. Found once, when the cmap is made; read at each call, so a rebound cell or
+    global is seen. Only slots that held a tensor, a module or a container when the cmap was made are kept (others,
+    such as the ``torch`` module, cost nothing per call); anything else reaches the closure walk."""
+
+    def __init__(self, func: Callable) -> None:
+        self.fixed: List[Any] = []
+        self.cells: List[Any] = []
+        self.names: List[str] = []
+        self.namespace: Dict[str, Any] = {}
+        self._find(func)
+
+    def _find(self, func: Any) -> None:
+        self.fixed += [v for v in (func, getattr(func, "__self__", None)) if isinstance(v, nn.Module)]
+        if isinstance(func, functools.partial):
+            self.fixed += [v for v in (*func.args, *func.keywords.values()) if _kept(v)]
+            self._find(func.func)
+            return
+        self.cells += [c for c in getattr(func, "__closure__", None) or () if _kept(_contents(c))]
+        code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+        if code is not None and namespace is not None:
+            self.namespace = namespace
+            self.names = [n for n in code.co_names if _kept(namespace.get(n))]
+
+    def __bool__(self) -> bool:
+        return bool(self.fixed or self.cells or self.names)
+
+    def values(self) -> Iterator[Any]:
+        yield from self.fixed
+        yield from (_contents(c) for c in self.cells)
+        yield from (self.namespace.get(n) for n in self.names)
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _kept(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict))
+
+
+def modules_of(refs: References) -> List[nn.Module]:
+    """The modules func names directly, each once."""
+    if _reparametrize_module is None:
+        return []
+    found: Dict[int, nn.Module] = {}
+    for value in refs.values():
+        if isinstance(value, nn.Module):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def trainable(modules: List[nn.Module]) -> List[torch.Tensor]:
+    """Their parameters that require grad, each once."""
+    seen: Dict[int, torch.Tensor] = {}
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and not p.is_meta:  # a meta module is a skeleton for functional_call
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def substituted(modules: List[nn.Module], aliases: Dict[int, torch.Tensor]) -> Iterator[None]:
+    """Run with each module's parameters replaced by their aliases (keyed by the parameter's ``id``)."""
+    with contextlib.ExitStack() as stack:
+        for m in modules:
+            mapping = {n: aliases[id(p)] for n, p in m.named_parameters(remove_duplicate=False) if id(p) in aliases}
+            if mapping:
+                stack.enter_context(_reparametrize_module(m, mapping))
+        yield

@@ -1,0 +1,66 @@
+"""What each tensor of a :class:`~colossalai_cmap.primitives.Scatter` or ``Join`` is, and the transpose of each.
+
+Every rank holds its own copy of each value. A *global* value (a caller's tensor under ``src=None``, a closure, a
+result on every rank) is the same on every rank; a *per-rank* value is this rank's own (its rows, its partial sums).
+``Scatter`` turns global values into per-rank ones, with no communication; ``Join`` turns per-rank values into
+global ones, with one exchange. Role by role, each is the other's transpose, so backward of one is the other:
+
+=========  =====================================  ==========================================
+role       Scatter (global -> per rank)           Join (per rank -> global)
+=========  =====================================  ==========================================
+Rows       this rank's rows (``narrow``)          every rank's rows, in order (all-gather)
+COPY       the value itself                       the sum over ranks
+KEEP       the value itself                       the value itself (no sum: a per-shard value)
+FIRST      the value on rank 0, zeros elsewhere   rank 0's value
+SAME       (as FIRST)                             this rank's value, equal on every rank
+MAX, MIN   (none: not differentiable)             the elementwise extremum over ranks
+=========  =====================================  ==========================================
+
+``SAME`` is ``FIRST`` where the values are known to be equal already (an ``out_dims=None`` output): nothing moves
+forward, and backward still gives the gradient to one rank only, so it is never counted P times.
+"""
+
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
+
+
+class Rows(NamedTuple):
+    """Rows along ``dim``; rank r holds ``sizes[r]`` of them, starting at ``sum(sizes[:r])``.
+
+    ``sizes`` is None at a call's exit with ``src="local"``: the round's table gives each rank's row count.
+    """
+
+    dim: int
+    sizes: Optional[Tuple[int, ...]]
+
+    def shifted(self) -> "Rows":
+        """The same rows of a tensor with a new leading (vmap) dim."""
+        return Rows(self.dim + 1, self.sizes)
+
+
+COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
+Role = Union[Rows, str]
+
+_JOIN_TO_SCATTER = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST}
+_SCATTER_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST}
+
+
+def is_rows(role: Role) -> bool:
+    return isinstance(role, Rows)
+
+
+def join_transpose(role: Role) -> Role:
+    """The Scatter role whose result is this Join role's transpose (its backward)."""
+    if is_rows(role):
+        return role
+    if role not in _JOIN_TO_SCATTER:
+        raise RuntimeError(f"a {role} over ranks is not differentiable; detach its input or use a sum.")
+    return _JOIN_TO_SCATTER[role]
+
+
+def scatter_transpose(role: Role) -> Role:
+    return role if is_rows(role) else _SCATTER_TO_JOIN[role]
+
+
+def shifted(roles: Sequence[Role], batched: Sequence[bool]) -> Tuple[Role, ...]:
+    """Roles for tensors whose vmap dim was moved to the front (only where ``batched``)."""
+    return tuple(r.shifted() if b and is_rows(r) else r for r, b in zip(roles, batched))

@@ -1,0 +1,103 @@
+"""Public, read-only introspection: what one call did (``cmap(f).stats``) and which collectives ran
+(``colossalai_cmap.record_collectives()``).
+
+Both are records built from what the call path reports; nothing here changes what a call does.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Optional, Tuple
+
+
+@dataclass(eq=False)
+class CollectiveLog:
+    """The collectives cmap issued while a :func:`record_collectives` block was open, in order.
+
+    Attributes:
+        entries: ``(op, bytes sent by this rank)`` per collective, e.g. ``("all_gather", 336)``.
+    """
+
+    entries: List[Tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.entries)
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def ops(self, name: str) -> int:
+        """How many collectives of one kind (``"all_gather"``, ``"all_reduce"``, ...) ran."""
+        return sum(1 for op, _ in self.entries if op == name)
+
+
+@dataclass(frozen=True)
+class CallStats:
+    """What the last call of a cmapped function did on this rank.
+
+    Attributes:
+        group_size: P, the number of ranks the call ran on (1 when it ran in this process alone).
+        local: the call ran as plain ``torch.vmap`` here, with no communication: a group of one, no
+            ``torch.distributed``, or a cmap nested in a cmap over the same group.
+        fast_path: the call reused the checked plan of an earlier call with the same argument shapes.
+        batch: the global batch size B (-1 when only the table knew it, with ``src="local"``).
+        sizes: rows per group rank, or None when the call ran locally.
+        collectives: the collectives of the forward call (in-func ones included), by this rank.
+        bytes: the bytes this rank sent in them.
+        ops: their names, in order.
+    """
+
+    group_size: int
+    local: bool
+    fast_path: bool
+    batch: int
+    sizes: Optional[Tuple[int, ...]]
+    collectives: int
+    bytes: int
+    ops: Tuple[str, ...]
+
+
+_LOGS: List[CollectiveLog] = []
+
+
+def open_log() -> CollectiveLog:
+    """Start counting one call's collectives (the call path's own log; see :func:`record_collectives`)."""
+    log = CollectiveLog()
+    _LOGS.append(log)
+    return log
+
+
+def close_log(log: CollectiveLog) -> None:
+    _LOGS.remove(log)
+
+
+def describe(log: CollectiveLog, group_size: int, local: bool, fast_path: bool, plan: Any) -> CallStats:
+    """A call's :class:`CallStats` (``plan`` is its :class:`~colossalai_cmap.plan.CallPlan`, or None)."""
+    batch, sizes = (plan.batch, plan.sizes) if plan is not None else (-1, None)
+    ops = tuple(op for op, _ in log.entries)
+    return CallStats(group_size, local, fast_path, batch, sizes, log.count, log.bytes, ops)
+
+
+def note(op: str, nbytes: int) -> None:
+    """Called by :mod:`comm` for every collective."""
+    for log in _LOGS:
+        log.entries.append((op, nbytes))
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[CollectiveLog]:
+    """Record every collective cmap issues in the block (forward, backward, and inside ``func``).
+
+    Example:
+        >>> with record_collectives() as log:
+        ...     cmap(torch.sin)(x)
+        >>> log.count  # one all_gather: the status round carried the 32-byte output too
+        1
+    """
+    log = CollectiveLog()
+    _LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _LOGS.remove(log)

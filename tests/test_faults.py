@@ -1,0 +1,136 @@
+"""The all-ranks failure guarantee at every step: a fault injected at each phase of a call, on one rank, for every
+``src``/``dst`` placement, becomes the same ``CmapError`` on every rank, and the group stays usable.
+
+Faults come from the public testing aid ``colossalai_cmap.faults.inject_fault``; nothing is mocked.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import colossalai_cmap as cm
+from colossalai_cmap.faults import InjectedFault, inject_fault
+
+PLACEMENTS = [(src, dst) for src in (None, 0, "local") for dst in (-1, 0, "local")]
+
+
+def _call(src, dst, width=3, grad=False):
+    """One call of a small (or, with a large width, data-phase) cmap; with grad, its backward too."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    B = 2 * size + 1
+    x = torch.arange(B * width, dtype=torch.float64).view(B, width) / 100
+    if src == "local":
+        x = x.tensor_split(size)[rank]
+    elif src is not None and rank != src:
+        x = None
+    w = torch.linspace(0, 1, width, dtype=torch.float64, requires_grad=grad)
+    out = cm.cmap(lambda v: (v * w).sin(), src=src, dst=dst)(x)
+    if grad:
+        out.sum().backward()
+    return out
+
+
+def _fires(phase, src, dst, rank, grad, large):
+    """Whether ``phase`` exists in this call on ``rank`` (the rank the fault is injected on)."""
+    if phase == "args":
+        return not isinstance(src, int) or rank == src
+    if phase == "scatter":
+        return isinstance(src, int)
+    if phase in ("record", "backward"):
+        return grad
+    if phase == "gather":
+        return large and dst != "local" and src != "local"
+    return True
+
+
+def cases(size):
+    victim = size - 1
+    found = []
+    for src, dst in PLACEMENTS:
+        for phase in ("args", "scatter", "func", "layout", "pack"):
+            found.append((phase, src, dst, False, False))
+        found.append(("gather", src, dst, False, True))
+    for src in (None, "local"):  # gradients cross ranks with dst=-1
+        found += [("record", src, -1, True, False), ("backward", src, -1, True, False)]
+    return [(victim,) + c for c in found if _fires(c[0], c[1], c[2], victim, c[3], c[4])]
+
+
+def check_fault_matrix():
+    """Every case on this world; returns the number of faults every rank saw raised."""
+    size = dist.get_world_size()
+    raised = 0
+    for victim, phase, src, dst, grad, large in cases(size):
+        what = f"{phase} src={src} dst={dst} grad={grad} large={large}"
+        with inject_fault(phase, [victim]), pytest.raises(cm.CmapError) as info:
+            _call(src, dst, width=40_000 if large else 3, grad=grad)
+        failing = [f for f in info.value.failures if f.exc_type == InjectedFault.__qualname__]
+        assert [f.group_rank for f in failing] == [victim], (what, str(info.value))
+        assert f"injected fault at phase {phase!r}" in str(info.value), what
+        raised += 1
+        _call(src, dst)  # the group is still usable, on every rank
+    return raised
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_fault_at_every_phase_reaches_every_rank(worlds, P):
+    counts = worlds(P).run(check_fault_matrix, deadline=240)
+    assert counts == [len(cases(P))] * P
+
+
+def check_group_of_one():
+    """P = 1: the phases before any exchange still raise CmapError, and the next call works."""
+    for phase in ("args", "func"):
+        with inject_fault(phase, [0]), pytest.raises(cm.CmapError, match=f"phase {phase!r}"):
+            _call(None, -1)
+        _call(None, -1)
+    return True
+
+
+def test_group_of_one(worlds):
+    assert worlds(1).run(check_group_of_one) == [True]
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity, whose backward raises on one rank: a failure in the user's own backward code."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, rank):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rank = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        if dist.get_rank() == ctx.rank:
+            raise ValueError("the user's backward failed")
+        return g, None
+
+
+def check_user_backward_failure():
+    """func's own backward raises on one rank: that rank raises it, every other rank raises CmapError naming it
+    (it did not take part in the gradient's collective), and the group works for the next call."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    w = torch.ones(3, requires_grad=True)
+    out = cm.cmap(lambda v: _FailsInBackward.apply(v, size - 1) * w)(x)
+    try:
+        out.sum().backward()
+    except cm.CmapError as err:
+        assert rank != size - 1 and f"group rank(s) [{size - 1}] did not take part" in str(err), str(err)
+        seen = "peer"
+    except ValueError as err:
+        assert rank == size - 1 and "the user's backward failed" in str(err)
+        seen = "own"
+    else:
+        raise AssertionError("backward did not raise")
+    assert torch.equal(cm.cmap(torch.sin)(x.detach()), x.detach().sin())
+    return seen
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_failure_in_user_backward(worlds, P):
+    assert worlds(P).run(check_user_backward_failure, deadline=60) == ["peer"] * (P - 1) + ["own"]
