@@ -425,8 +425,8 @@ def render(results_path: str, docs_dir: str) -> str:
     md += [
         "The two ways to tell every rank every other rank's status, each at its leanest, hand-written: "
         "*(baseline + status) / baseline* is a second, tiny all_gather (cmap's way for outputs too large for the "
-        "status round's 256-byte payload: the status round, then one all_gather of the padded rows straight into "
-        "the result buffer); *fused_header / baseline* is one all_gather of a 96-byte int64 header and the padded "
+        "status round's payload, which grows to at most 1 MiB per rank: the status round, then one all_gather of the "
+        "padded rows straight into the result buffer, issued right behind the round when the call repeats); *fused_header / baseline* is one all_gather of a 96-byte int64 header and the padded "
         "rows packed into one byte buffer, the header table read back and the rows cut out with one `torch.cat` "
         "(cmap's way for outputs that fit the payload: they ride in the status round, one collective per call). "
         "Per (case, P), (baseline + status) / fused_header: "
@@ -473,9 +473,10 @@ def render(results_path: str, docs_dir: str) -> str:
             "## Where cmap's overhead goes",
             "",
             "Measured inside the ranks with `cProfile`: every rank profiles its own repeated calls of the case's "
-            "cmap (nothing in the package is patched or wrapped). Every call makes one fixed-size status round, an "
-            "all_gather of a 96-byte header plus a 256-byte payload per rank; outputs that fit in the payload ride "
-            "in it (one collective per call), larger outputs take a second collective, one all_gather of the padded "
+            "cmap (nothing in the package is patched or wrapped). Every call makes one status round, an all_gather of a "
+            "96-byte header plus a payload per rank (256 bytes at first, growing to what calls on the group needed, up "
+            "to 1 MiB, alike on every rank); outputs that fit in the payload ride in it (one collective per call), "
+            "larger outputs take a second collective, one all_gather of the padded "
             "rows straight into the result buffer. The collectives of each call are counted by "
             "`colossalai_cmap.record_collectives()` and `cmap(f).stats`. The call's time is split, from the "
             "profile's caller edges, into: time inside `torch.distributed` (issuing the collectives and waiting for "

@@ -7,9 +7,10 @@ on 127.0.0.1 (and a world of one process for the small cases, which isolates cma
 ``docs/performance.md`` with its plots (``benchmarks/render.py``). ``python benchmarks/run.py --quick`` is a smoke
 test: every case with a few repetitions, its results and rendered docs written to a temporary folder.
 
-What cmap sends: every call makes one fixed-size status round, an all_gather of a 96-byte header plus a 256-byte
-payload per rank. Outputs that fit in the payload ride in it (one collective per call); larger outputs take a second
-collective (with ``dst=-1``, one all_gather of the padded rows straight into the result buffer).
+What cmap sends: every call makes one status round, an all_gather of a 96-byte header plus a payload per rank (256
+bytes at first, growing to what calls on the group needed, up to 1 MiB, alike on every rank). Outputs that fit in the
+payload ride in it (one collective per call); larger outputs take a second collective (with ``dst=-1``, one
+all_gather of the padded rows straight into the result buffer, issued right behind the round when the call repeats).
 
 How time is measured (also written into results.json):
 
