@@ -1,4 +1,4 @@
-"""Gradients through cmap equal single-process torch.vmap's, never scaled by P, never a deadlock (issue 3)."""
+"""Gradients through cmap equal single-process torch.vmap's, never scaled by P, never a deadlock."""
 
 import warnings
 

@@ -1,4 +1,4 @@
-"""psum, pmean, pmax, pmin, all_gather, axis_index and axis_size by axis_name, in every mode (issue 5).
+"""psum, pmean, pmax, pmin, all_gather, axis_index and axis_size by axis_name, in every mode.
 
 The oracle is a single-process computation of the same global quantity; the same checks run at P=1..4.
 """

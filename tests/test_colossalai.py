@@ -1,4 +1,4 @@
-"""cmap inside Colossal-AI (issue 4): ProcessGroupMesh axes, booster plugins, the launch flows and ``colossalai run``.
+"""cmap inside Colossal-AI: ProcessGroupMesh axes, booster plugins, the launch flows and ``colossalai run``.
 
 The ``check_*`` functions run on every rank of a pooled gloo world (see ``harness.py``); the launch-flow, CLI and
 import-hygiene tests start their own processes, each with a hard timeout.

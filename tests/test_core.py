@@ -1,4 +1,4 @@
-"""cmap == torch.vmap for every group size, batch size and argument shape of the core matrix (issue 2)."""
+"""cmap == torch.vmap for every group size, batch size and argument shape of the core matrix."""
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""The collectives examples (issue 5) run on worlds of 2 and 3 and match their single-process references."""
+"""The collectives examples run on worlds of 2 and 3 and match their single-process references."""
 
 import os
 import sys

@@ -1,4 +1,4 @@
-"""Registration: ``from colossalai import cmap`` in a clean interpreter, for editable and wheel installs (issue 2)."""
+"""Registration: ``from colossalai import cmap`` in a clean interpreter, for editable and wheel installs."""
 
 import glob
 import os

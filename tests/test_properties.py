@@ -1,5 +1,5 @@
 """Property test: for random P, B, in_dims, out_dims, src, dst and mode, every example comes back exactly once,
-in global order, equal to single-process torch.vmap (issue 6)."""
+in global order, equal to single-process torch.vmap."""
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""No hangs, clear errors, nothing lost (issue 6): failure propagation, consistency checks, rank death, leaks."""
+"""No hangs, clear errors, nothing lost: failure propagation, consistency checks, rank death, leaks."""
 
 import os
 import signal

@@ -1,4 +1,4 @@
-"""shard_model and replicated outputs (issue 8), on real gloo worlds of 2, 3 and 4.
+"""shard_model and replicated outputs, on real gloo worlds of 2, 3 and 4.
 
 The oracle is the unsharded model, run in the same process on the same inputs: the sharded forward must match it,
 and so must the gradients (a sharded weight's gradient is the matching ``torch.tensor_split`` slice).
