@@ -35,6 +35,7 @@ parity: install-test
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/compile.py
 
 lint: install-test
 	$(PY) -m black --check -l 120 colossalai_cmap tests examples benchmarks setup.py
