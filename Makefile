@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install install-test demo test bench lint format clean
+.PHONY: install install-test demo test parity bench lint format clean
 
 $(VENV)/.stamp-base: setup.py requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,9 +28,14 @@ demo: install
 test: install-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests
 
+# The collectives against jax on the same numbers (also part of test, where jax installs).
+parity: install-test
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests/test_parity.py
+
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/compile.py
 
 lint: install-test
 	$(PY) -m black --check -l 120 colossalai_cmap tests examples benchmarks setup.py

@@ -49,6 +49,10 @@ if editable_wheel is not None:
     cmdclass["editable_wheel"] = EditableWheelWithPth
 
 
+# The reference the collectives are checked against (tests/test_parity.py); jax 0.10 needs Python 3.11.
+JAX = "jax[cpu]==0.10.2; python_version >= '3.11'"
+
+
 def read_requirements(name: str):
     return [
         line.strip() for line in (HERE / name).read_text().splitlines() if line.strip() and not line.startswith("#")
@@ -65,7 +69,8 @@ setup(
     python_requires=">=3.8",
     install_requires=read_requirements("requirements.txt"),
     extras_require={
-        "test": ["pytest>=7", "pytest-xdist>=3", "pytest-timeout>=2", "hypothesis>=6", "psutil", "wheel"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "pytest-timeout>=2", "hypothesis>=6", "psutil", "wheel", JAX],
+        "parity": [JAX],
         "bench": ["matplotlib"],
         "dev": ["black", "isort"],
     },

@@ -116,6 +116,9 @@ class Interceptor(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        # dynamo inspects tensors while tracing: let it see them as they are (the graph walk covers compiled code)
+        if torch._guards.TracingContext.try_get() is not None:
+            return func(*args, **kwargs)
         if func not in _SKIP and getattr(func, "__name__", "") not in _ACCESSORS:
             args = tuple(self._routed(a) for a in args)
             if kwargs:

@@ -1,205 +1,206 @@
-"""Collectives over a named mapped axis, JAX-style: ``psum(x, "i")`` inside ``cmap(f, axis_name="i")``.
+"""Collectives over a named mapped axis, with jax.lax's names, arguments and meaning: ``psum(x, "i")`` inside
+``cmap(f, axis_name="i")``.
 
-A reduction covers every example of the global batch: the ones vmapped on this rank and those on the other ranks.
-Every example sees the same result. Under ``torch.vmap`` the ops run through a vmap rule
-(``autograd.Function.vmap``) that reduces the local batch, then across ranks, with one collective; in "batched"
-mode ``func`` sees plain batches (batch dim 0) and gets the result expanded to its rows; in "loop" mode each
-example runs in its own thread and the threads meet at a barrier, so the ranks still make one collective per op.
+The axis runs over every example of the global batch (the ones mapped on this rank and those on the other ranks),
+as a jax axis runs over devices: ``axis_size("i")`` is the global batch size B and ``axis_index("i")`` an example's
+global index. Every op is a reduction or a gather over the axis (:mod:`axes`), composed with local tensor ops, so
+each is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside
+func, in every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of
+names, as in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
 """
 
-import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, Sequence, Tuple, Union
 
 import torch
 
+from . import axes
 from .context import lookup
-from .exchange import JoinSpec, ScatterSpec
-from .primitives import joined, scattered
-from .protocol import Kind
-from .roles import COPY, MAX, MIN, Rows
 
-__all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "axis_index", "axis_size"]
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "axis_index",
+    "axis_size",
+]
 
-_ROLES = {"sum": COPY, "max": MAX, "min": MIN}
-
-
-def _identity(op: str, like: torch.Tensor) -> torch.Tensor:
-    if like.dtype == torch.bool:
-        return torch.full_like(like, op == "min")
-    info = torch.finfo(like.dtype) if like.is_floating_point() else torch.iinfo(like.dtype)
-    return torch.full_like(like, info.min if op == "max" else info.max)
-
-
-def _local_reduce(op: str, rows: torch.Tensor) -> torch.Tensor:
-    if op == "sum":
-        return rows.sum(0)
-    if rows.shape[0] == 0:
-        return _identity(op, rows.new_empty(rows.shape[1:]))
-    if rows.dtype == torch.bool:
-        return rows.any(0) if op == "max" else rows.all(0)
-    return rows.amax(0) if op == "max" else rows.amin(0)
+AxisName = Union[str, Tuple[str, ...]]
 
 
-def _reduce(rows: torch.Tensor, name: str, op: str) -> torch.Tensor:
-    """This run's rows (dim 0) reduced over every example of the global batch.
-
-    A sum is ``Scatter(Join(.))``: per-rank partial sums joined into the global sum, which every rank then uses as its
-    own value, so its backward sums the cotangents over the group too. An empty shard's stand-in contributes nothing,
-    through its graph (zero rows), so that backward still meets on every rank.
-    """
-    frame = lookup(name, f"p{op}")
-    local = _local_reduce(op, rows[:0] if frame.dummy else rows)
-    if frame.link is None or frame.link.group.size == 1:
-        return local
-    (total,) = joined(JoinSpec(frame.link, (_ROLES[op],), f"p{op}({name!r})", Kind.OP), [local])
-    if op != "sum":
-        return total
-    return scattered(ScatterSpec(frame.link, (COPY,)), [total])[0]
+def _names(axis_name: AxisName) -> Tuple[str, ...]:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _gather(rows: torch.Tensor, name: str) -> torch.Tensor:
-    """Every rank's real rows (dim 0) in global order (shares may be uneven); backward sums, then takes the rows."""
-    frame = lookup(name, "all_gather")
-    real = rows[:0] if frame.dummy else rows
-    if frame.link is None or frame.link.group.size == 1:
-        return real
-    spec = JoinSpec(frame.link, (Rows(0, tuple(frame.sizes)),), f"all_gather({name!r})", Kind.OP)
-    (full,) = joined(spec, [real])
-    return scattered(ScatterSpec(frame.link, (COPY,)), [full])[0]
-
-
-class _Batched(torch.autograd.Function):
-    """The user-facing op under ``torch.vmap``: its vmap rule calls the physical op on the unwrapped batch."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
-        # Not batched (every example holds the same x): the result is known without communication.
-        frame = lookup(name, op)
-        if op == "gather":
-            return x.unsqueeze(0).expand(frame.size, *x.shape).clone()
-        return x * frame.size if op == "sum" else x.clone()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-        ctx.name, ctx.op = inputs[1], inputs[2]
-        ctx.size = lookup(inputs[1], inputs[2]).size
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        if ctx.op == "gather":
-            return grad.sum(0), None, None
-        if ctx.op != "sum":
-            raise RuntimeError(f"p{ctx.op}({ctx.name!r}) is not differentiable.")
-        return grad * ctx.size, None, None
-
-    @staticmethod
-    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], x: torch.Tensor, name: str, op: str) -> Tuple[Any, Any]:
-        dim = in_dims[0]
-        if dim is None:
-            return _Batched.apply(x, name, op), None
-        rows = x.movedim(dim, 0)
-        return (_gather(rows, name) if op == "gather" else _reduce(rows, name, op)), None
-
-
-def _apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
-    frame = lookup(name, "all_gather" if op == "gather" else f"p{op}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}(x, {name!r}): x must be a Tensor, got {type(x).__name__}.")
-    if frame.mode == "batched":
-        out = _gather(x, name) if op == "gather" else _reduce(x, name, op)
-        return out.unsqueeze(0).expand(x.shape[0], *out.shape)
-    if frame.mode == "loop" and not _is_batched(x):
-        return frame.loop.run(
-            x, lambda stacked: _gather(stacked, name) if op == "gather" else _reduce(stacked, name, op)
-        )
-    return _Batched.apply(x, name, op)
-
-
-def _is_batched(x: torch.Tensor) -> bool:
-    return torch._C._functorch.is_batchedtensor(x)
-
-
-def psum(x: torch.Tensor, axis_name: str) -> torch.Tensor:
-    """Sum of ``x`` over every example of the global batch (all ranks); every example gets the same value.
+def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Sum of ``x`` over every example of the axis (all ranks); every example gets the same value.
 
     Example:
         >>> cmap(lambda x: x / psum(x.sum(), "i"), axis_name="i")(torch.rand(10, 3))  # normalise by the total
     """
-    return _apply(x, axis_name, "sum")
+    for name in reversed(_names(axis_name)):
+        x = axes.apply(x, name, "sum")
+    return x
 
 
-def pmean(x: torch.Tensor, axis_name: str) -> torch.Tensor:
-    """Mean of ``x`` over every example of the global batch."""
+def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Mean of ``x`` over every example of the axis."""
     return psum(x, axis_name) / axis_size(axis_name)
 
 
-def pmax(x: torch.Tensor, axis_name: str) -> torch.Tensor:
-    """Elementwise maximum over every example of the global batch. Not differentiable."""
-    return _apply(x, axis_name, "max")
+def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Elementwise maximum over every example of the axis. Not differentiable."""
+    for name in reversed(_names(axis_name)):
+        x = axes.apply(x, name, "max")
+    return x
 
 
-def pmin(x: torch.Tensor, axis_name: str) -> torch.Tensor:
-    """Elementwise minimum over every example of the global batch. Not differentiable."""
-    return _apply(x, axis_name, "min")
+def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Elementwise minimum over every example of the axis. Not differentiable."""
+    for name in reversed(_names(axis_name)):
+        x = axes.apply(x, name, "min")
+    return x
 
 
-def all_gather(x: torch.Tensor, axis_name: str) -> torch.Tensor:
-    """Every example's ``x`` stacked along a new dim 0, in global order: shape ``(B, *x.shape)``."""
-    return _apply(x, axis_name, "gather")
+def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
+    """Every example's ``x``, in global order, stacked along a new dim ``axis`` (size B), or with ``tiled``
+    concatenated along the existing dim ``axis``. The transpose of :func:`psum_scatter`."""
+    out = x
+    for name in reversed(_names(axis_name)):
+        out = axes.apply(out, name, "gather")
+    shape, size = _example_shape(axis_name, x), axis_size(axis_name)
+    axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
+
+    def arrange(full: torch.Tensor) -> torch.Tensor:
+        full = full.reshape(size, *shape)  # the axes of a tuple name, the first one major
+        return full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
+
+    return _per_example(axis_name, arrange, out)
 
 
-def axis_index(axis_name: str) -> torch.Tensor:
-    """The global index of the current example along ``axis_name`` (an int64 scalar tensor per example)."""
-    frame = lookup(axis_name, "axis_index")
-    if frame.index is None:
-        raise RuntimeError(f"axis_index({axis_name!r}) is only available inside the mapped function.")
-    return frame.loop.index() if frame.mode == "loop" and frame.loop is not None else frame.index
+def psum_scatter(
+    x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
+) -> torch.Tensor:
+    """The sum over the axis, scattered: example ``i`` gets the sum's ``i``-th slice along ``scatter_dimension``
+    (whose size must be B), or with ``tiled`` its ``i``-th of B equal chunks. The transpose of :func:`all_gather`."""
+    shape = _example_shape(axis_name, x)
+    d = _dim(scatter_dimension, len(shape), "psum_scatter", "scatter_dimension")
+    chunk = _chunk("psum_scatter", shape[d], axis_size(axis_name), tiled, "scatter_dimension")
+    total = psum(x, axis_name)
+    return _per_example(axis_name, lambda t, i: _slice(t, d, i, chunk, tiled), total, axis_index(axis_name))
 
 
-def axis_size(axis_name: str) -> int:
-    """The global batch size B along ``axis_name`` (not the number of ranks)."""
-    return lookup(axis_name, "axis_size").size
+def all_to_all(
+    x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False
+) -> torch.Tensor:
+    """Example ``i`` gets every example's ``i``-th slice of ``split_axis`` (whose size must be B), stacked in global
+    order along a new dim ``concat_axis``; with ``tiled``, the ``i``-th of B equal chunks, concatenated along the
+    existing ``concat_axis``. Its transpose is itself with the axes swapped."""
+    shape = _example_shape(axis_name, x)
+    s = _dim(split_axis, len(shape), "all_to_all", "split_axis")
+    c = _dim(concat_axis, len(shape), "all_to_all", "concat_axis")
+    chunk = _chunk("all_to_all", shape[s], axis_size(axis_name), tiled, "split_axis")
+    everyone = all_gather(x, axis_name)  # per example: (B, *shape)
+
+    def piece(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        part = _slice(full, s + 1, i, chunk, tiled)  # (B, ...): the split dim taken, or its chunk kept
+        return part.movedim(0, c).flatten(c, c + 1) if tiled else part.movedim(0, c)
+
+    return _per_example(axis_name, piece, everyone, axis_index(axis_name))
 
 
-class LoopBarrier:
-    """Loop mode: one thread per example; a collective waits for all of them, then runs once on the stack."""
+def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """Example ``dst`` gets example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``; examples that no pair names
+    as a destination get zeros. Its transpose is the inverse permutation."""
+    table = torch.tensor(_sources(perm, axis_size(axis_name)), dtype=torch.int64, device=x.device)
+    everyone = all_gather(x, axis_name)
 
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._local = threading.local()
-        self._slots: List[Any] = [None] * count
-        self._result: Any = None
-        self._error: Optional[BaseException] = None
-        self._fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-        self._barrier = threading.Barrier(count, action=self._act)
+    def pick(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        src = table.index_select(0, i.reshape(1))
+        got = full.index_select(0, src.clamp(min=0)).squeeze(0)
+        return got * (src >= 0).to(got.dtype).reshape([1] * got.dim())
 
-    def set_index(self, i: int, index: torch.Tensor) -> None:
-        self._local.i, self._local.index = i, index
+    return _per_example(axis_name, pick, everyone, axis_index(axis_name))
 
-    def index(self) -> torch.Tensor:
-        return self._local.index
 
-    def run(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if self.count == 1:
-            return fn(x.unsqueeze(0))
-        self._slots[self._local.i] = x
-        self._fn = fn
-        self._barrier.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
+def axis_index(axis_name: AxisName) -> torch.Tensor:
+    """The global index of the current example along the axis (an int64 scalar tensor per example); for a tuple of
+    names, the index in the axes taken together, the first one major."""
+    index = None
+    for name in _names(axis_name):
+        frame = lookup(name, "axis_index")
+        if frame.index is None:
+            raise RuntimeError(f"axis_index({name!r}) is only available inside the mapped function.")
+        mine = frame.loop.index() if frame.mode == "loop" and frame.loop is not None else frame.index
+        index = mine if index is None else index * frame.size + mine
+    return index
 
-    def _act(self) -> None:
-        try:
-            if any(s.requires_grad for s in self._slots) and torch.is_grad_enabled():
-                raise RuntimeError(
-                    "collectives in mode='loop' are not differentiable; use mode='vmap' or "
-                    "'batched', or run under torch.no_grad()."
-                )
-            with torch.no_grad():
-                self._result, self._error = self._fn(torch.stack(self._slots)), None
-        except BaseException as exc:  # re-raised in every example thread
-            self._result, self._error = None, exc
 
-    def abort(self) -> None:
-        self._barrier.abort()
+def axis_size(axis_name: AxisName) -> int:
+    """The global batch size B along the axis (not the number of ranks); for a tuple of names, the product."""
+    size = 1
+    for name in _names(axis_name):
+        size *= lookup(name, "axis_size").size
+    return size
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+def _batched_mode(axis_name: AxisName) -> bool:
+    return lookup(_names(axis_name)[0], "collective").mode == "batched"
+
+
+def _example_shape(axis_name: AxisName, x: torch.Tensor) -> Tuple[int, ...]:
+    """One example's shape: in batched mode func holds the rows of its share along dim 0."""
+    return tuple(x.shape[1:]) if _batched_mode(axis_name) else tuple(x.shape)
+
+
+def _per_example(axis_name: AxisName, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each example's tensors: as they are under vmap or in a loop, mapped over the rows in batched mode."""
+    return torch.vmap(fn)(*tensors) if _batched_mode(axis_name) else fn(*tensors)
+
+
+def _slice(t: torch.Tensor, dim: int, i: torch.Tensor, chunk: int, tiled: bool) -> torch.Tensor:
+    """Slice ``i`` of ``t`` along ``dim`` (the dim removed), or with ``tiled`` its ``i``-th chunk of ``chunk``."""
+    if not tiled:
+        return t.index_select(dim, i.reshape(1)).squeeze(dim)
+    return t.index_select(dim, i * chunk + torch.arange(chunk, device=t.device))
+
+
+def _dim(dim: int, ndim: int, op: str, what: str) -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise ValueError(f"{op}: {what}={dim} is out of range for a value of {ndim} dims.")
+    return dim % max(ndim, 1)
+
+
+def _chunk(op: str, length: int, size: int, tiled: bool, what: str) -> int:
+    """The chunk each example gets: the axis size must equal the dim's length, or divide it when tiled."""
+    if not tiled and length != size:
+        raise ValueError(
+            f"{op}: the {what} has size {length}, but the axis has {size} examples; it must equal the axis size "
+            f"(or pass tiled=True to split it into {size} equal chunks)."
+        )
+    if tiled and length % size:
+        raise ValueError(
+            f"{op}: the {what} has size {length}, which the axis's {size} examples do not divide: each example's "
+            f"chunk is undefined (jax's meaning needs equal chunks); pad it to a multiple of {size}."
+        )
+    return length // size if tiled else 1
+
+
+def _sources(perm: Sequence[Tuple[int, int]], size: int) -> list:
+    """For each destination, its source in ``perm`` (-1: none), after checking ``perm`` as jax does."""
+    source = [-1] * size
+    seen = set()
+    for pair in perm:
+        src, dst = pair
+        if not (0 <= src < size and 0 <= dst < size):
+            raise ValueError(f"ppermute: pair {pair} is out of range for an axis of {size} examples.")
+        if src in seen or source[dst] != -1:
+            raise ValueError(f"ppermute: perm {list(perm)} names a source or a destination twice.")
+        seen.add(src)
+        source[dst] = src
+    return source

@@ -27,6 +27,7 @@ class AxisFrame:
         mode: the cmap's mode.
         dummy: the shard is empty, and its one stand-in example contributes nothing to collectives.
         index: each example's global index, set while func runs (``axis_index``).
+        level: the functorch level of this map's ``torch.vmap`` (mode "vmap"), set while func runs.
         loop: the barrier of loop-mode example threads.
     """
 
@@ -38,6 +39,7 @@ class AxisFrame:
     mode: str = "vmap"
     dummy: bool = False
     index: Any = None
+    level: Optional[int] = None
     loop: Any = field(default=None, repr=False)
 
     @property

@@ -34,6 +34,7 @@ class Cmapped:
 
     Attributes:
         func: the per-example function.
+        body: the function the map runs: ``func``, or in mode "vmap" the function ``torch.compile`` made it from.
         options: the cmap's options.
     """
 
@@ -41,14 +42,18 @@ class Cmapped:
         functools.update_wrapper(self, func, updated=())
         self.func = func
         self.options = options
+        # torch.vmap cannot run a compiled function (dynamo refuses it): vmap mode maps the original
+        self.body = uncompiled(func) if options.mode == "vmap" else func
         self.plans = PlanCache()
-        self.refs = bucket.References(func)  # where func's closures and globals live (closure handling)
+        self.refs = bucket.References(uncompiled(func))  # where func's closures and globals live (closures)
         self._vmapped: Optional[Callable] = None
         # Whether the last call that tracked gradients met closure-captured tensors (None: no such call yet).
         self.captures: Optional[bool] = None
         self._last: Optional[Tuple[Any, ...]] = None  # what stats describes, kept raw: it is rarely read
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _outside_graph(self, args, kwargs)
         return dispatch(self, args, kwargs)
 
     def __repr__(self) -> str:
@@ -69,9 +74,22 @@ class Cmapped:
         if self._vmapped is None:
             o = self.options
             self._vmapped = torch.vmap(
-                self.func, o.in_dims, o.out_dims, randomness=o.randomness, chunk_size=o.chunk_size
+                self.body, o.in_dims, o.out_dims, randomness=o.randomness, chunk_size=o.chunk_size
             )
         return self._vmapped
+
+
+def uncompiled(func: Callable) -> Callable:
+    """The function ``torch.compile`` made ``func`` from (itself if it is not compiled)."""
+    if isinstance(func, torch.nn.Module) and hasattr(func, "_orig_mod"):
+        return func._orig_mod
+    return getattr(func, "_torchdynamo_orig_callable", func)
+
+
+@torch._disable_dynamo
+def _outside_graph(cm: Cmapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``torch.compile(cmap(f))``: the orchestration runs eagerly, as a graph break (compile f itself instead)."""
+    return dispatch(cm, args, kwargs)
 
 
 def dispatch(cm: Cmapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -201,7 +219,7 @@ def _local_shard(cm: Cmapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> 
         B = flat.batch_size
         frame = AxisFrame(None, B, 0, B, (B,), opts.mode)
     with axis_scope(opts.axis_name, frame):
-        return run_shard(opts, cm.func, shard, kwargs, frame)
+        return run_shard(opts, cm.body, shard, kwargs, frame)
 
 
 def _raise_alone(cm: Cmapped, group: Group, args: Tuple[Any, ...], exc: Exception) -> None:

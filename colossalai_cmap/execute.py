@@ -82,7 +82,7 @@ def _vmap(
         return mapped(*shard.args(), **kwargs)
 
     def indexed(index: torch.Tensor, *a: Any, **k: Any) -> Any:
-        frame.index = index
+        frame.index, frame.level = index, torch._C._functorch.maybe_current_level()
         return func(*a, **k)
 
     args = shard.args()
@@ -121,7 +121,7 @@ def _loop_threads(
     opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any], frame: AxisFrame, indices: torch.Tensor
 ) -> Any:
     """Loop mode with collectives: one thread per example, so that a collective can wait for every example."""
-    from .collectives import LoopBarrier
+    from .axes import LoopBarrier
 
     barrier = frame.loop = LoopBarrier(shard.rows)
     frame.index = indices

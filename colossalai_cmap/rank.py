@@ -102,9 +102,9 @@ def _run(cm: Any, shard: Shard, kwargs: Dict[str, Any], frame: Any, seed: Option
     context.SPLITTING.append(link.group.ranks)  # a cmap nested in func on these ranks runs locally
     try:
         if frame is None and seed is None:
-            return run_shard(opts, cm.func, shard, kwargs, None, vmapped=cm.vmapped())
+            return run_shard(opts, cm.body, shard, kwargs, None, vmapped=cm.vmapped())
         with context.axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-            return run_shard(opts, cm.func, shard, kwargs, frame)
+            return run_shard(opts, cm.body, shard, kwargs, frame)
     finally:
         context.SPLITTING.pop()
 

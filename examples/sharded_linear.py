@@ -9,6 +9,13 @@ runs in "batched" mode over those features, each rank multiplies the same column
 ``psum`` adds the partial products over the whole axis: one value every rank shares, returned once
 (``out_dims=None``). Part 2 lets ``shard_model`` find the layer with torch.fx and do the same rewrite.
 
+Part 3 is the seed in its own terms: every rank has its own model and its own input (one example per rank, as the
+seed seeds each rank differently), and the work is split by input features. One ``all_to_all`` shards the weights
+once; in each forward, an ``all_to_all`` hands rank r feature chunk r of every rank's input, each rank multiplies
+that chunk by the same chunk of every rank's weight, and ``psum`` adds the chunks: rank q's row of the sum is rank
+q's whole product (the seed's ``all_reduce`` then ``narrow``; ``psum_scatter`` does both at once). Features that do
+not divide by the world size are padded with zero features, which add nothing.
+
 Unlike the seed, nothing needs ``batch_size``, the features need not divide by the world size, and each rank holds
 only its slice of the weight. Every rank builds the same model and input (the seed gave each rank its own; a
 tensor-parallel layer computes one model's output together).
@@ -39,7 +46,52 @@ def partial_linear(weight_cols: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return cm.psum(partial.unsqueeze(0), AXIS)[0]
 
 
-def main() -> None:
+def feature_chunks(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """(..., features) as (..., world_size, chunk): zero features pad to a multiple of the world size."""
+    chunk = -(-t.shape[-1] // world_size)
+    return F.pad(t, (0, chunk * world_size - t.shape[-1])).unflatten(-1, (world_size, chunk))
+
+
+def seed_forward(weight_chunks: torch.Tensor, input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """One rank's example: ``weight_chunks`` (out, P, chunk) holds feature chunk r of every rank's weight."""
+    P = cm.axis_size("rank")
+    mine = cm.all_to_all(feature_chunks(input, P), "rank", 1, 1)  # (batch, P, chunk): chunk r of each rank's input
+    partial = torch.einsum("bqc,oqc->qbo", mine, weight_chunks)  # chunk r's share of every rank's product
+    total = cm.psum(partial, "rank")  # the sum over chunks: every rank's product
+    return total.index_select(0, cm.axis_index("rank").reshape(1))[0] + bias  # this rank's own row
+
+
+def seed_in_its_own_terms(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)  # as in the seed: different weights and inputs on each rank
+    model = torch.nn.Linear(64, 24)
+    input = torch.rand(100, 64)
+    result_without_sharding = model(input)
+
+    # One example per rank (src="local", dst="local"): its leading dim of 1 is this rank's share of the axis.
+    per_rank = dict(axis_name="rank", src="local", dst="local")
+    weight = model.weight.detach().requires_grad_()
+    shard = cm.cmap(lambda w: cm.all_to_all(feature_chunks(w, cm.axis_size("rank")), "rank", 1, 1), **per_rank)
+    weight_chunks = shard(weight.unsqueeze(0))  # (1, out, P, chunk): feature chunk `rank` of every rank's weight
+    forward = cm.cmap(seed_forward, **per_rank)
+    result = forward(weight_chunks, input.unsqueeze(0), model.bias.unsqueeze(0))[0]
+    assert torch.allclose(result, result_without_sharding, atol=1e-05)
+
+    # Gradients flow back through both all_to_alls and the psum to each rank's own weight.
+    result.square().sum().backward()
+    result_without_sharding.square().sum().backward()
+    assert torch.allclose(weight.grad, model.weight.grad, atol=1e-04)
+
+    # psum_scatter: the sum and this rank's row of it in one collective (a reduce-scatter).
+    def scattered(weight_chunks: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        mine = cm.all_to_all(feature_chunks(input, cm.axis_size("rank")), "rank", 1, 1)
+        return cm.psum_scatter(torch.einsum("bqc,oqc->qbo", mine, weight_chunks), "rank")
+
+    result = cm.cmap(scattered, **per_rank)(weight_chunks.detach(), input.unsqueeze(0))[0] + model.bias
+    assert torch.allclose(result, result_without_sharding, atol=1e-05)
+    print_with_rank(rank, "the seed's all_to_all + all_reduce, as one cmap: PASSED")
+
+
+def main() -> bool:
     if not dist.is_initialized():
         colossalai.launch_from_torch(verbose=False)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -80,6 +132,9 @@ def main() -> None:
         ),
     )
     print_with_rank(rank, "PASSED")
+
+    seed_in_its_own_terms(rank, world_size)
+    return True
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ START_DEADLINE = float(os.environ.get("CMAP_TEST_START_DEADLINE", "240"))
 
 DIED = "<died>"
 
+# torch.compile would start a pool of inductor compile workers in every rank: two cores cannot feed them.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 class RankFailed(AssertionError):
     """A check raised on one or more ranks; the message holds each rank's traceback."""

@@ -19,3 +19,9 @@ def run_example(name, *args):
 @pytest.mark.parametrize("name", ["global_batchnorm", "softmax_over_batch"])
 def test_collective_examples(worlds, P, name):
     assert worlds(P).run(run_example, name) == [True] * P
+
+
+@pytest.mark.parametrize("P", [4, 3])
+def test_sharded_linear_seed(worlds, P):
+    """The second seed, whole: features 64 divide by 4 and not by 3."""
+    assert worlds(P).run(run_example, "sharded_linear") == [True] * P
