@@ -53,9 +53,9 @@ def shard_model(
     weights); then the matched modules are replaced in place, with no tracing, and ``model`` itself is returned.
 
     **Without** ``plan``, the model is traced with ``torch.fx``. Every ``nn.Linear`` call and every ``F.linear``
-    call whose weight is a
-    parameter (or only those named in ``layers``) is replaced by a :class:`ShardedLinear` that holds this rank's
-    ``torch.tensor_split`` slice of the weight and runs the layer with ``cmap`` over the feature axis. The result
+    call whose weight is a parameter (or only those named in ``layers``) is replaced by a :class:`ShardedLinear`
+    that holds this rank's ``torch.tensor_split`` slice of the weight and runs the layer with ``cmap`` over the
+    feature axis. The result
     equals the unsharded model's forward for any batch size, on every rank, and so do the gradients: a sharded
     weight's gradient is the matching slice of the unsharded one; the bias is added once.
 
@@ -63,7 +63,8 @@ def shard_model(
     ``colossalai.launch``'s shared seed) and later pass the same inputs to the returned module.
 
     Args:
-        model: the module to shard. Not modified; the returned module shares its unsharded parts.
+        model: the module to shard. With ``plan`` it is changed in place and returned; without, it is not modified
+            and the returned module shares its unsharded parts.
         group: where the shards live, as for ``cmap``: None (the world, or this process alone when
             ``torch.distributed`` is not initialised), a ``ProcessGroup``, ``(ProcessGroupMesh, axis)``, or a
             colossalai ``Booster``/plugin.
@@ -88,8 +89,10 @@ def shard_model(
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 24))
-        >>> sharded = shard_model(model)  # on every rank of the world
+        >>> sharded = shard_model(model)  # on every rank of the world: the torch.fx form
         >>> torch.testing.assert_close(sharded(x), model(x))
+        >>> mlp = shard_model(copy.deepcopy(model), plan={"0": "colwise", "2": "rowwise"})  # Megatron's MLP
+        >>> torch.testing.assert_close(mlp(x), model(x))
     """
     if plan is not None:
         if layers is not None or style is not None:

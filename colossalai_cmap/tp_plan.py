@@ -101,6 +101,11 @@ def _check_module(path: str, module: nn.Module, style: str, pattern: str) -> Non
             f"{CALL}: plan pattern {pattern!r} gives style {style!r} to module {path!r}, a {type(module).__name__}; "
             f"{style!r} shards an nn.{kind.__name__}."
         )
+    if type(module).forward is not kind.forward:  # a subclass that computes something else (LoRA, quantized, ...)
+        raise ValueError(
+            f"{CALL}: plan pattern {pattern!r} gives style {style!r} to module {path!r}, a {type(module).__name__} "
+            f"with its own forward; {style!r} replaces a plain nn.{kind.__name__}."
+        )
     if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
         raise ValueError(
             f"{CALL}: embedding {path!r} uses max_norm or scale_grad_by_freq, which look at every id of the batch "
@@ -186,7 +191,7 @@ class InputCheck:
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        device = group_device(self.group, leaves[0].device if leaves else None)
+        device = group_device(self.group)  # the backend's device: the checksum is ours, wherever the inputs are
         mine = torch.tensor([_checksum(leaves)], dtype=torch.int64, device=device)
         link = Link(self.group, device, CALL, default_timeout())
         spec = JoinSpec(link, (Rows(0, (1,) * self.group.size),), "the input check (check_inputs=True)")

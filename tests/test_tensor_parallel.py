@@ -193,6 +193,16 @@ def check_uneven_mlp():
     for batch in (1, 4):
         _parity(sharded, full, randn(batch, 5, 12, seed=batch), f"uneven MLP B={batch}")
         full.zero_grad(), sharded.zero_grad()
+    torch.manual_seed(1)  # 13 vocabulary rows over 3 ranks (5/4/4), with a padding row on rank 1
+    table, vocab = nn.Embedding(13, 6, padding_idx=6), nn.Embedding(13, 6, padding_idx=6)
+    vocab.load_state_dict(table.state_dict())
+    vocab = cm.shard_model(nn.Sequential(vocab), plan={"0": "vocab"})
+    ids = torch.tensor([[0, 4, 5, 6, 12], [6, 9, 1, 12, 3]])
+    got, ref = vocab(ids), table(ids)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    (got * randn(2, 5, 6, seed=2)).sum().backward(), (ref * randn(2, 5, 6, seed=2)).sum().backward()
+    shard = cm.sharded_parameters(vocab)["0.weight"]
+    torch.testing.assert_close(vocab[0].weight.grad, shard.take(table.weight.grad), **TOL)
     return param_bytes(sharded)
 
 
@@ -259,6 +269,8 @@ def plan_errors():
         cm.shard_model(tied, plan={"1": "colwise_gather"})
     with pytest.raises(ValueError, match="uses max_norm or scale_grad_by_freq"):
         cm.shard_model(nn.Sequential(nn.Embedding(12, 4, max_norm=1.0)), plan={"0": "vocab"})
+    with pytest.raises(ValueError, match=r"module '0', a Custom with its own forward; 'colwise' replaces a plain"):
+        cm.shard_model(nn.Sequential(type("Custom", (nn.Linear,), {"forward": torch.sin})(2, 2)), plan={"0": "colwise"})
     with pytest.raises(ValueError, match="plan= replaces layers= and style="):
         cm.shard_model(uneven_model(2), plan={"0": "colwise"}, style="row")
     return messages
