@@ -313,8 +313,8 @@ def test_llama_collective_counts(worlds, P):
 
     A training step: forward 6 rounds (embedding sum, 2 per layer, the LM head's gather) and backward 5 (the LM
     head's input gradient, 2 per layer). The LM head's logits (BATCH * SEQ * VOCAB / P floats per rank) outgrow
-    the round's payload, which halves after eight rounds that needed a quarter of it or less (every step's eight
-    4 KiB sums), so they take one more all_gather. Without grad, only the forward's rounds remain.
+    the round's payload, which halves after eight rounds in a row that needed a quarter of it or less (the ten
+    4 KiB sums between two LM-head gathers), so they take one more all_gather. Without grad, the forward's 7.
     """
     for found in worlds(P).run(check_llama_counts, deadline=DEADLINE):
         assert found["layer"] == (["all_gather"] * 2, ["all_gather"] * 2)
