@@ -23,6 +23,9 @@ _LAZY = {
     "axis_index": "collectives",
     "axis_size": "collectives",
     "shard_model": "tensor_parallel",
+    "full_state_dict": "checkpoint",
+    "load_full_state_dict": "checkpoint",
+    "sharded_parameters": "checkpoint",
     "record_collectives": "stats",
     "CallStats": "stats",
 }

@@ -1,4 +1,4 @@
-"""``shard_model``: tensor-parallel Linear layers by a torch.fx rewrite onto cmap.
+"""``shard_model``: tensor-parallel layers from a sharding plan (:mod:`tp_plan`), or by a torch.fx rewrite onto cmap.
 
 A Linear ``y = x @ W.T + b`` with ``W`` of shape ``[out, in]`` is a sum over its input features. Sharded by input
 features ("row" style), it is a cmap over the input-feature axis: each rank holds a slice of ``W``'s columns, takes
@@ -8,12 +8,12 @@ each rank computes its slice of ``y`` and cmap gathers the slices. Shards follow
 feature counts need not divide by the group size, and nothing depends on the batch size.
 
 The input ``x`` of every sharded layer must be the same on every rank (the model's input, and the replicated
-activations between layers that both styles produce).
+activations between layers that both styles produce). This module holds the torch.fx form.
 """
 
 import traceback
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -34,13 +34,28 @@ _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
 
 
 def shard_model(
-    model: nn.Module, group: Any = None, *, layers: Optional[Iterable[str]] = None, style: str = "row"
-) -> fx.GraphModule:
-    """Shard a model's Linear layers across a group, keeping only this rank's slice of each weight.
+    model: nn.Module,
+    group: Any = None,
+    *,
+    plan: Optional[Mapping[str, str]] = None,
+    layers: Optional[Iterable[str]] = None,
+    style: Optional[str] = None,
+    check_inputs: bool = False,
+) -> nn.Module:
+    """Shard a model's layers across a group, keeping only this rank's slice of each weight.
 
-    The model is traced with ``torch.fx``. Every ``nn.Linear`` call and every ``F.linear`` call whose weight is a
-    parameter (or only those named in ``layers``) is replaced by a :class:`ShardedLinear` that holds this rank's
-    ``torch.tensor_split`` slice of the weight and runs the layer with ``cmap`` over the feature axis. The result
+    **With** ``plan`` (tensor parallelism as Megatron-LM does it, see ``docs/shard_model.md``): ``plan`` maps
+    ``fnmatch`` patterns over ``model.named_modules()`` names to styles: ``"colwise"`` (an ``nn.Linear`` split by
+    output features; replicated input, output left sharded along the last dim), ``"rowwise"`` (split by input
+    features; takes that sharded activation, returns the replicated sum, bias added once), ``"colwise_gather"``
+    (colwise, output gathered to full) and ``"vocab"`` (an ``nn.Embedding`` split by vocabulary rows). The whole plan
+    is checked first (patterns that match nothing, styles on the wrong module type, partial attention heads, tied
+    weights); then the matched modules are replaced in place, with no tracing, and ``model`` itself is returned.
+
+    **Without** ``plan``, the model is traced with ``torch.fx``. Every ``nn.Linear`` call and every ``F.linear``
+    call whose weight is a parameter (or only those named in ``layers``) is replaced by a :class:`ShardedLinear`
+    that holds this rank's ``torch.tensor_split`` slice of the weight and runs the layer with ``cmap`` over the
+    feature axis. The result
     equals the unsharded model's forward for any batch size, on every rank, and so do the gradients: a sharded
     weight's gradient is the matching slice of the unsharded one; the bias is added once.
 
@@ -48,29 +63,44 @@ def shard_model(
     ``colossalai.launch``'s shared seed) and later pass the same inputs to the returned module.
 
     Args:
-        model: the module to shard. Not modified; the returned module shares its unsharded parts.
+        model: the module to shard. With ``plan`` it is changed in place and returned; without, it is not modified
+            and the returned module shares its unsharded parts.
         group: where the shards live, as for ``cmap``: None (the world, or this process alone when
             ``torch.distributed`` is not initialised), a ``ProcessGroup``, ``(ProcessGroupMesh, axis)``, or a
             colossalai ``Booster``/plugin.
         layers: names of the layers to shard: an ``nn.Linear`` by its module path (``"fc1"``), an ``F.linear``
             call by its weight's path (``"proj.weight"``). None: every one found.
-        style: ``"row"`` splits the input features (partial products, then ``psum``); ``"col"`` splits the output
-            features (then an all-gather).
+        plan: module-name patterns to styles, as above. Not with ``layers`` or ``style``.
+        style: ``"row"`` (the default) splits the input features (partial products, then ``psum``); ``"col"``
+            splits the output features (then an all-gather).
+        check_inputs: check on every forward that every rank passed the same inputs (a checksum per rank in one
+            exchange with ``plan``; cmap's input check without); ranks that differ raise ``CmapError`` on every rank.
 
     Returns:
-        A ``torch.fx.GraphModule`` whose sharded layers are :class:`ShardedLinear` submodules: an ``nn.Linear``
-        keeps its path; an ``F.linear`` call on weight ``p.w`` becomes submodule ``p.w_shard``.
+        With ``plan``: ``model``, its matched modules replaced. Without: a ``torch.fx.GraphModule`` whose sharded
+        layers are :class:`ShardedLinear` submodules: an ``nn.Linear`` keeps its path; an ``F.linear`` call on weight
+        ``p.w`` becomes submodule ``p.w_shard``.
 
     Raises:
-        ValueError: an unknown ``style``, a name in ``layers`` that is not a shardable linear, or a sharded weight
-            that the model also uses outside a linear call.
+        ValueError: a plan that does not fit the model (every rank raises it before any weight is touched), an
+            unknown ``style``, a name in ``layers`` that is not a shardable linear, or a sharded weight that the
+            model also uses outside a linear call.
         torch.fx.proxy.TraceError: the model cannot be traced by ``torch.fx``; the message names the call.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 24))
-        >>> sharded = shard_model(model)  # on every rank of the world
+        >>> sharded = shard_model(model)  # on every rank of the world: the torch.fx form
         >>> torch.testing.assert_close(sharded(x), model(x))
+        >>> mlp = shard_model(copy.deepcopy(model), plan={"0": "colwise", "2": "rowwise"})  # Megatron's MLP
+        >>> torch.testing.assert_close(mlp(x), model(x))
     """
+    if plan is not None:
+        if layers is not None or style is not None:
+            raise ValueError(f"{_CALL}: plan= replaces layers= and style=; pass either plan or layers/style.")
+        from .tp_plan import shard_by_plan
+
+        return shard_by_plan(model, group, plan, check_inputs)
+    style = "row" if style is None else style
     if style not in STYLES:
         raise ValueError(f"{_CALL}: unknown style={style!r}; expected one of {', '.join(map(repr, STYLES))}.")
     group_ = resolve_group(_CALL, group)
@@ -78,7 +108,7 @@ def shard_model(
     sites = _find_linears(gm)
     for name in _select(sites, layers):
         _check_only_linear(gm, name, sites[name])
-        _rewrite(gm, name, sites[name], style, group_)
+        _rewrite(gm, name, sites[name], style, group_, check_inputs)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -98,7 +128,9 @@ class ShardedLinear(nn.Module):
         bias: the full bias (``"row"``), this rank's slice of it (``"col"``), or None.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], style: str, group: Group) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], style: str, group: Group, check_inputs: bool = False
+    ) -> None:
         super().__init__()
         self.style = style
         self.out_features, self.in_features = weight.shape
@@ -109,7 +141,7 @@ class ShardedLinear(nn.Module):
         else:
             kept = bias.detach().clone() if style == "row" else _slice(bias, 0, group)
             self.bias = nn.Parameter(kept, bias.requires_grad)
-        options: Dict[str, Any] = dict(group=group.pg, src="local", mode="batched")
+        options: Dict[str, Any] = dict(group=group.pg, src="local", mode="batched", check_inputs=check_inputs)
         if style == "row":
             self._layer = cmap(_row_partial, in_dims=(1, None), out_dims=None, axis_name=AXIS, **options)
         elif bias is None:
@@ -278,15 +310,15 @@ def _check_only_linear(gm: fx.GraphModule, name: str, site: _Site) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- rewriting
-def _rewrite(gm: fx.GraphModule, name: str, site: _Site, style: str, group: Group) -> None:
+def _rewrite(gm: fx.GraphModule, name: str, site: _Site, style: str, group: Group, check: bool) -> None:
     if site.module:
         linear = gm.get_submodule(name)
-        _set_attr(gm, name, ShardedLinear(linear.weight, linear.bias, style, group))
+        _set_attr(gm, name, ShardedLinear(linear.weight, linear.bias, style, group, check))
         return  # the call_module nodes now call the sharded layer
     weight = _get_attr(gm, name)
     bias = _get_attr(gm, site.bias) if site.bias is not None else None
     target = _free_name(gm, f"{name}_shard")
-    _set_attr(gm, target, ShardedLinear(weight, bias, style, group))
+    _set_attr(gm, target, ShardedLinear(weight, bias, style, group, check))
     for node in site.nodes:
         with gm.graph.inserting_before(node):
             new = gm.graph.call_module(target, (_linear_arg(node, 0, "input"),))

@@ -1,7 +1,8 @@
 """Every script in ``examples/`` runs its ``main()`` on a real gloo world and reports success on every rank.
 
-Each example checks itself against single-process ``torch.vmap`` and raises on a mismatch, so these tests only
-need every rank to return True. The examples are the ones ``colossalai run --nproc_per_node 2`` runs by hand.
+Each example checks itself against single-process ``torch.vmap`` (the tensor-parallel one against the unsharded
+model) and raises on a mismatch, so these tests only need every rank to return True. The examples are the ones
+``colossalai run --nproc_per_node 2`` runs by hand.
 """
 
 import importlib
@@ -11,7 +12,17 @@ from pathlib import Path
 import pytest
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
-EXAMPLES = ["quickstart", "batch_dot", "model", "dot_dst0", "vjp_jacobian", "per_sample_grads", "train_step", "maml"]
+EXAMPLES = [
+    "quickstart",
+    "batch_dot",
+    "model",
+    "dot_dst0",
+    "vjp_jacobian",
+    "per_sample_grads",
+    "train_step",
+    "maml",
+    "tensor_parallel_llama",
+]
 
 
 def run_example(name: str) -> bool:
