@@ -50,14 +50,37 @@ def _wait(work: Any, group: Group, call: str, what: str, timeout: Optional[float
         ) from exc
 
 
+class _Landing:
+    """A collective's work that writes into a twin of an inference tensor, copied over once it is done.
+
+    gloo writes gathered data from its own thread, where inference mode is off, so it refuses to write into an
+    inference tensor (any buffer allocated under ``torch.inference_mode``).
+    """
+
+    def __init__(self, work: Any, pairs: List[Any]) -> None:
+        self.work, self.pairs = work, pairs
+
+    def wait(self, **kwargs: Any) -> None:
+        self.work.wait(**kwargs)
+        for out, twin in self.pairs:
+            out.copy_(twin)
+
+
+def _twin(out: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.empty_like(out)
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]) -> None:
-    stats.note("all_gather", inp.numel() * inp.element_size())
-    _wait(dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True), group, call, "all_gather", timeout)
+    _wait(issue_all_gather(out, inp, group), group, call, "all_gather", timeout)
 
 
 def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Any:
     """An all-gather left in flight, to wait for with :func:`finish` (data sent together with a round)."""
     stats.note("all_gather", inp.numel() * inp.element_size())
+    if out.is_inference():
+        twin = _twin(out)
+        return _Landing(dist.all_gather_into_tensor(twin, inp, group=group.pg, async_op=True), [(out, twin)])
     return dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True)
 
 
@@ -70,8 +93,12 @@ def gather_to(
     inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:
     stats.note("gather", inp.numel() * inp.element_size())
+    pairs = [(out, _twin(out)) for out in outs or () if out.is_inference()]
+    if pairs:
+        twins = {id(out): twin for out, twin in pairs}
+        outs = [twins.get(id(out), out) for out in outs or ()]
     work = dist.gather(inp, outs, dst=group.ranks[dst], group=group.pg, async_op=True)
-    _wait(work, group, call, "gather", timeout)
+    _wait(_Landing(work, pairs) if pairs else work, group, call, "gather", timeout)
 
 
 def scatter_from(

@@ -74,6 +74,8 @@ def run_rank(cm: Any, plan: CallPlan, inputs: Inputs, link: Link, hint: Optional
             faults.check("layout", group)
         flat, spec = flatten(out)
         layout = layout_of(opts, flat, spec, hint)
+        if opts.mode == "batched":
+            _check_rows(opts, flat, layout, shard.rows)
         if extra:
             flat = [
                 v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v
@@ -174,6 +176,17 @@ def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional
     return infer_layout(flat, dims, spec)
 
 
+def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int) -> None:
+    """In batched mode func must return one row per example it was given, along each mapped output's out_dim."""
+    for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
+        if leaf.kind == BATCHED and v.shape[leaf.out_dim] != rows:
+            raise ValueError(
+                f"{opts.call}: mode='batched': output {i} has {v.shape[leaf.out_dim]} rows along its out_dim "
+                f"{leaf.out_dim} (shape {tuple(v.shape)}), but func was given {rows} examples; it must return one row "
+                f"per example (or use out_dims=None for an output that is not per example)."
+            )
+
+
 def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: object, start: int, link: Link) -> int:
     """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
     if not (opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
@@ -194,7 +207,10 @@ def _versions(opts: Options, plan: CallPlan, leaves: Sequence[Any]) -> Optional[
 
 
 def _plain(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(v)
+    # Inference tensors keep no version counter: an in-place change to one stays on the rank that made it.
+    return (
+        isinstance(v, torch.Tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(v) and not v.is_inference()
+    )
 
 
 def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], plan: CallPlan) -> int:

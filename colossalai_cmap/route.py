@@ -106,7 +106,8 @@ def route(
     full = key + tuple((t.dtype, t.shape) for t in tensors)
     found = cache.get(full)
     if found is None:
-        found = cache[full] = _work_out(rank, views, key, tensors)
+        with torch.inference_mode(False):  # views kept for later calls under any mode are never inference tensors
+            found = cache[full] = _work_out(rank, views, key, tensors)
     return found
 
 

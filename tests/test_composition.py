@@ -167,6 +167,21 @@ def modes_of_grad(B):
         assert out.is_inference() and torch.equal(out, vmap(lambda v: v.exp() * 2)(x))
         assert torch.equal(cm.cmap(torch.sin)(x), torch.sin(x))
     assert torch.equal(cm.cmap(torch.sin)(x.detach()), torch.sin(x.detach()))
+    # Shapes first seen under inference_mode, then called again outside it, with and without grad.
+    y = randn(B, 7, 5, seed=22, dtype=F64)
+    f = cm.cmap(lambda v: v * cm.psum(v.sum(), "i"), axis_name="i")
+    big = randn(B, 200, 700, seed=23, dtype=F64)  # over a round's payload: the data travels in its own collective
+    with torch.inference_mode():
+        _close(f(y), y * y.sum(), "psum under inference_mode")
+        assert torch.equal(cm.cmap(torch.cos)(y), y.cos())
+        assert torch.equal(cm.cmap(torch.neg)(big), -big)
+        got = cm.cmap(torch.neg, dst=0)(big)
+        assert torch.equal(got, -big) if dist.get_rank() == 0 else got is None
+    assert torch.equal(cm.cmap(torch.cos)(y), y.cos()) and not f(y).is_inference()
+    yg, yr = y.clone().requires_grad_(), y.clone().requires_grad_()
+    f(yg).pow(2).sum().backward()
+    (yr * yr.sum()).pow(2).sum().backward()
+    _close(yg.grad, yr.grad, "after inference_mode")
 
 
 def in_place(B):

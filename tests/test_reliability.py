@@ -79,8 +79,9 @@ def check_bad_arguments():
         assert str(info.value).startswith("cmap("), str(info.value)
         if (thunk, exc_type, needle) in at_call:
             assert isinstance(info.value, cm.CmapError), info.value
-            # the status round, then the failure details (their lengths and their bytes): nothing else
-            assert log.count == 3 and log.bytes < 10_000, log.entries
+            # the status round (its size is the group's adaptive payload), then the failure details (their lengths
+            # and their bytes): nothing else
+            assert log.count == 3 and sum(n for _, n in log.entries[1:]) < 10_000, log.entries
         else:
             assert log.count == 0, log.entries
         messages.append(str(info.value).split("Remote traceback")[0])
@@ -181,6 +182,40 @@ def check_leaks(calls):
 )
 def test_failure_propagates_to_every_rank(worlds, P, failing, dst, mode):
     assert worlds(P).run(check_failure_propagation, failing, dst, mode) == [True] * P
+
+
+def check_batched_rows(B):
+    """mode='batched' with func returning the wrong number of rows (on some ranks or all, small outputs or large,
+    after good calls of the same shapes): CmapError on every rank naming the rows; nothing is returned."""
+    size = dist.get_world_size()
+    x = torch.arange(B * 40 * 9, dtype=torch.float32).view(B, 40, 9)
+    shares = []
+    good = cm.cmap(lambda v: shares.append(v.shape[0]) or v * 2, mode="batched")
+    assert torch.equal(good(x), x * 2)  # the same shapes first, so the repeated-call path sees the bad ones
+    rows = shares[0]
+    wrong = {
+        "doubled": lambda v: torch.cat([v, v]),
+        "first row": lambda v: v[:1] * 2,
+        "the whole batch": lambda v: torch.zeros(B, 40, 9),
+        "one rank": lambda v: v[:-1] if dist.get_rank() == 0 else v,
+    }
+    for name, f in wrong.items():
+        with pytest.raises(cm.CmapError) as info:
+            cm.cmap(f, mode="batched")(x)
+        text = str(info.value)
+        assert "mode='batched'" in text and "one row per example" in text, (name, text)
+        if name == "one rank":
+            assert "failed on 1 rank(s)" in text and "group rank 0 (global rank 0)" in text, text
+        elif name == "doubled":  # every rank failed, each named with its own share
+            assert f"has {2 * rows} rows along its out_dim 0" in text and f"given {rows} examples" in text, text
+            assert all(f"group rank {r} (global rank {r})" in text for r in range(size)), text
+    assert torch.equal(good(x), x * 2)  # the group stays usable
+    return True
+
+
+@pytest.mark.parametrize("P, B", [(2, 3), (2, 300), (3, 7)])
+def test_batched_rows_must_match_the_share(worlds, P, B):
+    assert worlds(P).run(check_batched_rows, B) == [True] * P
 
 
 @pytest.mark.parametrize("P", [2, 3])

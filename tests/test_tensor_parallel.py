@@ -72,6 +72,10 @@ def check_llama():
     attn = tp.model.layers[0].self_attn
     assert attn.head_dim == 16 and attn.num_key_value_groups == 1  # what LlamaAttention reads: unchanged
     assert tuple(attn.q_proj.weight.shape) == (64 // P, 64) and tuple(attn.o_proj.weight.shape) == (64, 64 // P)
+    with torch.inference_mode():  # evaluation first (greedy decoding with the KV cache), then training below
+        prompt = token_ids(2)
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+        assert torch.equal(tp.generate(prompt, **kw), ref.generate(prompt, **kw))
     ids = token_ids(1)
     out_ref, out_tp = ref(input_ids=ids, labels=ids), tp(input_ids=ids, labels=ids)
     torch.testing.assert_close(out_tp.logits, out_ref.logits, **TOL)
