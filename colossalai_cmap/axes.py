@@ -101,12 +101,10 @@ class AxisOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        from .collectives import axis_index, psum
-
         if ctx.op == "sum":  # psum's transpose is psum
-            return psum(grad, ctx.name), None, None
+            return apply(grad, ctx.name, "sum"), None, None
         if ctx.op == "gather":  # all_gather's transpose: the sum of the cotangents, this example's row of it
-            return _take(psum(grad, ctx.name), axis_index(ctx.name)), None, None
+            return _take(apply(grad, ctx.name, "sum"), index(ctx.name)), None, None
         raise RuntimeError(f"{_NAMES[ctx.op]}({ctx.name!r}) is not differentiable; use psum, pmean or all_gather.")
 
     @staticmethod
@@ -130,6 +128,14 @@ class AxisOp(torch.autograd.Function):
 
 def _take(full: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return full.index_select(0, index.reshape(1)).squeeze(0)
+
+
+def index(name: str) -> torch.Tensor:
+    """The global index of the current example along the axis ``name`` (an int64 scalar tensor per example)."""
+    frame = lookup(name, "axis_index")
+    if frame.index is None:
+        raise RuntimeError(f"axis_index({name!r}) is only available inside the mapped function.")
+    return frame.loop.index() if frame.mode == "loop" and frame.loop is not None else frame.index
 
 
 def apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:

@@ -132,11 +132,8 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     names, the index in the axes taken together, the first one major."""
     index = None
     for name in _names(axis_name):
-        frame = lookup(name, "axis_index")
-        if frame.index is None:
-            raise RuntimeError(f"axis_index({name!r}) is only available inside the mapped function.")
-        mine = frame.loop.index() if frame.mode == "loop" and frame.loop is not None else frame.index
-        index = mine if index is None else index * frame.size + mine
+        mine = axes.index(name)
+        index = mine if index is None else index * lookup(name, "axis_index").size + mine
     return index
 
 
