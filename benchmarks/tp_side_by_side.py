@@ -29,36 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-VOCAB, BATCH, SEQ = 1000, 2, 8
-PLAN = {
-    "model.embed_tokens": "vocab",
-    "model.layers.*.self_attn.[qkv]_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather",
-}
-
-
-def llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
-
-
-def token_ids(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from tensor_parallel_llama import BATCH, PLAN, SEQ, VOCAB, llama, token_ids  # noqa: E402  the example's model
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> Any:

@@ -25,13 +25,6 @@ class LeafLayout:
     out_dim: Optional[int]
     value: Any = None
 
-    @property
-    def row_bytes(self) -> int:
-        numel = 1
-        for s in self.shape:
-            numel *= s
-        return numel * (self.dtype.itemsize if self.dtype is not None else 0)
-
 
 @dataclass(frozen=True)
 class OutLayout:

@@ -15,9 +15,10 @@ import colossalai
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import colossalai_cmap as cm
+
+VOCAB, BATCH, SEQ = 1000, 2, 8
 
 PLAN = {
     "model.embed_tokens": "vocab",
@@ -31,9 +32,12 @@ PLAN = {
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def llama() -> nn.Module:
+def llama(seed: int = 0) -> nn.Module:
+    """The small Llama: 2 layers, hidden 64, intermediate 160, 4 heads, vocabulary 1000; no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # here, so that importing PLAN stays cheap
+
     config = LlamaConfig(
-        vocab_size=1000,
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=2,
@@ -41,8 +45,12 @@ def llama() -> nn.Module:
         num_key_value_heads=4,
         attn_implementation="eager",
     )
-    torch.manual_seed(0)  # the same weights on every rank
+    torch.manual_seed(seed)  # the same weights on every rank
     return LlamaForCausalLM(config)
+
+
+def token_ids(seed: int, batch: int = BATCH) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -65,7 +73,7 @@ def main(steps: int = 5) -> bool:
         colossalai.launch_from_torch(verbose=False)
     rank, P = dist.get_rank(), dist.get_world_size()
     full, sharded = llama(), cm.shard_model(llama(), plan=PLAN)
-    ids = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(1)
 
     out_full, out_sharded = full(input_ids=ids, labels=ids), sharded(input_ids=ids, labels=ids)
     torch.testing.assert_close(out_sharded.logits, out_full.logits, **TOL)
@@ -76,7 +84,7 @@ def main(steps: int = 5) -> bool:
     losses = []
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (full, sharded)]
     for step in range(steps):
-        ids = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(10 + step))
+        ids = token_ids(10 + step)
         pair = []
         for model, opt in zip((full, sharded), opts):
             opt.zero_grad()

@@ -5,6 +5,9 @@ sharded model's outputs, loss and gradients must match it (a sharded parameter's
 ``sharded_parameters``), and so must an AdamW run. The collective counts are read with ``record_collectives``.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,44 +17,20 @@ from torch import nn
 
 import colossalai_cmap as cm
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from tensor_parallel_llama import (  # noqa: E402  the example's model, plan and inputs
+    BATCH,
+    PLAN,
+    SEQ,
+    TOL,
+    VOCAB,
+    llama,
+    param_bytes,
+    token_ids,
+)
+
 DEADLINE = 120  # seconds per distributed check (the harness kills the world past it)
 pytestmark = pytest.mark.timeout(300)
-TOL = dict(atol=1e-5, rtol=1e-5)
-VOCAB, BATCH, SEQ = 1000, 2, 8
-PLAN = {
-    "model.embed_tokens": "vocab",
-    "model.layers.*.self_attn.[qkv]_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather",
-}
-
-
-def llama(seed: int = 0) -> nn.Module:
-    """The issue's small Llama: 2 layers, hidden 64, intermediate 160, 4 heads, vocabulary 1000; no download."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
-
-
-def token_ids(seed: int, batch: int = BATCH) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def assert_grads(sharded: nn.Module, full: nn.Module, what: str) -> None:
