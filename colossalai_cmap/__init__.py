@@ -5,27 +5,27 @@ process's share, and gathers the results. Importing this package is cheap: torch
 public name.
 """
 
-from . import _register  # noqa: F401  (registers colossalai.cmap)
+from .integration import register as _register  # noqa: F401  (registers colossalai.cmap)
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "cmap": "api",
+    "cmap": "call.api",
     "CmapError": "errors",
-    "psum": "collectives",
-    "pmean": "collectives",
-    "pmax": "collectives",
-    "pmin": "collectives",
-    "all_gather": "collectives",
-    "psum_scatter": "collectives",
-    "all_to_all": "collectives",
-    "ppermute": "collectives",
-    "axis_index": "collectives",
-    "axis_size": "collectives",
-    "shard_model": "tensor_parallel",
-    "full_state_dict": "checkpoint",
-    "load_full_state_dict": "checkpoint",
-    "sharded_parameters": "checkpoint",
+    "psum": "axis.collectives",
+    "pmean": "axis.collectives",
+    "pmax": "axis.collectives",
+    "pmin": "axis.collectives",
+    "all_gather": "axis.collectives",
+    "psum_scatter": "axis.collectives",
+    "all_to_all": "axis.collectives",
+    "ppermute": "axis.collectives",
+    "axis_index": "axis.collectives",
+    "axis_size": "axis.collectives",
+    "shard_model": "tp.fx",
+    "full_state_dict": "tp.state_dict",
+    "load_full_state_dict": "tp.state_dict",
+    "sharded_parameters": "tp.state_dict",
     "record_collectives": "stats",
     "CallStats": "stats",
 }

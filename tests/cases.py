@@ -1,6 +1,7 @@
 """Shared inputs and the oracle comparison used by the checks that run inside the worker processes."""
 
 import functools
+import math
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -24,6 +25,23 @@ def assert_same(actual: Any, expected: Any, exact: bool = True, what: str = "") 
             assert torch.equal(a, e), f"{what}: leaf {i}: values differ\n{a}\n{e}"
         else:
             torch.testing.assert_close(a, e, msg=lambda m: f"{what}: leaf {i}: {m}")
+
+
+def adam_drift_bound(lr: float, betas: Tuple[float, float], steps: int) -> float:
+    """How far apart two Adam(W) runs that start equal can move one parameter in ``steps`` steps, whatever their
+    gradients: twice the largest update per step, summed. Rounding that differs between machines can flip a tiny
+    gradient entry's sign, and Adam divides each entry by its own magnitude, so no tighter bound holds per element.
+
+    By Cauchy-Schwarz, at step t: |m_hat / sqrt(v_hat)| <= (1 - b1) / (1 - b1^t) * sqrt(sum_k (b1^2 / b2)^k)
+    * sqrt((1 - b2^t) / (1 - b2)), k < t (1 at t = 1, where the update is lr * sign(g)); eps only shrinks it, and
+    decoupled weight decay shrinks a difference.
+    """
+    b1, b2 = betas
+    total = 0.0
+    for t in range(1, steps + 1):
+        s = sum((b1 * b1 / b2) ** k for k in range(t))
+        total += 2 * lr * (1 - b1) / (1 - b1**t) * math.sqrt(s) * math.sqrt((1 - b2**t) / (1 - b2))
+    return total
 
 
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

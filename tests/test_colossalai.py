@@ -41,7 +41,7 @@ def _rows(B: int, size: int, rank: int) -> Tuple[int, int]:
 
 
 def _group_of(group: Any):
-    from colossalai_cmap.groups import resolve_group
+    from colossalai_cmap.integration.groups import resolve_group
 
     return resolve_group("test", group)
 
@@ -469,7 +469,7 @@ def test_import_hygiene():
         "x = torch.randn(4, 3)\n"
         "assert torch.equal(cmap(torch.sum)(x), torch.vmap(torch.sum)(x))\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'peft')\n"
-        "             or m.startswith('colossalai.booster') or m == 'colossalai_cmap.plugins')\n"
+        "             or m.startswith('colossalai.booster') or m == 'colossalai_cmap.integration.plugins')\n"
         "print('LOADED', bad)\n"
     )
     (out,) = _run_procs([[sys.executable, "-c", code]], [_env()], timeout=120)

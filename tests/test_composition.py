@@ -285,16 +285,16 @@ def test_issue_examples(worlds, P):
 
 def check_meta():
     """Meta tensors carry shapes only: cmap gives vmap's shapes with no communication, and so does a Join."""
-    from colossalai_cmap.exchange import JoinSpec, join
-    from colossalai_cmap.groups import resolve_group
-    from colossalai_cmap.protocol import Link
-    from colossalai_cmap.roles import COPY, Rows
+    from colossalai_cmap.integration.groups import resolve_group
+    from colossalai_cmap.wire.exchange import JoinSpec, join_values
+    from colossalai_cmap.wire.protocol import Link
+    from colossalai_cmap.wire.roles import COPY, Rows
 
     x, w = torch.empty(7, 3, device="meta"), torch.empty(3, device="meta")
     with cm.record_collectives() as log:
         out = cm.cmap(lambda v, u: (v * u, v.sum()), in_dims=(0, None))(x, w)
         link = Link(resolve_group("check_meta", None), torch.device("meta"), "check_meta", None)
-        rows, total = join(JoinSpec(link, (Rows(0, (4, 3)), COPY)), [torch.empty(4, 2, device="meta"), w])
+        rows, total = join_values(JoinSpec(link, (Rows(0, (4, 3)), COPY)), [torch.empty(4, 2, device="meta"), w])
     assert [t.shape for t in out] == [(7, 3), (7,)] and all(t.is_meta for t in out)
     assert rows.shape == (7, 2) and total.shape == (3,) and rows.is_meta
     assert log.count == 0, log.entries

@@ -39,7 +39,7 @@ def test_start_up_hook_is_cheap():
         f"sys.path.insert(0, {ROOT!r})\n"
         "before = set(sys.modules)\n"
         "start = time.perf_counter()\n"
-        "import colossalai_cmap._register\n"
+        "import colossalai_cmap.integration.register\n"
         "elapsed = time.perf_counter() - start\n"
         "print(elapsed, sorted(set(sys.modules) - before))\n"
     )
@@ -51,7 +51,8 @@ def test_start_up_hook_is_cheap():
         # importlib.machinery (and what it pulls in) is already loaded in a normal start-up; -S starts without it
         allowed = {
             "colossalai_cmap",
-            "colossalai_cmap._register",
+            "colossalai_cmap.integration",
+            "colossalai_cmap.integration.register",
             "importlib",
             "importlib._bootstrap",
             "importlib._bootstrap_external",

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from cases import randn
+from cases import adam_drift_bound, randn
 from torch import nn
 
 import colossalai_cmap as cm
@@ -72,10 +72,12 @@ def check_llama():
             opt.step()
             model.last = loss.detach()
         torch.testing.assert_close(tp.last, ref.last, **TOL, msg=lambda m: f"AdamW step {step}: loss: {m}")
+    # The parameters: within what five AdamW updates can move an entry whose tiny gradient rounds differently.
+    drift = dict(rtol=TOL["rtol"], atol=TOL["atol"] + adam_drift_bound(1e-3, (0.9, 0.999), 5))
     shards, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
     for name, p in tp.named_parameters():
         expected = shards[name].take(full[name]) if name in shards else full[name]
-        torch.testing.assert_close(p, expected, **TOL, msg=lambda m: f"after 5 AdamW steps: {name}: {m}")
+        torch.testing.assert_close(p, expected, **drift, msg=lambda m: f"after 5 AdamW steps: {name}: {m}")
     return param_bytes(tp), param_bytes(ref)
 
 

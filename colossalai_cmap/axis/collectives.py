@@ -1,0 +1,203 @@
+"""Collectives over a named mapped axis, with jax.lax's names, arguments and meaning: ``psum(x, "i")`` inside
+``cmap(f, axis_name="i")``.
+
+The axis runs over every example of the global batch (the ones mapped on this rank and those on the other ranks),
+as a jax axis runs over devices: ``axis_size("i")`` is the global batch size B and ``axis_index("i")`` an example's
+global index. Every op is a reduction or a gather over the axis (:mod:`axes`), composed with local tensor ops, so
+each is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside
+func, in every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of
+names, as in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
+"""
+
+from typing import Callable, Sequence, Tuple, Union
+
+import torch
+
+from . import ops as axes
+from .frame import lookup
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "axis_index",
+    "axis_size",
+]
+
+AxisName = Union[str, Tuple[str, ...]]
+
+
+def _names(axis_name: AxisName) -> Tuple[str, ...]:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Sum of ``x`` over every example of the axis (all ranks); every example gets the same value.
+
+    Example:
+        >>> cmap(lambda x: x / psum(x.sum(), "i"), axis_name="i")(torch.rand(10, 3))  # normalise by the total
+    """
+    for name in reversed(_names(axis_name)):
+        x = axes.apply(x, name, "sum")
+    return x
+
+
+def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Mean of ``x`` over every example of the axis."""
+    return psum(x, axis_name) / axis_size(axis_name)
+
+
+def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Elementwise maximum over every example of the axis. Not differentiable."""
+    for name in reversed(_names(axis_name)):
+        x = axes.apply(x, name, "max")
+    return x
+
+
+def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Elementwise minimum over every example of the axis. Not differentiable."""
+    for name in reversed(_names(axis_name)):
+        x = axes.apply(x, name, "min")
+    return x
+
+
+def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
+    """Every example's ``x``, in global order, stacked along a new dim ``axis`` (size B), or with ``tiled``
+    concatenated along the existing dim ``axis``. The transpose of :func:`psum_scatter`."""
+    out = x
+    for name in reversed(_names(axis_name)):
+        out = axes.apply(out, name, "gather")
+    shape, size = _example_shape(axis_name, x), axis_size(axis_name)
+    axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
+
+    def arrange(full: torch.Tensor) -> torch.Tensor:
+        full = full.reshape(size, *shape)  # the axes of a tuple name, the first one major
+        return full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
+
+    return _per_example(axis_name, arrange, out)
+
+
+def psum_scatter(
+    x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
+) -> torch.Tensor:
+    """The sum over the axis, scattered: example ``i`` gets the sum's ``i``-th slice along ``scatter_dimension``
+    (whose size must be B), or with ``tiled`` its ``i``-th of B equal chunks. The transpose of :func:`all_gather`."""
+    shape = _example_shape(axis_name, x)
+    d = _dim(scatter_dimension, len(shape), "psum_scatter", "scatter_dimension")
+    chunk = _chunk("psum_scatter", shape[d], axis_size(axis_name), tiled, "scatter_dimension")
+    total = psum(x, axis_name)
+    return _per_example(axis_name, lambda t, i: _slice(t, d, i, chunk, tiled), total, axis_index(axis_name))
+
+
+def all_to_all(
+    x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False
+) -> torch.Tensor:
+    """Example ``i`` gets every example's ``i``-th slice of ``split_axis`` (whose size must be B), stacked in global
+    order along a new dim ``concat_axis``; with ``tiled``, the ``i``-th of B equal chunks, concatenated along the
+    existing ``concat_axis``. Its transpose is itself with the axes swapped."""
+    shape = _example_shape(axis_name, x)
+    s = _dim(split_axis, len(shape), "all_to_all", "split_axis")
+    c = _dim(concat_axis, len(shape), "all_to_all", "concat_axis")
+    chunk = _chunk("all_to_all", shape[s], axis_size(axis_name), tiled, "split_axis")
+    everyone = all_gather(x, axis_name)  # per example: (B, *shape)
+
+    def piece(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        part = _slice(full, s + 1, i, chunk, tiled)  # (B, ...): the split dim taken, or its chunk kept
+        return part.movedim(0, c).flatten(c, c + 1) if tiled else part.movedim(0, c)
+
+    return _per_example(axis_name, piece, everyone, axis_index(axis_name))
+
+
+def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """Example ``dst`` gets example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``; examples that no pair names
+    as a destination get zeros. Its transpose is the inverse permutation."""
+    table = torch.tensor(_sources(perm, axis_size(axis_name)), dtype=torch.int64, device=x.device)
+    everyone = all_gather(x, axis_name)
+
+    def pick(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        src = table.index_select(0, i.reshape(1))
+        got = full.index_select(0, src.clamp(min=0)).squeeze(0)
+        return got * (src >= 0).to(got.dtype).reshape([1] * got.dim())
+
+    return _per_example(axis_name, pick, everyone, axis_index(axis_name))
+
+
+def axis_index(axis_name: AxisName) -> torch.Tensor:
+    """The global index of the current example along the axis (an int64 scalar tensor per example); for a tuple of
+    names, the index in the axes taken together, the first one major."""
+    index = None
+    for name in _names(axis_name):
+        mine = axes.index(name)
+        index = mine if index is None else index * lookup(name, "axis_index").size + mine
+    return index
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """The global batch size B along the axis (not the number of ranks); for a tuple of names, the product."""
+    size = 1
+    for name in _names(axis_name):
+        size *= lookup(name, "axis_size").size
+    return size
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+def _batched_mode(axis_name: AxisName) -> bool:
+    return lookup(_names(axis_name)[0], "collective").mode == "batched"
+
+
+def _example_shape(axis_name: AxisName, x: torch.Tensor) -> Tuple[int, ...]:
+    """One example's shape: in batched mode func holds the rows of its share along dim 0."""
+    return tuple(x.shape[1:]) if _batched_mode(axis_name) else tuple(x.shape)
+
+
+def _per_example(axis_name: AxisName, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each example's tensors: as they are under vmap or in a loop, mapped over the rows in batched mode."""
+    return torch.vmap(fn)(*tensors) if _batched_mode(axis_name) else fn(*tensors)
+
+
+def _slice(t: torch.Tensor, dim: int, i: torch.Tensor, chunk: int, tiled: bool) -> torch.Tensor:
+    """Slice ``i`` of ``t`` along ``dim`` (the dim removed), or with ``tiled`` its ``i``-th chunk of ``chunk``."""
+    if not tiled:
+        return t.index_select(dim, i.reshape(1)).squeeze(dim)
+    return t.index_select(dim, i * chunk + torch.arange(chunk, device=t.device))
+
+
+def _dim(dim: int, ndim: int, op: str, what: str) -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise ValueError(f"{op}: {what}={dim} is out of range for a value of {ndim} dims.")
+    return dim % max(ndim, 1)
+
+
+def _chunk(op: str, length: int, size: int, tiled: bool, what: str) -> int:
+    """The chunk each example gets: the axis size must equal the dim's length, or divide it when tiled."""
+    if not tiled and length != size:
+        raise ValueError(
+            f"{op}: the {what} has size {length}, but the axis has {size} examples; it must equal the axis size "
+            f"(or pass tiled=True to split it into {size} equal chunks)."
+        )
+    if tiled and length % size:
+        raise ValueError(
+            f"{op}: the {what} has size {length}, which the axis's {size} examples do not divide: each example's "
+            f"chunk is undefined (jax's meaning needs equal chunks); pad it to a multiple of {size}."
+        )
+    return length // size if tiled else 1
+
+
+def _sources(perm: Sequence[Tuple[int, int]], size: int) -> list:
+    """For each destination, its source in ``perm`` (-1: none), after checking ``perm`` as jax does."""
+    source = [-1] * size
+    seen = set()
+    for pair in perm:
+        src, dst = pair
+        if not (0 <= src < size and 0 <= dst < size):
+            raise ValueError(f"ppermute: pair {pair} is out of range for an axis of {size} examples.")
+        if src in seen or source[dst] != -1:
+            raise ValueError(f"ppermute: perm {list(perm)} names a source or a destination twice.")
+        seen.add(src)
+        source[dst] = src
+    return source

@@ -1,0 +1,68 @@
+"""The named axes now mapped: one :class:`AxisFrame` per active ``axis_name``, innermost last, where the
+collectives inside func find their group, sizes and indices."""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ..wire.protocol import Link
+
+
+@dataclass
+class AxisFrame:
+    """One active ``axis_name``: where its collectives go, the global batch size, and this rank's rows in it.
+
+    Attributes:
+        link: the group (None when the map runs in this process alone), device, call name and timeout.
+        size: the global batch size B.
+        offset: the first global index of this rank's rows.
+        sizes: every rank's row count.
+        mode: the cmap's mode.
+        dummy: the shard is empty, and its one stand-in example contributes nothing to collectives.
+        index: each example's global index, set while func runs (``axis_index``).
+        level: the functorch level of this map's ``torch.vmap`` (mode "vmap"), set while func runs.
+        loop: the barrier of loop-mode example threads.
+    """
+
+    link: Optional[Link]
+    size: int
+    offset: int
+    sizes: Sequence[int]
+    mode: str = "vmap"
+    dummy: bool = False
+    index: Any = None
+    level: Optional[int] = None
+    loop: Any = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.link.device if self.link is not None else torch.device("cpu")
+
+
+_FRAMES: Dict[str, List[AxisFrame]] = {}
+
+
+@contextlib.contextmanager
+def axis_scope(name: Optional[str], frame: Optional[AxisFrame]) -> Iterator[None]:
+    if name is None or frame is None:
+        yield
+        return
+    stack = _FRAMES.setdefault(name, [])
+    stack.append(frame)
+    try:
+        yield
+    finally:
+        stack.pop()
+        if not stack:
+            del _FRAMES[name]
+
+
+def lookup(name: str, op: str) -> AxisFrame:
+    stack = _FRAMES.get(name)
+    if not stack:
+        active = sorted(_FRAMES)
+        hint = f"active axis names: {active}" if active else "no cmap with an axis_name is running"
+        raise NameError(f"{op}(..., {name!r}): unbound axis name {name!r}; {hint}. Pass axis_name={name!r} to cmap.")
+    return stack[-1]

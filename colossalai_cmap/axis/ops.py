@@ -1,0 +1,225 @@
+"""The two collectives every named-axis op is made of: a reduction (sum, max, min) and a gather over the axis.
+
+A mapped axis runs over every example of the global batch: the ones this rank maps and those on the other ranks.
+Under ``torch.vmap`` an op is :class:`AxisOp`, an autograd Function whose vmap rule, at the vmap level of the
+axis's own cmap, turns the batch of local examples into one exchange (:func:`reduce_rows`, :func:`gather_rows`). At
+any other vmap level (a cmap nested inside, an outer ``torch.vmap``, or the axis of an outer cmap seen from an
+inner one) the level's dim rides along as a leading data dim, and the op goes on to the level of its axis. Its
+backward and forward-mode rules are jax's transposes, written with the same ops, so ``torch.func.grad`` inside
+func, double backward and function transforms compose. In "batched" mode func sees the batch as dim 0, and in
+"loop" mode the examples run in threads that meet at a barrier (:class:`LoopBarrier`).
+
+Under ``torch.compile`` the exchange is a functional collective instead (traceable with ``fullgraph=True``), whose
+backward is made of functional collectives too: differentiable once inside a compiled function.
+"""
+
+import threading
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.primitives import join, split
+from ..wire.protocol import Kind
+from ..wire.roles import COPY, MAX, MIN, Rows
+from .frame import AxisFrame, lookup
+
+_ROLES = {"sum": COPY, "max": MAX, "min": MIN}
+_NAMES = {"sum": "psum", "max": "pmax", "min": "pmin", "gather": "all_gather"}
+
+
+def _identity(op: str, like: torch.Tensor) -> torch.Tensor:
+    if like.dtype == torch.bool:
+        return torch.full_like(like, op == "min")
+    info = torch.finfo(like.dtype) if like.is_floating_point() else torch.iinfo(like.dtype)
+    return torch.full_like(like, info.min if op == "max" else info.max)
+
+
+def _local_reduce(op: str, rows: torch.Tensor) -> torch.Tensor:
+    if op == "sum":
+        return rows.sum(0)
+    if rows.shape[0] == 0:
+        return _identity(op, rows.new_empty(rows.shape[1:]))
+    if rows.dtype == torch.bool:
+        return rows.any(0) if op == "max" else rows.all(0)
+    return rows.amax(0) if op == "max" else rows.amin(0)
+
+
+def reduce_rows(frame: AxisFrame, rows: torch.Tensor, name: str, op: str) -> torch.Tensor:
+    """This run's rows (dim 0) reduced over every example of the axis.
+
+    A sum is ``Scatter(Join(.))``: per-rank partial sums joined into the global sum, which every rank then uses as its
+    own value, so its backward sums the cotangents over the group too. An empty shard's stand-in contributes nothing,
+    through its graph (zero rows), so that backward still meets on every rank.
+    """
+    local = _local_reduce(op, rows[:0] if frame.dummy else rows)
+    if frame.link is None or frame.link.group.size == 1:
+        return local
+    if torch.compiler.is_compiling():
+        return _Compiled.apply(local, frame.link.group.pg, op, None)
+    (total,) = join(JoinSpec(frame.link, (_ROLES[op],), f"{_NAMES[op]}({name!r})", Kind.OP), [local])
+    if op != "sum":
+        return total
+    return split(SplitSpec(frame.link, (COPY,)), [total])[0]
+
+
+def gather_rows(frame: AxisFrame, rows: torch.Tensor, name: str) -> torch.Tensor:
+    """Every example's row (dim 0) in global order (shares may be uneven); backward sums, then takes the rows."""
+    real = rows[:0] if frame.dummy else rows
+    if frame.link is None or frame.link.group.size == 1:
+        return real
+    if torch.compiler.is_compiling():
+        return _Compiled.apply(real, frame.link.group.pg, "gather", tuple(frame.sizes))
+    spec = JoinSpec(frame.link, (Rows(0, tuple(frame.sizes)),), f"all_gather({name!r})", Kind.OP)
+    (full,) = join(spec, [real])
+    return split(SplitSpec(frame.link, (COPY,)), [full])[0]
+
+
+def physical(frame: AxisFrame, rows: torch.Tensor, name: str, op: str) -> torch.Tensor:
+    return gather_rows(frame, rows, name) if op == "gather" else reduce_rows(frame, rows, name, op)
+
+
+def processed_level() -> int:
+    """Inside a vmap rule: the vmap level being lowered (functorch runs the rule one level below it)."""
+    return (torch._C._functorch.maybe_current_level() or 0) + 1
+
+
+class AxisOp(torch.autograd.Function):
+    """One collective as func sees it, per example; see the module docstring."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
+        # Not batched at the axis's level: every example holds the same x, so the result needs no communication.
+        size = lookup(name, _NAMES[op]).size
+        if op == "gather":
+            return x.unsqueeze(0).expand(size, *x.shape).clone()
+        return x * size if op == "sum" else x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.name, ctx.op = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
+        if ctx.op == "sum":  # psum's transpose is psum
+            return apply(grad, ctx.name, "sum"), None, None
+        if ctx.op == "gather":  # all_gather's transpose: the sum of the cotangents, this example's row of it
+            return _take(apply(grad, ctx.name, "sum"), index(ctx.name)), None, None
+        raise RuntimeError(f"{_NAMES[ctx.op]}({ctx.name!r}) is not differentiable; use psum, pmean or all_gather.")
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
+        if ctx.op not in ("sum", "gather"):
+            raise RuntimeError(f"{_NAMES[ctx.op]}({ctx.name!r}) is not differentiable.")
+        return AxisOp.apply(tangent, ctx.name, ctx.op)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], x: torch.Tensor, name: str, op: str) -> Tuple[Any, Any]:
+        dim = in_dims[0]
+        if dim is None:
+            return AxisOp.apply(x, name, op), None
+        rows = x.movedim(dim, 0)
+        frame = lookup(name, _NAMES[op])
+        if frame.level is not None and processed_level() != frame.level:
+            # another map's vmap level: its dim rides along while the op goes on to its own axis's level
+            return AxisOp.apply(rows, name, op), (1 if op == "gather" else 0)
+        return physical(frame, rows, name, op), None
+
+
+def _take(full: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return full.index_select(0, index.reshape(1)).squeeze(0)
+
+
+def index(name: str) -> torch.Tensor:
+    """The global index of the current example along the axis ``name`` (an int64 scalar tensor per example)."""
+    frame = lookup(name, "axis_index")
+    if frame.index is None:
+        raise RuntimeError(f"axis_index({name!r}) is only available inside the mapped function.")
+    return frame.loop.index() if frame.mode == "loop" and frame.loop is not None else frame.index
+
+
+def apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
+    """The op on ``x`` in the axis's mode."""
+    frame = lookup(name, _NAMES[op])
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{_NAMES[op]}(x, {name!r}): x must be a Tensor, got {type(x).__name__}.")
+    if frame.mode == "batched":
+        out = physical(frame, x, name, op)
+        return out.unsqueeze(0).expand(x.shape[0], *out.shape)
+    if frame.mode == "loop" and not torch._C._functorch.is_batchedtensor(x):
+        return frame.loop.run(x, lambda stacked: physical(frame, stacked, name, op))
+    return AxisOp.apply(x, name, op)
+
+
+class _Compiled(torch.autograd.Function):
+    """Inside ``torch.compile``: a functional collective, and a backward made of functional collectives (dynamo
+    traces neither a ``setup_context`` Function nor ``Function.apply`` in a backward). No status round: see
+    docs/collectives.md."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, pg: Any, op: str, sizes: Optional[Tuple[int, ...]]) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        ctx.pg, ctx.op, ctx.sizes = pg, op, sizes
+        if op != "gather":
+            return fc.all_reduce(local, op, pg)
+        cap, n = max(sizes), local.shape[0]
+        padded = torch.cat([local, local.new_zeros((cap - n, *local.shape[1:]))]) if n < cap else local
+        full = fc.all_gather_tensor(padded.contiguous(), 0, pg)
+        return torch.cat([full.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None]:
+        import torch.distributed._functional_collectives as fc
+
+        if ctx.op not in ("sum", "gather"):
+            raise RuntimeError(f"{_NAMES[ctx.op]} is not differentiable.")
+        total = fc.all_reduce(grad.contiguous(), "sum", ctx.pg)
+        if ctx.op == "sum":
+            return total, None, None, None
+        rank = torch.distributed.get_rank(ctx.pg)
+        return total.narrow(0, sum(ctx.sizes[:rank]), ctx.sizes[rank]), None, None, None
+
+
+class LoopBarrier:
+    """Loop mode: one thread per example; a collective waits for all of them, then runs once on the stack."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._local = threading.local()
+        self._slots: List[Any] = [None] * count
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self._fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self._barrier = threading.Barrier(count, action=self._act)
+
+    def set_index(self, i: int, index: torch.Tensor) -> None:
+        self._local.i, self._local.index = i, index
+
+    def index(self) -> torch.Tensor:
+        return self._local.index
+
+    def run(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.count == 1:
+            return fn(x.unsqueeze(0))
+        self._slots[self._local.i] = x
+        self._fn = fn
+        self._barrier.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _act(self) -> None:
+        try:
+            if any(s.requires_grad for s in self._slots) and torch.is_grad_enabled():
+                raise RuntimeError(
+                    "collectives in mode='loop' are not differentiable; use mode='vmap' or "
+                    "'batched', or run under torch.no_grad()."
+                )
+            with torch.no_grad():
+                self._result, self._error = self._fn(torch.stack(self._slots)), None
+        except BaseException as exc:  # re-raised in every example thread
+            self._result, self._error = None, exc
+
+    def abort(self) -> None:
+        self._barrier.abort()

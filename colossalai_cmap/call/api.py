@@ -1,0 +1,154 @@
+"""The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in ``dispatch``."""
+
+import functools
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..integration.groups import resolve_group
+from ..stats import CallStats, describe
+from ..wire.comm import default_timeout
+from .dispatch import dispatch
+from .options import Options, make_options
+from .site import CallSite
+
+__all__ = ["cmap", "Cmapped"]
+
+
+def cmap(
+    func: Optional[Callable] = None,
+    in_dims: Any = 0,
+    out_dims: Any = 0,
+    *,
+    group: Any = None,
+    dst: Union[int, str] = -1,
+    src: Union[int, str, None] = None,
+    randomness: str = "error",
+    chunk_size: Optional[int] = None,
+    mode: str = "vmap",
+    axis_name: Optional[str] = None,
+    timeout: Optional[float] = None,
+    check_inputs: bool = False,
+) -> Any:
+    """``torch.vmap`` across the processes of a ``torch.distributed`` group, like ``jax.pmap``.
+
+    ``cmap(f)(*args)`` splits the batch (the dims given by ``in_dims``) across the group, runs ``torch.vmap(f)``
+    on each rank's share, and gathers the results. On every rank that receives output it returns exactly what
+    ``torch.vmap(f, in_dims, out_dims)(*args)`` returns in one process: same values, pytree structure, shapes,
+    dtypes and device, with every example computed once and returned in order, for any group size and any batch
+    size (including 0 and sizes that do not divide by the group size).
+
+    Args:
+        func: the per-example function (any callable or ``nn.Module``). Omit it to use ``cmap`` as a decorator
+            with options: ``@cmap(in_dims=(0, None))``.
+        in_dims: as in ``torch.vmap``: an int, None, or a pytree prefix of the positional args saying which dim
+            of each input is the batch dim. Negative dims count from the end. Keyword arguments are not mapped.
+        out_dims: as in ``torch.vmap``: where the batch dim goes in each output. ``None`` marks an output that is
+            the same for every example (it is returned once, not stacked).
+        group: where the work runs. None: the default (world) group, or this process alone when
+            ``torch.distributed`` is not initialised. A ``ProcessGroup``. ``(ProcessGroupMesh, axis)`` with an int
+            or a tuple of ints: map over those mesh axes; the other axes run independent cmaps. A colossalai
+            ``Booster`` or booster ``Plugin``: its data-parallel group.
+        dst: where results go. -1: every rank gets the full result. A group rank r: only r gets it, the others
+            return None and never allocate the full output. "local": no gather; each rank gets its own shard's
+            result (concatenated along ``out_dims``).
+        src: where inputs are. None: every rank passes the same full inputs and slices its share (no
+            communication). A group rank r: only r holds the mapped inputs, others may pass None for them, and r
+            scatters the shards. "local": each rank passes its own shard; the global batch is the shards
+            concatenated in group-rank order, and shard sizes may differ.
+        randomness: "error" (as in vmap), "different" (no two examples draw the same numbers, across ranks too;
+            reproducible for a fixed seed and group size) or "same" (every example on every rank draws the same).
+        chunk_size: vmap's ``chunk_size``, per rank: bounds the peak memory of each rank's share.
+        mode: "vmap" (default) runs ``torch.vmap(func)`` on the shard; "batched" calls ``func`` once on the shard
+            (it already takes a batch, like a model's forward); "loop" calls it once per example and stacks.
+        axis_name: names the mapped axis for ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``,
+            ``axis_index`` and ``axis_size`` inside ``func``.
+        timeout: seconds each collective of the call may wait before every rank raises ``CmapError``. Default: the
+            ``COLOSSALAI_CMAP_TIMEOUT`` environment variable, else the process group's own timeout.
+        check_inputs: with ``src=None``, also check that every rank passed the same input *values* (a checksum in
+            the status exchange). Shapes, dtypes and batch sizes are always checked.
+
+    Returns:
+        A function with the same call signature as ``func`` that runs the batch across the group.
+
+    Raises:
+        ValueError, TypeError: for bad arguments, on every rank, before any communication.
+        CmapError: on every rank of the group, when ``func`` raised on any rank, ranks passed different inputs,
+            or a peer died or timed out. The message names the failing rank(s).
+
+    Examples:
+        >>> import torch
+        >>> from colossalai import cmap
+        >>> x, y = torch.randn(64, 128), torch.randn(64, 128)
+        >>> cmap(torch.dot)(x, y).shape
+        torch.Size([64])
+        >>> @cmap(in_dims=(0, None), dst=0)
+        ... def batch_dot(a, b):
+        ...     return torch.dot(a, b)
+        >>> batch_dot(x, y[0]).shape  # None on every rank but group rank 0
+        torch.Size([64])
+    """
+    options = dict(
+        in_dims=in_dims,
+        out_dims=out_dims,
+        group=group,
+        dst=dst,
+        src=src,
+        randomness=randomness,
+        chunk_size=chunk_size,
+        mode=mode,
+        axis_name=axis_name,
+        timeout=timeout if timeout is not None else default_timeout(),
+        check_inputs=check_inputs,
+    )
+    if func is None:
+        return functools.partial(cmap, **{**options, "timeout": timeout})
+    if not callable(func):
+        raise TypeError(f"cmap: expected a callable or nn.Module as func, got {type(func).__name__}.")
+    opts = make_options(func, **options)
+    if isinstance(group, tuple) and dist.is_available() and dist.is_initialized():
+        # Creating a mesh's groups is a collective over the whole world: do it now, when every rank creates this
+        # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer shard).
+        resolve_group(opts.call, group)
+    return Cmapped(func, opts)
+
+
+class Cmapped:
+    """The callable ``cmap(func, ...)`` returns: same call signature as ``func``, runs the batch across the group.
+
+    Attributes:
+        func: the per-example function.
+        options: the cmap's options.
+    """
+
+    def __init__(self, func: Callable, options: Options) -> None:
+        functools.update_wrapper(self, func, updated=())
+        self.func = func
+        self.options = options
+        self._site = CallSite(func, options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _outside_graph(self._site, args, kwargs)
+        return dispatch(self._site, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.options.call}, dst={self.options.dst!r}, src={self.options.src!r}, mode={self.options.mode!r}>"
+
+    @property
+    def stats(self) -> Optional[CallStats]:
+        """What the last call did on this rank (:class:`~colossalai_cmap.stats.CallStats`); None before the first."""
+        last = self._site.last
+        return None if last is None else describe(last.log, last.group_size, last.local, last.fast_path, last.plan)
+
+    @property
+    def cached_plans(self) -> int:
+        """How many argument signatures' plans this cmap keeps for repeated calls (at most 64)."""
+        return len(self._site.plans)
+
+
+@torch._disable_dynamo
+def _outside_graph(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``torch.compile(cmap(f))``: the orchestration runs eagerly, as a graph break (compile f itself instead)."""
+    return dispatch(site, args, kwargs)

@@ -1,0 +1,73 @@
+"""The checks every rank runs on a call's status table, and the multi-rank errors they raise.
+
+They read only the table, which every rank holds whole, so every rank reaches the same verdict and raises the same
+error, before any data moves.
+"""
+
+from typing import Any, Callable, Sequence, Tuple
+
+from ..errors import CmapError
+from ..wire.protocol import Disagreement, Header
+from .options import Options
+
+
+def agreed_fields(opts: Options) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """The header fields every rank's exit must agree on, in the order they are checked, and those compared across
+    the ranks that ran real examples only (an empty shard has no out_dims=None values of its own)."""
+    inputs = ("input_sig", "batch") if opts.src is None or opts.src == "local" else ()
+    return inputs + ("digest", "graph_sig"), ("values",) if opts.check_inputs else ()
+
+
+def explain(opts: Options, found: Disagreement, checksums: Callable[[], Any]) -> CmapError:
+    """The error every rank raises for a disagreement found in the exit round. ``checksums``, for out_dims=None
+    outputs that differ (``check_inputs``), fetches every rank's checksums to name the output (one more collective,
+    on this error path only)."""
+    if found.field in ("input_sig", "batch"):
+        return _inputs_error(opts, found.table)
+    if found.field == "digest":
+        return _layout_error(opts, found.table)
+    if found.field == "values":
+        return _replicated_error(opts, checksums())
+    return _graph_error(opts, found.table)
+
+
+def _inputs_error(opts: Options, table: Sequence[Header]) -> CmapError:
+    detail = ", ".join(
+        f"group rank {r}: batch {h.batch if h.batch >= 0 else h.rows} (signature {h.input_sig:#x})"
+        for r, h in enumerate(table)
+    )
+    what = "shard shapes, dtypes or structure, or in_dims=None inputs" if opts.src == "local" else "inputs"
+    values = " (or values: check_inputs=True compares their bytes)" if opts.check_inputs else ""
+    return CmapError(
+        f"{opts.call}: ranks passed different {what}{values} ({detail}). With src=None every rank must pass the same "
+        f"full inputs; use src=<rank> to scatter from one rank, or src='local' to pass per-rank shards."
+    )
+
+
+def _layout_error(opts: Options, table: Sequence[Header]) -> CmapError:
+    digests = ", ".join(f"group rank {r}: {h.digest:#x}" for r, h in enumerate(table))
+    return CmapError(
+        f"{opts.call}: ranks returned outputs of different per-example shapes, dtypes or structures (layout digests "
+        f"{digests}). cmap needs the same output structure for every example."
+    )
+
+
+def _graph_error(opts: Options, table: Sequence[Header]) -> CmapError:
+    sigs = ", ".join(f"group rank {r}: {h.graph_sig:#x}" for r, h in enumerate(table))
+    return CmapError(
+        f"{opts.call}: ranks built different autograd graphs around closure-captured tensors ({sigs}): func read "
+        f"different tensors that require grad on different ranks, so their backward collectives would not meet. "
+        f"Make func read the same tensors on every rank (no data-dependent choice of parameters)."
+    )
+
+
+def _replicated_error(opts: Options, seen: Sequence[Any]) -> CmapError:
+    """An out_dims=None output differs across ranks (found by check_inputs): name it and each rank's checksum."""
+    sums = [(r, dict(checksums)) for r, checksums in enumerate(seen) if checksums]
+    bad = [i for i in sums[0][1] if len({s.get(i) for _, s in sums}) > 1]
+    detail = "; ".join(f"output leaf {i}: " + ", ".join(f"rank {r} crc32 {s[i]:#010x}" for r, s in sums) for i in bad)
+    return CmapError(
+        f"{opts.call}: an output declared replicated (out_dims=None) is not the same on every rank ({detail}). "
+        f"out_dims=None promises one value shared by every example, such as the result of a psum; give the output an "
+        f"int out_dim if it varies per example or per rank. (Found by check_inputs=True.)"
+    )

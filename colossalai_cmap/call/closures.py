@@ -1,0 +1,151 @@
+"""Tensors that ``func`` reads without being given them (closures, globals, attributes) get vmap's gradient.
+
+Each rank's local graph gives such a tensor this rank's share of its gradient; the whole gradient is the sum over
+the group, as jax's ``shard_map`` transposes a closed-over value into a psum of its cotangents. Three mechanisms,
+each catching what the one before leaves:
+
+1. Modules func names directly are reparametrized with their parameters through the call's entry (:mod:`module_params`).
+2. :class:`Interceptor`, a ``TorchFunctionMode``, routes every other tensor that requires grad and was made before
+   the call through a ``Scatter`` at its first use. The local graph then saves the routed value, so double backward
+   through the cmap sees the sum too. It runs only where it can matter: when func's closures, globals or partial
+   arguments hold such a tensor, or when an earlier call of this cmap found one by the walk below.
+3. :func:`watch` walks the outputs' local graph after the shard has run, at every autograd level (an outer
+   ``torch.func.grad`` has its own), and finds each edge from a node made during this call into a node made before
+   it: a tensor that reached the graph another way (say, as the argument of a ``torch.func.grad`` inside func).
+   A hook on the node sums that edge's gradient over the group with a differentiable ``Join`` (one collective per
+   node). This is exact to first order; a higher-order gradient through such an edge misses the other ranks' terms
+   of the nodes that backward itself creates, which is why (2) comes first.
+
+Every rank builds the same graph (an empty shard runs a stand-in example), so entries and hooks run in the same
+order on every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
+"""
+
+from typing import Any, Dict, Iterator, List, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..digests import digest
+from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.primitives import join, requires_grad, split
+from ..wire.protocol import Link
+from ..wire.roles import COPY
+from .module_params import References
+
+WHAT = "the gradient of closure-captured tensors"
+
+
+def watch(outputs: Sequence[Any], owner: object, start: int, link: Link) -> int:
+    """Hook every edge from this call's graph into an earlier one; returns a digest of what was found (0: none)."""
+    edges = _foreign_edges(outputs, owner, start)
+    for node, ks in edges.items():
+        node.register_hook(_hook(tuple(ks), link))
+    return digest([len(ks) for ks in edges.values()]) if edges else 0
+
+
+def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t`` and the tensors under its function-transform wrappers: each level has its own autograd graph."""
+    while True:
+        yield t
+        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return
+        t = torch._C._functorch.get_unwrapped(t)
+
+
+def _foreign(node: Any, start: int) -> bool:
+    # A leaf's accumulator may be made lazily, during this call: it is foreign whatever its number says.
+    return type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < start
+
+
+def _foreign_edges(outputs: Sequence[Any], owner: object, start: int) -> Dict[Any, List[int]]:
+    stack = [lt.grad_fn for t in outputs if isinstance(t, torch.Tensor) for lt in _levels(t) if lt.grad_fn is not None]
+    stack.reverse()
+    seen, edges = set(), {}
+    while stack:
+        node = stack.pop()
+        if node in seen or _foreign(node, start) or getattr(node, "_cmap_owner", None) is owner:
+            continue
+        seen.add(node)
+        for k, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if _foreign(nxt, start):
+                edges.setdefault(node, []).append(k)
+            else:
+                stack.append(nxt)
+    return edges
+
+
+def _hook(ks: Sequence[int], link: Link) -> Any:
+    def hook(grad_inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> tuple:
+        picked = [k for k in ks if grad_inputs[k] is not None]
+        spec = JoinSpec(link, (COPY,) * len(picked), WHAT, sync=True)
+        summed = join(spec, [grad_inputs[k] for k in picked])
+        out = list(grad_inputs)
+        for k, s in zip(picked, summed):
+            out[k] = s
+        return tuple(out)
+
+    return hook
+
+
+# ----------------------------------------------------------------------------------------------- interception
+_SKIP = {torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, torch.Tensor.register_hook}
+_ACCESSORS = ("__get__", "__set__")
+
+
+def may_capture(refs: References) -> bool:
+    """Whether func's closures, globals or partial arguments hold a tensor that requires grad (one level deep)."""
+    if not refs:
+        return False
+    for value in refs.values():
+        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+            return True
+    return False
+
+
+class Interceptor(TorchFunctionMode):
+    """Routes each tensor that requires grad and was made before the call through the call's entry, at first use."""
+
+    def __init__(self, owner: object, start: int, link: Link) -> None:
+        super().__init__()
+        self.owner, self.start, self.link = owner, start, link
+        self.level = torch._C._functorch.maybe_current_level() or 0  # wrappers above it were made in the call
+        self.aliases: Dict[int, Any] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # dynamo inspects tensors while tracing: let it see them as they are (the graph walk covers compiled code)
+        if torch._guards.TracingContext.try_get() is not None:
+            return func(*args, **kwargs)
+        if func not in _SKIP and getattr(func, "__name__", "") not in _ACCESSORS:
+            args = tuple(self._routed(a) for a in args)
+            if kwargs:
+                kwargs = {k: self._routed(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _routed(self, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+            return type(v)(self._one(t) for t in v) if type(v) in (list, tuple) else v
+        return self._one(v)
+
+    def _one(self, v: Any) -> Any:
+        if not requires_grad(v):
+            return v
+        if torch._C._functorch.maybe_get_level(v) > self.level or self._made_here(v):
+            return v
+        found = self.aliases.get(id(v))
+        if found is None or found[0] is not v:
+            with torch._C.DisableTorchFunction():
+                alias = split(SplitSpec(self.link, (COPY,), self.owner), [v])[0]
+            found = self.aliases[id(v)] = (v, alias)
+        return found[1]
+
+    def _made_here(self, v: torch.Tensor) -> bool:
+        """Whether some level of ``v`` has an autograd node made during this call (the entry's outputs too)."""
+        for t in _levels(v):
+            node = t.grad_fn
+            if node is not None:
+                return node._sequence_nr() >= self.start
+        return False

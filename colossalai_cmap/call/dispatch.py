@@ -1,0 +1,165 @@
+"""The one orchestrator of a call, from the arguments to the result.
+
+The path (docs/design.md has the picture):
+
+1. Resolve the group. A group of one, no ``torch.distributed``, a cmap nested in a cmap over the same group, or meta
+   inputs: run as plain ``torch.vmap`` here (:func:`_run_local`), with no communication.
+2. Plan: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
+   make a plan (:mod:`.plan`; with ``src=r`` the plan and this rank's shard come from rank r, :mod:`.from_src`).
+   A rank whose planning fails carries a :class:`~colossalai_cmap.call.rank.Failed` outcome on to the exit.
+3. This rank's part (:mod:`.rank`), then the exit (:mod:`.exit`), which returns the result or raises on every rank.
+4. Keep the plan and the outputs' layout for the next call with the same key, and what the call did.
+"""
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .. import faults, stats
+from ..axis.frame import AxisFrame, axis_scope
+from ..errors import CmapError
+from ..integration.groups import resolve_group
+from ..wire import comm
+from ..wire.group import Group, first_device, group_device
+from ..wire.primitives import not_differentiable, requires_grad
+from ..wire.protocol import Link
+from . import exit
+from .execute import Shard, run_shard
+from .options import check_placement
+from .plan import FastPath, Planned, key_of, make_plan
+from .rank import Failed, Outputs, inside, run_rank
+from .site import CallSite, LastCall
+from .specs import flatten, flatten_args
+
+
+def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """Run one call of the cmap ``site``; returns its result on this rank, or raises what every rank raises."""
+    opts = site.options
+    group = resolve_group(opts.call, opts.group)
+    local = group.size == 1 or inside(group) or _meta(args)
+    log, fast, plan = stats.open_log(), None, None
+    try:
+        if local:
+            return _run_local(site, group, args, kwargs)
+        comm.check_usable(group, opts.call)
+        leaves, spec = flatten(args)
+        key = None if isinstance(opts.src, int) else key_of(leaves, kwargs, group)
+        fast = site.plans.get(key, spec) if key is not None else None
+        if fast is not None:
+            link, planned = fast.link, Planned(fast.plan, leaves, kwargs)
+        else:
+            link = Link(group, group_device(group, first_device(leaves)), opts.call, opts.timeout)
+            planned = _plan(site, group, args, kwargs, leaves, link)
+        plan = None if isinstance(planned, Failed) else planned.plan
+        result, out = _run_and_conclude(site, planned, link, fast.layout if fast is not None else None, leaves)
+        if key is not None and (fast is None or fast.layout is not result.layout):
+            site.plans.put(key, FastPath(plan, link, result.layout))
+        return out
+    finally:
+        stats.close_log(log)
+        site.last = LastCall(log, group.size, local, fast is not None, plan)
+
+
+def _plan(
+    site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any], leaves: Sequence[Any], link: Link
+) -> Union[Planned, Failed]:
+    """Check the arguments and plan this rank's share; a failure here travels to the exit's status round."""
+    opts = site.options
+    try:
+        check_placement(opts.call, "dst", opts.dst, group.size, (-1, "local"))
+        if isinstance(opts.src, int):
+            check_placement(opts.call, "src", opts.src, group.size, ())
+            from .from_src import plan_from_src  # only src=r calls pay for its imports
+
+            return plan_from_src(opts, site.func, args, kwargs, link)
+        return Planned(make_plan(opts, site.func, group, args, kwargs), list(leaves), kwargs)
+    except Exception as exc:
+        return Failed(group.failure(exc), exc)
+
+
+def _run_and_conclude(
+    site: CallSite, planned: Union[Planned, Failed], link: Link, hint: Any, leaves: Sequence[Any]
+) -> Tuple[Union[Outputs, Failed], Any]:
+    """This rank's part and the exit. With ``dst=r`` or ``src=r`` the output is not differentiable: no graph is
+    built, and backward through the output raises a clear error (no collective is involved, so nothing hangs)."""
+    opts = site.options
+    if isinstance(planned, Failed):
+        return planned, exit.conclude(opts, None, planned, None, link)
+    if not opts.refuses_grad or not torch.is_grad_enabled():
+        result = run_rank(site, planned, link, hint)
+        return result, exit.conclude(opts, planned.plan, result, planned, link)
+    with torch.no_grad():
+        result = run_rank(site, planned, link, hint)
+        out = exit.conclude(opts, planned.plan, result, planned, link)
+    if out is None or not _any_requires_grad(leaves, planned.kwargs, site.func):
+        return result, out
+    message = _not_differentiable(opts)
+    return result, tree_map(lambda v: not_differentiable(v, message), out)
+
+
+def _not_differentiable(opts: Any) -> str:
+    if isinstance(opts.src, int):
+        return (
+            f"{opts.call}: the output of a cmap with src={opts.src!r} is not differentiable: its inputs were "
+            f"scattered from one rank. Use src=None to backpropagate to the inputs."
+        )
+    return (
+        f"{opts.call}: the output of a cmap with dst={opts.dst!r} is not differentiable; use dst=-1 (every rank gets "
+        f"the result and the gradients) or dst='local' (per-shard gradients)."
+    )
+
+
+def _any_requires_grad(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) -> bool:
+    if any(requires_grad(v) for v in list(leaves) + (tree_flatten(kwargs)[0] if kwargs else [])):
+        return True
+    return isinstance(func, torch.nn.Module) and any(p.requires_grad for p in func.parameters())
+
+
+def _meta(args: Tuple[Any, ...]) -> bool:
+    """Meta inputs carry shapes only: every rank computes the same shapes, so the call runs here, with no
+    communication (the shapes are vmap's)."""
+    first = next((v for v in args if isinstance(v, torch.Tensor)), None)
+    return first is not None and first.is_meta
+
+
+# ---------------------------------------------------------------------------------------------------- local run
+def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The whole batch here, as ``torch.vmap``: a group of one, no ``torch.distributed``, or nested on one group.
+
+    With ``torch.distributed`` initialised and a group of one, an exception becomes ``CmapError`` as on any group;
+    otherwise it is ``torch.vmap``'s own.
+    """
+    opts = site.options
+    try:
+        if faults.ACTIVE:
+            faults.check("args", group)
+            faults.check("func", group)
+        if opts.mode == "vmap" and opts.axis_name is None and opts.chunk_size is None:
+            return site.vmapped()(*args, **kwargs)
+        return _local_shard(site, args, kwargs)
+    except Exception as exc:
+        if group.pg is None or group.size > 1:
+            raise
+        _raise_alone(site, group, args, exc)
+
+
+def _local_shard(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    opts = site.options
+    flat = flatten_args(site.func, args, opts.in_dims, opts.call)
+    shard = Shard(flat.leaves, tuple(flat.dims), flat.spec, flat.batch_size)
+    frame: Optional[AxisFrame] = None
+    if opts.axis_name is not None:
+        B = flat.batch_size
+        frame = AxisFrame(None, B, 0, (B,), opts.mode)
+    with axis_scope(opts.axis_name, frame):
+        return run_shard(opts, site.body, shard, kwargs, frame)
+
+
+def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Exception) -> None:
+    """A group of one: the error every rank of a larger group would raise (an argument error names the argument)."""
+    try:
+        flatten_args(site.func, args, site.options.in_dims, site.options.call)
+    except Exception as arg_exc:
+        exc = arg_exc
+    raise CmapError.from_failures(site.options.call, [group.failure(exc)], group.rank) from exc

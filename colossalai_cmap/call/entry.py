@@ -1,0 +1,66 @@
+"""A call's entry: this rank's share of the arguments, and the one ``Scatter`` that tensors needing a gradient pass.
+
+Mapped inputs are cut with ``narrow`` (views, no copy). With ``dst=-1``, every tensor that requires grad enters
+through one ``Scatter`` tagged with the call, whose backward is one ``Join`` for all of them: the rows of mapped
+inputs are gathered, the gradients of unmapped inputs, keyword tensors and the parameters of the modules func uses
+(:mod:`module_params`) are summed over the group. The tag is where the closure walk (:mod:`closures`) stops.
+"""
+
+from typing import Any, Dict, List, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..wire.exchange import SplitSpec
+from ..wire.primitives import requires_grad, split
+from ..wire.protocol import Link
+from ..wire.roles import COPY, KEEP, Role, Rows
+from . import module_params
+from .options import Options
+from .plan import CallPlan, Planned
+
+
+class Entered(NamedTuple):
+    """This rank's leaves and kwargs, and the modules to run with their parameters replaced by ``aliases``."""
+
+    leaves: List[Any]
+    kwargs: Dict[str, Any]
+    modules: List[nn.Module]
+    aliases: Dict[int, torch.Tensor]  # id of a parameter -> its value through the entry
+
+
+def enter(
+    opts: Options, refs: module_params.References, plan: CallPlan, inputs: Planned, link: Link, owner: object
+) -> Entered:
+    leaves, kwargs, modules, aliases = list(inputs.leaves), inputs.kwargs, [], {}
+    if opts.differentiable and tracking():
+        kw_leaves, kw_spec = tree_flatten(kwargs) if kwargs else ([], None)
+        modules = module_params.modules_of(refs) if refs else []
+        params = module_params.trainable(modules) if modules else []
+        picked = [(leaves, i, _role(opts, plan, i)) for i, v in enumerate(leaves) if requires_grad(v)]
+        picked += [(kw_leaves, j, COPY) for j, v in enumerate(kw_leaves) if requires_grad(v)]
+        if picked or params:
+            spec = SplitSpec(link, tuple(role for _, _, role in picked) + (COPY,) * len(params), owner)
+            entered = split(spec, [where[i] for where, i, _ in picked] + params)
+            for (where, i, _), t in zip(picked, entered):
+                where[i] = t
+            aliases = {id(p): t for p, t in zip(params, entered[len(picked) :])}
+            if kw_spec is not None:
+                kwargs = tree_unflatten(kw_leaves, kw_spec)
+    if opts.src is None:
+        for i in plan.mapped:
+            if leaves[i] is inputs.leaves[i]:  # not cut by the entry
+                leaves[i] = leaves[i].narrow(plan.dims[i], plan.offset, plan.rows)
+    return Entered(leaves, kwargs, modules if aliases else [], aliases)
+
+
+def _role(opts: Options, plan: CallPlan, i: int) -> Role:
+    d = plan.dims[i]
+    if d is None:
+        return COPY
+    return Rows(d, plan.sizes) if opts.src is None else KEEP
+
+
+def tracking() -> bool:
+    return torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None

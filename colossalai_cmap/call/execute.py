@@ -1,0 +1,164 @@
+"""Run one rank's shard: ``torch.vmap``, one batched call, or a Python loop; plus randomness and ``chunk_size``."""
+
+import contextlib
+import threading
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from ..axis.frame import AxisFrame
+from .options import Options
+from .specs import flatten_out_dims, normalise_out_dim, unflatten
+
+
+class Shard(NamedTuple):
+    """This rank's arguments: the flat leaves (mapped ones cut to this rank's rows) and their in-dims."""
+
+    leaves: List[Any]
+    dims: Tuple[Optional[int], ...]
+    spec: TreeSpec
+    rows: int
+
+    def args(self) -> Tuple[Any, ...]:
+        return unflatten(self.leaves, self.spec)
+
+    def take(self, start: int, count: int) -> "Shard":
+        leaves = [v if d is None else v.narrow(d, start, count) for v, d in zip(self.leaves, self.dims)]
+        return self._replace(leaves=leaves, rows=count)
+
+    def example(self, i: int) -> Tuple[Any, ...]:
+        return tree_unflatten([v if d is None else v.select(d, i) for v, d in zip(self.leaves, self.dims)], self.spec)
+
+
+def run_shard(
+    opts: Options,
+    func: Callable,
+    shard: Shard,
+    kwargs: Dict[str, Any],
+    frame: Optional[AxisFrame],
+    *,
+    vmapped: Optional[Callable] = None,
+) -> Any:
+    """Apply ``func`` to the shard's examples; the batch dims come back at ``out_dims``.
+
+    With an axis ``frame``, each example can see its global index (``axis_index``), and loop mode runs the examples
+    in threads so that collectives can meet.
+    """
+    indices = None
+    if frame is not None:
+        first = 0 if frame.dummy else frame.offset
+        indices = torch.arange(first, first + shard.rows, dtype=torch.int64, device=frame.device)
+    if opts.mode == "vmap":
+        if vmapped is not None and frame is None and (shard.rows or opts.chunk_size is None):
+            return vmapped(*shard.args(), **kwargs)  # the common case: the cmap's own torch.vmap wrapper
+        return _vmap(opts, func, shard, kwargs, frame, indices)
+    if opts.mode == "batched":
+        if frame is not None:
+            frame.index = indices
+        if opts.chunk_size is None or shard.rows <= opts.chunk_size:
+            return func(*shard.args(), **kwargs)
+        chunks = [func(*part.args(), **kwargs) for part in _chunks(shard, opts.chunk_size)]
+        return _combine(chunks, opts, torch.cat)
+    if shard.rows == 0:
+        raise ValueError(f"{opts.call}: mode='loop' cannot infer the outputs of an empty batch (B=0).")
+    if frame is not None:
+        return _loop_threads(opts, func, shard, kwargs, frame, indices)
+    state = torch.random.get_rng_state() if opts.randomness == "same" else None
+    results = []
+    for i in range(shard.rows):
+        if state is not None:
+            torch.random.set_rng_state(state)
+        results.append(func(*shard.example(i), **kwargs))
+    return _combine(results, opts, torch.stack)
+
+
+def _vmap(
+    opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any], frame: Optional[AxisFrame], indices: Any
+) -> Any:
+    chunk = opts.chunk_size if shard.rows else None  # torch.vmap's chunking fails on an empty batch
+    if frame is None:
+        mapped = torch.vmap(func, opts.in_dims, opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
+        return mapped(*shard.args(), **kwargs)
+
+    def indexed(index: torch.Tensor, *a: Any, **k: Any) -> Any:
+        frame.index, frame.level = index, torch._C._functorch.maybe_current_level()
+        return func(*a, **k)
+
+    args = shard.args()
+    dims = (0, *(opts.in_dims if isinstance(opts.in_dims, tuple) else (opts.in_dims,) * len(args)))
+    mapped = torch.vmap(indexed, dims, opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
+    return mapped(indices, *args, **kwargs)
+
+
+def _chunks(shard: Shard, size: int) -> Iterator[Shard]:
+    for start in range(0, shard.rows, size):
+        yield shard.take(start, min(size, shard.rows - start))
+
+
+def _combine(results: List[Any], opts: Options, how: Callable) -> Any:
+    """Chunks concatenated (``torch.cat``) or examples stacked (``torch.stack``) along each output's out-dim."""
+    flats, spec = [], None
+    for r in results:
+        leaves, spec = tree_flatten(r)
+        flats.append(leaves)
+    dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flats[0]))
+    out = []
+    for i, dim in enumerate(dims):
+        first = flats[0][i]
+        if dim is None:
+            out.append(first)
+            continue
+        if not isinstance(first, torch.Tensor):
+            raise ValueError(f"{opts.call}: output {i} must be a Tensor to be mapped, got {type(first).__name__}.")
+        example_ndim = first.dim() - (1 if how is torch.cat else 0)
+        dim = normalise_out_dim(opts.call, dim, example_ndim, i)
+        out.append(how([f[i] for f in flats], dim=dim))
+    return tree_unflatten(out, spec)
+
+
+def _loop_threads(
+    opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any], frame: AxisFrame, indices: torch.Tensor
+) -> Any:
+    """Loop mode with collectives: one thread per example, so that a collective can wait for every example."""
+    from ..axis.ops import LoopBarrier
+
+    barrier = frame.loop = LoopBarrier(shard.rows)
+    frame.index = indices
+    results: List[Any] = [None] * shard.rows
+    errors: List[BaseException] = []
+    grad = torch.is_grad_enabled()
+
+    def work(i: int) -> None:
+        barrier.set_index(i, indices[i])
+        try:
+            with torch.set_grad_enabled(grad):
+                results[i] = func(*shard.example(i), **kwargs)
+        except BaseException as exc:  # the first real error wins; the others are broken-barrier fallout
+            errors.append(exc)
+            barrier.abort()
+
+    if shard.rows == 1:
+        work(0)
+    else:
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(shard.rows)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (real or errors)[0]
+    return _combine(results, opts, torch.stack)
+
+
+@contextlib.contextmanager
+def rng_scope(seed: Optional[int], devices: Sequence[torch.device]) -> Iterator[None]:
+    """Run under a forked RNG seeded with ``seed`` (``None``: leave the generators alone)."""
+    if seed is None:
+        yield
+        return
+    indices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=indices):
+        torch.manual_seed(seed)
+        yield

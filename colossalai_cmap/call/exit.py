@@ -1,0 +1,117 @@
+"""A call's exit: one status round that also carries small outputs, the gather for ``dst``, and in-place updates.
+
+Batched outputs join as rows (every rank's, in group-rank order); ``out_dims=None`` outputs are the same on every
+rank and stay where they are (their gradient goes back through one rank only). With ``dst="local"`` nothing moves,
+but the round still runs: a failure anywhere must reach every rank.
+"""
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..digests import digest, tensor_crc
+from ..errors import CmapError
+from ..wire import comm
+from ..wire.exchange import Exit, JoinSpec, Learned, join_values, report_failure
+from ..wire.primitives import join
+from ..wire.protocol import Disagreement, Kind, Link, Status
+from ..wire.roles import KEEP, SAME, Rows
+from .checks import agreed_fields, explain
+from .layout import BATCHED, replicated_checksums
+from .options import Options
+from .plan import CallPlan, Planned
+from .rank import Failed, Outputs
+from .specs import unflatten
+
+
+def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: Link) -> Any:
+    """The exit on this rank; returns the call's result (None off ``dst``), or raises what every rank raises."""
+    if isinstance(result, Failed):
+        report_failure(JoinSpec(link, (), kind=Kind.STATUS), result.failure, result.cause)
+    out: Outputs = result
+    tensors = out.layout.tensors
+    learned = Learned()
+    exit_ = _exit(opts, plan, out, inputs)
+    spec = JoinSpec(
+        link, _roles(opts, plan, out, tensors), "the outputs", Kind.STATUS, _dst(opts), exit_, learned=learned
+    )
+    try:
+        got = join(spec, [out.flat[i] for i in tensors])
+    except Disagreement as found:
+        raise explain(opts, found, lambda: _all_checksums(out, link)) from None
+    mask = 0
+    for h in learned.table:
+        mask |= h.flags
+    if mask:
+        _write_back(opts, plan, inputs, mask, link)
+    if opts.dst not in (-1, "local", link.group.rank):
+        return None
+    flat = list(out.flat)
+    for i, value in zip(tensors, got):
+        flat[i] = value
+    return unflatten(flat, out.spec)
+
+
+def _roles(opts: Options, plan: CallPlan, out: Outputs, tensors: Sequence[int]) -> tuple:
+    if opts.dst == "local":
+        return (KEEP,) * len(tensors)
+    cache = out.layout.__dict__.setdefault("_exit_roles", {})  # a repeated call's roles, kept with its layout
+    found = cache.get(plan.sizes)
+    if found is None:
+        leaves = out.layout.leaves
+        found = cache[plan.sizes] = tuple(
+            Rows(leaves[i].out_dim, plan.sizes) if leaves[i].kind == BATCHED else SAME for i in tensors
+        )
+    return found
+
+
+def _dst(opts: Options) -> int:
+    return opts.dst if isinstance(opts.dst, int) else -1
+
+
+def _all_checksums(out: Outputs, link: Link) -> Any:
+    """Every rank's out_dims=None checksums (the error path of check_inputs)."""
+    mine = () if out.empty else replicated_checksums(out.flat, out.layout)
+    return comm.all_gather_object(mine, link.group, link.call, link.timeout, link.device)
+
+
+def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:
+    input_sig, values = plan.input_sig, 0
+    if opts.check_inputs:  # value checks: the inputs' bytes, and the out_dims=None outputs' bytes
+        leaves = inputs.leaves if opts.src is None else [v for v, d in zip(inputs.leaves, plan.dims) if d is None]
+        input_sig = tensor_crc(leaves + tree_flatten(inputs.kwargs)[0], input_sig) or 1
+        if not out.empty:
+            values = digest(replicated_checksums(out.flat, out.layout))
+    status = Status.EMPTY if out.empty else Status.OK
+    early = opts.axis_name is None  # no collective inside func that a peer could still be waiting in
+    agree, agree_nonempty = agreed_fields(opts)
+    return Exit(
+        status,
+        input_sig,
+        out.layout.digest,
+        plan.batch,
+        out.graph_sig,
+        out.mutated,
+        values,
+        early,
+        agree,
+        agree_nonempty,
+    )
+
+
+def _write_back(opts: Options, plan: CallPlan, inputs: Planned, mask: int, link: Link) -> None:
+    """func changed mapped inputs in place: every rank's copy gets every rank's rows, as vmap's would."""
+    if opts.src is not None:
+        raise CmapError(
+            f"{opts.call}: func changed a mapped input in place, but with src={opts.src!r} the inputs it saw were "
+            f"scattered copies, so the caller's tensor was not changed. Use src=None to change it in place, or "
+            f"return the new values."
+        )
+    picked = [i for k, i in enumerate(plan.mapped) if mask >> k & 1]
+    roles = tuple(Rows(plan.dims[i], plan.sizes) for i in picked)
+    rows = [inputs.leaves[i].narrow(plan.dims[i], plan.offset, plan.rows) for i in picked]
+    with torch.no_grad():
+        full = join_values(JoinSpec(link, roles, "the in-place changes of mapped inputs"), rows)
+        for i, value in zip(picked, full):
+            inputs.leaves[i].copy_(value)

@@ -1,0 +1,164 @@
+"""Planning with ``src=r``: only group rank ``r`` holds the mapped inputs; it sends every other rank its shard.
+
+One small metadata broadcast (the arguments' structure, the mapped leaves' shapes and dtypes, or the error found
+while checking them on ``r``), then one ``scatter`` of all mapped leaves packed together. A rank with an empty shard
+receives the first example in its block instead, to run as its stand-in. It returns the same :class:`Planned`
+record as planning with the other placements, and the call goes on along the one path.
+"""
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .. import faults
+from ..digests import digest
+from ..errors import RankFailure
+from ..wire import comm
+from ..wire.protocol import Link
+from ..wire.roles import Rows
+from ..wire.route import Item, offsets, typed
+from ..wire.transfer import pack_padded
+from .options import Options
+from .plan import CallPlan, Planned, shares
+from .rank import Failed
+from .specs import describe_arg, flatten_args, leaf_paths
+
+_MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
+
+
+class SourceMeta(NamedTuple):
+    """What the source rank broadcasts first: the arguments' structure, each leaf's kind, and the global batch; or
+    the failure it met while checking them (then every rank's exit reports it)."""
+
+    spec: Any = None
+    dims: Tuple[Optional[int], ...] = ()
+    kinds: Tuple[Tuple[str, Any], ...] = ()  # (_MAPPED, (shape, dtype, dim)) | (_TENSOR, None) | (_CONST, value)
+    batch: int = 0
+    failure: Optional[RankFailure] = None
+
+
+def plan_from_src(
+    opts: Options, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], link: Link
+) -> Union[Planned, Failed]:
+    """The plan, and this rank's shard scattered from ``src``: one metadata broadcast, then one scatter."""
+    group, src = link.group, opts.src
+    is_src = group.rank == src
+    meta, local, failure = SourceMeta(), None, None
+    if is_src:
+        try:
+            faults.check("args", group)
+            local = flatten_args(func, args, opts.in_dims, opts.call)
+            meta = _meta_of(local)
+        except Exception as exc:  # sent to every rank in the broadcast; each one's exit reports it
+            meta, failure = SourceMeta(failure=group.failure(exc)), Failed(group.failure(exc), exc)
+    meta = comm.broadcast_object(meta, src, group, opts.call, opts.timeout, link.device)
+    if meta.failure is not None:
+        return failure or Failed(None, None)
+    sizes = shares(meta.batch, group.size, opts.gathers)
+    mapped = tuple(i for i, d in enumerate(meta.dims) if d is not None)
+    rows, offset = sizes[group.rank], sum(sizes[: group.rank])
+    plan = CallPlan(meta.spec, meta.dims, meta.batch, sizes, rows, offset, digest(meta), mapped)
+    try:
+        leaves = list(local.leaves) if is_src else _merge(opts, func, meta, args)
+    except Exception as exc:
+        failure, leaves = Failed(group.failure(exc), exc), None
+    shard, stand_in = _send_shards(meta, plan, local.leaves if is_src else None, src, link)
+    if failure is None:
+        try:
+            faults.check("scatter", group)
+        except Exception as exc:
+            failure = Failed(group.failure(exc), exc)
+    if failure is not None:
+        return failure
+    return Planned(plan, [shard.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in)
+
+
+def _meta_of(flat: Any) -> SourceMeta:
+    kinds: List[Tuple[str, Any]] = []
+    for leaf, d in zip(flat.leaves, flat.dims):
+        if d is not None:
+            shape = list(leaf.shape)
+            del shape[d]
+            kinds.append((_MAPPED, (tuple(shape), leaf.dtype, d)))
+        else:
+            kinds.append((_TENSOR, None) if isinstance(leaf, torch.Tensor) else (_CONST, leaf))
+    return SourceMeta(flat.spec, tuple(flat.dims), tuple(kinds), flat.batch_size)
+
+
+def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...]) -> List[Any]:
+    """This rank's leaves under the source's structure: its own unmapped leaves, placeholders for mapped ones."""
+    spec, kinds = meta.spec, meta.kinds
+    paths = leaf_paths(spec)
+    if len(args) > len(spec.children_specs):
+        raise ValueError(
+            f"{opts.call}, src={opts.src}: {len(args)} positional arguments here but "
+            f"{len(spec.children_specs)} on the source rank."
+        )
+    leaves: List[Any] = []
+    start = 0
+    for i, child in enumerate(spec.children_specs):
+        count, mine = child.num_leaves, args[i] if i < len(args) else None
+        span = range(start, start + count)
+        if mine is None:
+            for k in span:
+                if kinds[k][0] == _TENSOR:
+                    raise ValueError(
+                        f"{opts.call}, src={opts.src}: {describe_arg(func, paths[k])} is an unmapped Tensor on "
+                        f"the source rank but None here; pass unmapped Tensor arguments on every rank."
+                    )
+                leaves.append(kinds[k][1] if kinds[k][0] == _CONST else None)
+        else:
+            own, own_spec = tree_flatten(mine)
+            if own_spec != child:
+                raise ValueError(
+                    f"{opts.call}, src={opts.src}: argument {i} has structure {own_spec} here but {child} on the "
+                    f"source rank; pass None or the same structure."
+                )
+            leaves += [None if kinds[k][0] == _MAPPED else v for k, v in zip(span, own)]
+        start += count
+    return leaves
+
+
+def _send_shards(
+    meta: SourceMeta, plan: CallPlan, full: Optional[List[Any]], src: int, link: Link
+) -> Tuple[Dict[int, torch.Tensor], Optional[List[Any]]]:
+    """One scatter of every mapped leaf, packed per rank for the largest share; an empty share gets the first
+    example in its block, as its stand-in."""
+    group = link.group
+    mapped = [i for i, (kind, _) in enumerate(meta.kinds) if kind == _MAPPED]
+    items = [_item(k, meta.kinds[i][1], plan) for k, i in enumerate(mapped)]
+    cap = max(max(plan.sizes), 1)
+    offs, block = offsets(items, cap)
+    recv = torch.empty(block, dtype=torch.uint8, device=link.device)
+    blocks = None
+    if full is not None:
+        rows = [[_rows_of(full[i], meta.kinds[i][1][2], plan, r) for i in mapped] for r in range(group.size)]
+        blocks = [torch.zeros(block, dtype=torch.uint8, device=link.device) for _ in range(group.size)]
+        for r in range(group.size):
+            pack_padded(items, rows[r], cap, blocks[r])
+    if block:
+        comm.scatter_from(recv, blocks, src, group, link.call, link.timeout)
+    shard, stand_in = {}, None
+    for it, i, off in zip(items, mapped, offs):
+        shard[i] = typed(recv, off, it.dtype, (plan.rows, *it.shape)).movedim(0, meta.kinds[i][1][2])
+    if plan.rows == 0 and plan.batch > 0:
+        stand_in = [None] * len(meta.kinds)
+        for it, i, off in zip(items, mapped, offs):
+            stand_in[i] = typed(recv, off, it.dtype, (1, *it.shape)).movedim(0, meta.kinds[i][1][2]).clone()
+    return shard, stand_in
+
+
+def _item(k: int, kind: Tuple[Any, ...], plan: CallPlan) -> Item:
+    shape, dtype, _ = kind
+    numel = 1
+    for s in shape:
+        numel *= s
+    return Item(k, Rows(0, plan.sizes), dtype, shape, numel * dtype.itemsize)
+
+
+def _rows_of(leaf: torch.Tensor, d: int, plan: CallPlan, r: int) -> torch.Tensor:
+    """Rank r's rows, batch dim first; the first example for an empty share (its stand-in)."""
+    n, start = plan.sizes[r], sum(plan.sizes[:r])
+    rows = leaf.narrow(d, start, n) if n else leaf.narrow(d, 0, min(1, leaf.shape[d]))
+    return rows.movedim(d, 0)

@@ -1,0 +1,84 @@
+"""A cmap's options, checked once when the cmap is made; the checks that need a group run per call."""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+from .specs import call_name, check_in_dims_type
+
+MODES = ("vmap", "batched", "loop")
+RANDOMNESS = ("error", "different", "same")
+Placement = Union[int, str, None]
+
+
+@dataclass(frozen=True, eq=False)
+class Options:
+    """Everything ``cmap(func, ...)`` was given besides ``func``, plus the call's name for error messages."""
+
+    in_dims: Any
+    out_dims: Any
+    group: Any
+    dst: Placement
+    src: Placement
+    randomness: str
+    chunk_size: Optional[int]
+    mode: str
+    axis_name: Optional[str]
+    timeout: Optional[float]
+    check_inputs: bool
+    call: str
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the results are gathered (so shares follow ``torch.chunk``'s split, which gathers without a copy)."""
+        return self.dst != "local"
+
+    @property
+    def refuses_grad(self) -> bool:
+        """Whether the output is not differentiable: with ``dst=r`` only one rank holds it (no backward could meet on
+        every rank), and with ``src=r`` the inputs were copied from one rank."""
+        return isinstance(self.src, int) or (isinstance(self.dst, int) and self.dst != -1)
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether gradients cross ranks: every rank holds the whole result, so backward can meet on every rank."""
+        return self.dst == -1 and not isinstance(self.src, int)
+
+
+def make_options(func: Callable, **kwargs: Any) -> Options:
+    """Check the options that need no group, identically on every rank; raises ValueError or TypeError."""
+    opts = Options(call=call_name(func, kwargs["in_dims"]), **kwargs)
+    call = opts.call
+    check_in_dims_type(call, opts.in_dims)
+    if opts.mode not in MODES:
+        raise ValueError(f"{call}: unknown mode={opts.mode!r}; expected one of {', '.join(map(repr, MODES))}.")
+    if opts.randomness not in RANDOMNESS:
+        raise ValueError(
+            f"{call}: unknown randomness={opts.randomness!r}; expected one of {', '.join(map(repr, RANDOMNESS))}."
+        )
+    size = opts.chunk_size
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise ValueError(f"{call}: chunk_size should be None or a positive int, got {size!r}.")
+    check_placement(call, "dst", opts.dst, None, (-1, "local"))
+    check_placement(call, "src", opts.src, None, (None, "local"))
+    if opts.axis_name is not None and not isinstance(opts.axis_name, str):
+        raise TypeError(f"{call}: axis_name must be a str or None, got {type(opts.axis_name).__name__}.")
+    if opts.axis_name is not None and size is not None:
+        raise ValueError(
+            f"{call}: chunk_size cannot be combined with axis_name: a collective such as psum needs every example of "
+            f"the shard at once, but chunks run one after another."
+        )
+    if opts.timeout is not None and not (isinstance(opts.timeout, (int, float)) and opts.timeout > 0):
+        raise ValueError(f"{call}: timeout must be a positive number of seconds, got {opts.timeout!r}.")
+    return opts
+
+
+def check_placement(call: str, name: str, value: Any, size: Optional[int], allowed: Sequence[Any]) -> None:
+    """``dst``/``src``: one of ``allowed`` or a group rank in ``[0, size)`` (any rank >= 0 when size is unknown)."""
+    if value in allowed and not isinstance(value, bool):
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value and (size is None or value < size):
+        return
+    choices = ", ".join(repr(a) for a in allowed)
+    where = "" if size is None else f" for a group of size {size}"
+    ranks = "a group rank >= 0" if size is None else f"a group rank in [0, {size})"
+    raise ValueError(f"{call}: {name}={value!r} is not valid{where}; expected {choices} or {ranks}.")

@@ -1,0 +1,144 @@
+"""The shard plan: how B examples split over the group, and the record a repeated call reuses.
+
+A plan depends only on the arguments' structure, shapes, dtypes and devices, and on the group. The general path
+makes it (checking ``in_dims`` against the arguments on the way) and returns it; a later call whose arguments have the
+same key reads it back instead of checking and planning again. That cache is the whole fast path: the call itself
+runs the same steps either way.
+"""
+
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from ..digests import digest
+from ..wire.group import Group
+from .layout import OutLayout
+from .options import Options
+from .specs import flatten_args
+
+_CACHE_SIZE = 64
+
+
+class CallPlan(NamedTuple):
+    """One argument signature's plan on one group."""
+
+    spec: TreeSpec
+    dims: Tuple[Optional[int], ...]  # each leaf's in-dim, non-negative; None for unmapped leaves
+    batch: int  # the global batch; -1 with src="local", where only the round knows it
+    sizes: Optional[Tuple[int, ...]]  # rows per group rank; None with src="local"
+    rows: int  # this rank's rows
+    offset: int  # where they start in the global batch (0 with src="local")
+    input_sig: int  # what ranks compare to catch different inputs
+
+    mapped: Tuple[int, ...]  # the positions of the mapped leaves
+
+
+class Planned(NamedTuple):
+    """A plan and what this rank was given for it: the flat positional leaves (whole; with ``src=r``, this rank's
+    shard under the source's structure), the kwargs, and with ``src=r`` the example an empty shard runs instead."""
+
+    plan: CallPlan
+    leaves: List[Any]
+    kwargs: Dict[str, Any]
+    stand_in: Any = None
+
+
+class FastPath(NamedTuple):
+    """What a finished call leaves for the next one with the same key: its plan, where it communicates, and the
+    outputs' layout."""
+
+    plan: CallPlan
+    link: Any  # a primitives.Link
+    layout: Optional[OutLayout]
+
+
+@lru_cache(maxsize=1024)
+def shares(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
+    """Rows per rank: ``torch.chunk``'s blocks of ``ceil(B / P)`` when the results are gathered (the padded gather
+    buffer then holds the result as its first B rows), else ``torch.tensor_split``'s."""
+    rows = torch.empty(batch, 0)
+    parts = rows.chunk(world) if gathered and batch else rows.tensor_split(world)
+    return tuple(p.shape[0] for p in parts) + (0,) * (world - len(parts))
+
+
+def make_plan(opts: Options, func: Callable, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> CallPlan:
+    """Check ``in_dims`` against the arguments and plan the shares; raises ValueError naming the argument."""
+    flat = flatten_args(func, args, opts.in_dims, opts.call)
+    local = opts.src == "local"
+    if local:
+        sizes, rows, offset, batch = None, flat.batch_size, 0, -1
+    else:
+        sizes = shares(flat.batch_size, group.size, opts.gathers)
+        rows, offset, batch = sizes[group.rank], sum(sizes[: group.rank]), flat.batch_size
+    sig = _input_sig(opts, flat.spec, flat.leaves, flat.dims, kwargs, keep_batch=not local)
+    mapped = tuple(i for i, d in enumerate(flat.dims) if d is not None)
+    return CallPlan(flat.spec, tuple(flat.dims), batch, sizes, rows, offset, sig, mapped)
+
+
+def _input_sig(
+    opts: Options,
+    spec: TreeSpec,
+    leaves: Sequence[Any],
+    dims: Sequence[Optional[int]],
+    kwargs: Dict[str, Any],
+    keep_batch: bool,
+) -> int:
+    parts: List[Any] = [spec, opts.mode]
+    for leaf, d in zip(leaves, dims):
+        if d is not None:
+            shape = list(leaf.shape)
+            if not keep_batch:
+                del shape[d]
+            parts.append((tuple(shape), leaf.dtype, d))
+        elif isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype))
+        else:
+            parts.append(const_key(leaf))
+    if kwargs:
+        kw_leaves, kw_spec = tree_flatten(kwargs)
+        parts.append(kw_spec)
+        parts += [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else const_key(v) for v in kw_leaves]
+    return digest(parts)
+
+
+def const_key(value: Any) -> Any:
+    return value if isinstance(value, (int, float, bool, str, type(None))) else type(value).__name__
+
+
+def key_of(leaves: Sequence[Any], kwargs: Dict[str, Any], group: Group) -> Tuple[Any, ...]:
+    """The fast path's key: what a plan depends on, cheap to build (the tree spec is compared on a hit)."""
+    parts = tuple(
+        (v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else (type(v), const_key(v)) for v in leaves
+    )
+    if kwargs:
+        kw_leaves, _ = tree_flatten(kwargs)
+        parts += (tuple(kwargs),) + tuple(
+            (v.shape, v.dtype) if isinstance(v, torch.Tensor) else const_key(v) for v in kw_leaves
+        )
+    return (id(group.pg), group.rank) + parts
+
+
+class PlanCache:
+    """The fast path's records, least recently used first out."""
+
+    def __init__(self) -> None:
+        self._entries: "OrderedDict[Tuple[Any, ...], FastPath]" = OrderedDict()
+
+    def get(self, key: Tuple[Any, ...], spec: TreeSpec) -> Optional[FastPath]:
+        found = self._entries.get(key)
+        if found is None or (found.plan.spec is not spec and found.plan.spec != spec):
+            return None
+        self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: Tuple[Any, ...], record: FastPath) -> None:
+        self._entries[key] = record
+        self._entries.move_to_end(key)
+        while len(self._entries) > _CACHE_SIZE:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)

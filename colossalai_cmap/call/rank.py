@@ -1,0 +1,245 @@
+"""This rank's part of a call, up to its exit: take its rows, run func on them, read the outputs.
+
+Everything here runs inside one ``try``: an exception becomes a :class:`Failed` outcome, which the exit reports in
+the status round, so every rank raises together. The steps:
+
+1. The entry. With ``dst=-1``, tensors that require grad enter through one ``Scatter`` tagged with the call (its
+   backward sums their gradients over the group); the others are cut with ``narrow``. Both are views.
+2. An empty shard (B < P) runs one stand-in example instead, so that it knows the outputs' layout, takes part in
+   collectives inside func (contributing nothing), and builds the same autograd graph as its peers.
+3. func runs under ``torch.vmap`` (or batched, or in a loop), with this call's axis frame and randomness.
+4. The outputs are read against ``out_dims``; closure-captured tensors are found in their graph (:mod:`closures`);
+   mapped inputs that func changed in place are noted, to be written back on every rank.
+"""
+
+import contextlib
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import TreeSpec
+
+from .. import faults
+from ..axis.frame import AxisFrame, axis_scope
+from ..errors import RankFailure
+from ..wire import protocol
+from ..wire.group import Group
+from ..wire.primitives import requires_grad
+from ..wire.protocol import Link
+from . import closures, module_params
+from .entry import enter, tracking
+from .execute import Shard, rng_scope, run_shard
+from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
+from .options import Options
+from .plan import CallPlan, Planned
+from .site import CallSite
+from .specs import flatten, flatten_out_dims, normalise_out_dim
+
+
+class Outputs(NamedTuple):
+    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty shard."""
+
+    flat: List[Any]
+    spec: TreeSpec
+    layout: OutLayout
+    empty: bool  # ran a stand-in example
+    graph_sig: int  # the closure edges of its autograd graph (0: none)
+    mutated: int  # bit k: func changed the k-th mapped input in place
+    captures: Optional[bool] = None  # closure-captured tensors met (None: not looked for)
+
+
+class Failed(NamedTuple):
+    """This rank's part failed: the record every rank receives (None on a rank that only learned of a peer's
+    failure, as with ``src=r``), and the exception here."""
+
+    failure: Optional[RankFailure]
+    cause: Optional[BaseException]
+
+
+SPLITTING: List[Tuple[int, ...]] = []  # the ranks of each cmap now running its shard with P > 1, outermost first
+
+
+def inside(group: Group) -> bool:
+    """Whether a cmap already splitting a batch shares another rank with ``group``: those ranks hold different rows
+    of the outer batch, so this one cannot split again and runs as plain ``torch.vmap``."""
+    mine = set(group.ranks)
+    return any(len(mine.intersection(ranks)) > 1 for ranks in SPLITTING)
+
+
+def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
+    """This rank's part of the call planned in ``inputs``, for the cmap ``site``; never raises."""
+    opts, plan = site.options, inputs.plan
+    group = link.group
+    try:
+        if faults.ACTIVE:
+            faults.check("args", group)
+        owner, start = object(), torch._C._autograd._get_sequence_nr()
+        entered = enter(opts, site.refs, plan, inputs, link, owner)
+        leaves = entered.leaves
+        empty, extra = plan.rows == 0 and plan.batch != 0, _extra_rows(opts, plan)
+        if extra:
+            leaves = _stand_in(opts, plan, inputs, leaves, extra)
+        versions = _versions(opts, plan, inputs.leaves)
+        frame, seed = _frame_and_seed(opts, plan, link, empty)
+        shard = Shard(leaves, plan.dims, plan.spec, plan.rows + extra)
+        if faults.ACTIVE:
+            faults.check("func", group)
+        intercept = _interceptor(site, owner, start, link)
+        if entered.aliases or intercept is not None:
+            with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
+                out = _call_func(site, shard, entered.kwargs, frame, seed, link)
+        else:
+            out = _call_func(site, shard, entered.kwargs, frame, seed, link)
+        if faults.ACTIVE:
+            faults.check("layout", group)
+        flat, spec = flatten(out)
+        layout = layout_of(opts, flat, spec, hint)
+        if opts.mode == "batched":
+            _check_rows(opts, flat, layout, shard.rows)
+        if extra:
+            flat = [
+                v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v
+                for v, leaf in zip(flat, layout.leaves)
+            ]
+        graph_sig = _record(opts, flat, layout, owner, start, link)
+        captures = None  # what this call found decides whether the next one intercepts
+        if intercept is not None or graph_sig:
+            captures = bool(graph_sig or (intercept is not None and intercept.aliases))
+        return Outputs(flat, spec, layout, empty, graph_sig, _mutated(versions, inputs.leaves, plan), captures)
+    except Exception as exc:  # every rank learns of it in the status round
+        return Failed(group.failure(exc), exc)
+
+
+def _interceptor(site: CallSite, owner: object, start: int, link: Link) -> Optional[closures.Interceptor]:
+    """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
+    no closure-captured tensor at all, and func's closures hold none now."""
+    if not (site.options.differentiable and tracking()):
+        return None
+    if site.captures is False and not closures.may_capture(site.refs):
+        return None
+    return closures.Interceptor(owner, start, link)
+
+
+def _call_func(
+    site: CallSite, shard: Shard, kwargs: Dict[str, Any], frame: Any, seed: Optional[int], link: Link
+) -> Any:
+    opts = site.options
+    SPLITTING.append(link.group.ranks)  # a cmap nested in func on these ranks runs locally
+    try:
+        if frame is None and seed is None:
+            return run_shard(opts, site.body, shard, kwargs, None, vmapped=site.vmapped())
+        with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
+            return run_shard(opts, site.body, shard, kwargs, frame)
+    finally:
+        SPLITTING.pop()
+
+
+def _extra_rows(opts: Options, plan: CallPlan) -> int:
+    """Stand-in examples to run besides this rank's own: one on an empty shard; and where func runs once per example
+    or per chunk, enough to reach the largest share, so that every rank builds the same autograd graph."""
+    if plan.batch == 0:
+        return 0
+    per_row = opts.mode == "loop" or opts.chunk_size is not None
+    if per_row and opts.axis_name is None and opts.differentiable and plan.sizes and tracking():
+        return max(plan.sizes) - plan.rows
+    return 1 if plan.rows == 0 else 0
+
+
+def _stand_in(opts: Options, plan: CallPlan, inputs: Planned, leaves: List[Any], extra: int) -> List[Any]:
+    """``extra`` stand-in examples after this rank's rows: copies of the global first example when this rank has it,
+    else zeros. Their outputs are cut off; they are joined to the real rows, so that backward reaches the entry."""
+    out = list(leaves)
+    for i in plan.mapped:
+        d, mine = plan.dims[i], leaves[i]
+        if inputs.stand_in is not None:
+            row = inputs.stand_in[i]
+        elif opts.src is None and plan.batch > 0:
+            row = inputs.leaves[i].narrow(d, 0, 1).detach().clone()
+        else:
+            shape = list(mine.shape)
+            shape[d] = 1
+            row = mine.new_zeros(shape)
+        rows = row if extra == 1 else torch.cat([row] * extra, dim=d)
+        out[i] = torch.cat([mine, rows], dim=d)  # mine carries the graph and the tangents, even with no rows
+    return out
+
+
+def _frame_and_seed(
+    opts: Options, plan: CallPlan, link: Link, empty: bool
+) -> Tuple[Optional[AxisFrame], Optional[int]]:
+    """The axis frame and the random seed; one ``OP`` round when ranks must agree on either first."""
+    need_sizes = opts.axis_name is not None and plan.sizes is None
+    seed = None
+    sizes = plan.sizes
+    if opts.randomness != "error":
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    if need_sizes or opts.randomness == "same":
+        header = protocol.Header(protocol.Kind.OP, rows=plan.rows, input_sig=seed or 0, digest=1)
+        rnd = protocol.checked_round(link, header, "the call's start")
+        sizes = tuple(h.rows for h in rnd.table) if need_sizes else sizes
+        seed = rnd.table[0].input_sig if opts.randomness == "same" else seed
+    if opts.randomness == "different":
+        seed = (seed + 1_000_003 * link.group.rank) % (2**63)
+    if opts.axis_name is None:
+        return None, seed
+    offset = sum(sizes[: link.group.rank])
+    frame = AxisFrame(link, sum(sizes), offset, sizes, opts.mode, empty)
+    return frame, seed
+
+
+def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional[OutLayout]) -> OutLayout:
+    """The outputs' layout, checked against ``out_dims``; a repeated call's hint saves the digest."""
+    if hint is not None and hint.matches(flat, spec):
+        return hint
+    dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
+    dims = [
+        d if not isinstance(v, torch.Tensor) else normalise_out_dim(opts.call, d, v.dim() - 1, i)
+        for i, (v, d) in enumerate(zip(flat, dims))
+    ]
+    return infer_layout(flat, dims, spec)
+
+
+def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int) -> None:
+    """In batched mode func must return one row per example it was given, along each mapped output's out_dim."""
+    for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
+        if leaf.kind == BATCHED and v.shape[leaf.out_dim] != rows:
+            raise ValueError(
+                f"{opts.call}: mode='batched': output {i} has {v.shape[leaf.out_dim]} rows along its out_dim "
+                f"{leaf.out_dim} (shape {tuple(v.shape)}), but func was given {rows} examples; it must return one row "
+                f"per example (or use out_dims=None for an output that is not per example)."
+            )
+
+
+def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: object, start: int, link: Link) -> int:
+    """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
+    if not (opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
+        return 0
+    if faults.ACTIVE:
+        faults.check("record", link.group)
+    for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
+        # A replicated output that is itself a closure-captured tensor needs a node of this call to hook.
+        if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or v.grad_fn._sequence_nr() < start):
+            flat[i] = v.view_as(v)
+    return closures.watch(flat, owner, start, link)
+
+
+def _versions(opts: Options, plan: CallPlan, leaves: Sequence[Any]) -> Optional[List[int]]:
+    if opts.src is not None:
+        return None
+    return [leaves[i]._version if _plain(leaves[i]) else -1 for i in plan.mapped]
+
+
+def _plain(v: Any) -> bool:
+    # Inference tensors keep no version counter: an in-place change to one stays on the rank that made it.
+    return (
+        isinstance(v, torch.Tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(v) and not v.is_inference()
+    )
+
+
+def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], plan: CallPlan) -> int:
+    if versions is None:
+        return 0
+    mask = 0
+    for k, (i, before) in enumerate(zip(plan.mapped, versions)):
+        if before >= 0 and leaves[i]._version != before:
+            mask |= 1 << k
+    return mask

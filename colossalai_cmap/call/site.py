@@ -1,0 +1,69 @@
+"""What one cmap keeps between its calls: the function, its options, the plan cache, where func's closures live,
+and what the last call did. ``Cmapped`` (the public callable) owns one; the call path reads it and
+:func:`~colossalai_cmap.call.dispatch.dispatch` is the only writer of what a call learned."""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from ..stats import CollectiveLog
+from .module_params import References
+from .options import Options
+from .plan import CallPlan, PlanCache
+
+
+class LastCall(NamedTuple):
+    """What the last call did on this rank, kept raw (``Cmapped.stats`` describes it; it is rarely read)."""
+
+    log: CollectiveLog
+    group_size: int
+    local: bool
+    fast_path: bool
+    plan: Optional[CallPlan]
+
+
+@dataclass(eq=False)
+class CallSite:
+    """One cmap's state across calls.
+
+    Attributes:
+        func: the per-example function.
+        body: the function the map runs: ``func``, or in mode "vmap" the function ``torch.compile`` made it from.
+        options: the cmap's options.
+        plans: the fast path's records.
+        refs: where func's closures, globals and partial arguments live (modules found there enter with the args).
+        captures: whether the last call that tracked gradients met closure-captured tensors (None: no such call).
+        last: what the last call did.
+    """
+
+    func: Callable
+    options: Options
+    body: Callable = None  # type: ignore[assignment]
+    plans: PlanCache = field(default_factory=PlanCache)
+    refs: References = None  # type: ignore[assignment]
+    captures: Optional[bool] = None
+    last: Optional[LastCall] = None
+    _vmapped: Optional[Callable] = None
+
+    def __post_init__(self) -> None:
+        original = uncompiled(self.func)
+        # torch.vmap cannot run a compiled function (dynamo refuses it): vmap mode maps the original
+        self.body = original if self.options.mode == "vmap" else self.func
+        self.refs = References(original)
+
+    def vmapped(self) -> Callable:
+        """``torch.vmap(func, ...)`` with this cmap's options, built once (it costs a few microseconds)."""
+        if self._vmapped is None:
+            o = self.options
+            self._vmapped = torch.vmap(
+                self.body, o.in_dims, o.out_dims, randomness=o.randomness, chunk_size=o.chunk_size
+            )
+        return self._vmapped
+
+
+def uncompiled(func: Callable) -> Any:
+    """The function ``torch.compile`` made ``func`` from (itself if it is not compiled)."""
+    if isinstance(func, torch.nn.Module) and hasattr(func, "_orig_mod"):
+        return func._orig_mod
+    return getattr(func, "_torchdynamo_orig_callable", func)

@@ -1,0 +1,249 @@
+"""Tensor-parallel layers for ``shard_model(model, plan=...)``: Megatron's column- and row-parallel ``Linear`` and
+its vocabulary-parallel ``Embedding``, built on cmap's two primitives.
+
+Megatron's two conjugate operators are roles of the primitives (:mod:`roles`):
+
+- *f*, entering the tensor-parallel region: ``Scatter(COPY)``, the identity forward, the sum over the group
+  backward. A column-parallel layer applies it to its replicated input.
+- *g*, leaving it: ``Join(COPY)``, the sum over the group forward, the identity backward. A row-parallel layer and
+  the vocabulary-parallel embedding apply it to their partial results.
+
+A gathered column-parallel output is ``Join(Rows)`` along the last dim, whose backward takes this rank's slice.
+Every exchange is a round of the status protocol, so a failure on one rank reaches all of them.
+
+Layers that read the same input tensor (q, k and v; gate and up) enter it once: they share one :class:`Entries`
+per sharded model, so autograd adds their input gradients before the single backward sum.
+"""
+
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..wire.comm import default_timeout
+from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.group import Group
+from ..wire.primitives import join, needs_function, split
+from ..wire.protocol import Link
+from ..wire.roles import COPY, Rows
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Shard", "split_sizes"]
+
+CALL = "shard_model"
+COLWISE, ROWWISE, COLWISE_GATHER, VOCAB = "colwise", "rowwise", "colwise_gather", "vocab"
+
+
+def split_sizes(n: int, parts: int) -> Tuple[int, ...]:
+    """The sizes ``torch.tensor_split`` gives ``n`` items in ``parts``: the first ``n % parts`` one larger."""
+    return tuple(n // parts + (1 if r < n % parts else 0) for r in range(parts))
+
+
+class Shard(NamedTuple):
+    """How one parameter of a sharded module is split: group rank ``r`` holds ``sizes[r]`` entries along ``dim``
+    of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``."""
+
+    dim: int
+    sizes: Tuple[int, ...]
+    rank: int
+    full_shape: Tuple[int, ...]
+
+    @property
+    def offset(self) -> int:
+        return sum(self.sizes[: self.rank])
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full tensor (a parameter, its gradient, a checkpoint entry): a view."""
+        return full.narrow(self.dim, self.offset, self.sizes[self.rank])
+
+
+class Entries:
+    """The replicated inputs that entered the tensor-parallel region (``Scatter(COPY)``), shared by the column-
+    parallel layers of one sharded model, so that layers reading the same tensor make one backward sum.
+
+    An entry is reused only for the very same tensor object, unchanged (its version counter), under the same grad
+    mode and function-transform level. The model's forward hooks clear it before and after each forward, and it
+    keeps at most :attr:`LIMIT` entries when layers are called outside the model's forward.
+    """
+
+    LIMIT = 8
+
+    def __init__(self) -> None:
+        self.found: Dict[int, Tuple[torch.Tensor, Tuple[Any, ...], torch.Tensor]] = {}
+
+    def enter(self, x: torch.Tensor, link: Link) -> torch.Tensor:
+        if link.group.size == 1 or not needs_function([x]):
+            return x  # no gradient to sum, or no one to sum it with: f is the identity
+        state = (x._version, torch.is_grad_enabled(), torch._C._functorch.maybe_current_level())
+        hit = self.found.get(id(x))
+        if hit is not None and hit[0] is x and hit[1] == state:
+            return hit[2]
+        entered = split(SplitSpec(link, (COPY,)), [x])[0]
+        self.found[id(x)] = (x, state, entered)
+        if len(self.found) > self.LIMIT:
+            del self.found[next(iter(self.found))]
+        return entered
+
+    def clear(self, *_: Any) -> None:
+        """Forget every entry (a forward hook: the model's forward starts or ended)."""
+        self.found.clear()
+
+
+class _Sharded(nn.Module):
+    """What the tensor-parallel layers share: the group, the module path in messages, and the exchanges."""
+
+    style: str
+
+    def __init__(self, group: Group, path: str) -> None:
+        super().__init__()
+        self.group, self.path = group, path
+        self.timeout = default_timeout()
+
+    def link(self, t: torch.Tensor) -> Link:
+        return Link(self.group, t.device, CALL, self.timeout)
+
+    def summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """Megatron's g: the sum over the group of every rank's partial result; backward is the identity."""
+        if self.group.size == 1:
+            return partial
+        spec = JoinSpec(self.link(partial), (COPY,), f"the sum of {self.style} layer {self.path!r}")
+        return join(spec, [partial])[0]
+
+    def shards(self) -> Dict[str, Shard]:
+        """The split of each sharded parameter, by parameter name (a replicated bias is not listed)."""
+        raise NotImplementedError
+
+    def _keep(self, name: str, full: Optional[torch.Tensor], dim: Optional[int]) -> None:
+        """Register this rank's slice of ``full`` along ``dim`` (the whole of it when ``dim`` is None), a copy."""
+        if full is None:
+            self.register_parameter(name, None)
+            return
+        value = full.detach() if dim is None else self._shard(full, dim).take(full.detach())
+        setattr(self, name, nn.Parameter(value.clone(), requires_grad=full.requires_grad))
+
+    def _shard(self, full: torch.Tensor, dim: int) -> Shard:
+        return Shard(dim, split_sizes(full.shape[dim], self.group.size), self.group.rank, tuple(full.shape))
+
+
+class ColumnParallelLinear(_Sharded):
+    """An ``nn.Linear`` split by output features (``"colwise"``, or ``"colwise_gather"`` with ``gather=True``).
+
+    The input is replicated; it enters through f, so its gradient is summed over the group in backward (one sum for
+    every layer that reads the same tensor). The output is this rank's slice of the output features, last dim, or
+    with ``gather`` every rank's slices concatenated (the full output on every rank).
+
+    Attributes:
+        weight: this rank's rows of the full ``[out_features, in_features]`` weight (``torch.tensor_split`` sizes).
+        bias: this rank's slice of the full bias, or None.
+    """
+
+    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, gather: bool = False) -> None:
+        super().__init__(group, path)
+        self.style = COLWISE_GATHER if gather else COLWISE
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.sizes = split_sizes(linear.out_features, group.size)
+        self.entries = entries
+        self._keep("weight", linear.weight, 0)
+        self._keep("bias", linear.bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(self.entries.enter(x, self.link(x)), self.weight, self.bias)
+        if self.style == COLWISE or self.group.size == 1:
+            return out
+        spec = JoinSpec(self.link(out), (Rows(out.dim() - 1, self.sizes),), f"the gather of layer {self.path!r}")
+        return join(spec, [out])[0]
+
+    def shards(self) -> Dict[str, Shard]:
+        full = (self.out_features, self.in_features)
+        found = {"weight": Shard(0, self.sizes, self.group.rank, full)}
+        if self.bias is not None:
+            found["bias"] = Shard(0, self.sizes, self.group.rank, (self.out_features,))
+        return found
+
+    def extra_repr(self) -> str:
+        return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")
+
+
+class RowParallelLinear(_Sharded):
+    """An ``nn.Linear`` split by input features (``"rowwise"``).
+
+    Its input is the activation a column-parallel layer left sharded: this rank's slice of the input features. The
+    partial products are summed over the group by g (one exchange forward, none backward), then the whole bias is
+    added once.
+
+    Attributes:
+        weight: this rank's columns of the full ``[out_features, in_features]`` weight.
+        bias: the full bias (every rank holds it; added after the sum), or None.
+    """
+
+    def __init__(self, linear: nn.Linear, group: Group, path: str) -> None:
+        super().__init__(group, path)
+        self.style = ROWWISE
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.sizes = split_sizes(linear.in_features, group.size)
+        self._keep("weight", linear.weight, 1)
+        self._keep("bias", linear.bias, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mine = self.sizes[self.group.rank]
+        if x.shape[-1] != mine:
+            raise ValueError(
+                f"{CALL}: rowwise layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
+                f"features (the sharded output of a colwise layer), but got an input of shape {tuple(x.shape)}."
+            )
+        out = self.summed(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def shards(self) -> Dict[str, Shard]:
+        return {"weight": Shard(1, self.sizes, self.group.rank, (self.out_features, self.in_features))}
+
+    def extra_repr(self) -> str:
+        return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")
+
+
+class VocabParallelEmbedding(_Sharded):
+    """An ``nn.Embedding`` split by vocabulary rows (``"vocab"``).
+
+    Ids outside this rank's rows contribute zero; the output is the sum over the group (g), so every rank holds the
+    full embedding. The ids must be the same on every rank.
+
+    Attributes:
+        weight: this rank's rows of the full ``[num_embeddings, embedding_dim]`` weight.
+    """
+
+    def __init__(self, embedding: nn.Embedding, group: Group, path: str) -> None:
+        super().__init__(group, path)
+        self.style = VOCAB
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.sizes = split_sizes(embedding.num_embeddings, group.size)
+        self.sparse = embedding.sparse
+        self._keep("weight", embedding.weight, 0)
+        start, pad = self.shards()["weight"].offset, embedding.padding_idx
+        inside = pad is not None and start <= pad < start + self.sizes[group.rank]
+        self.padding_idx = pad - start if inside else None  # this rank's row index of the padding row, if it holds it
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        start, count = self.shards()["weight"].offset, self.sizes[self.group.rank]
+        inside = (ids >= start) & (ids < start + count)
+        if count:
+            local = torch.where(inside, ids - start, torch.zeros_like(ids))
+            rows = F.embedding(local, self.weight, self.padding_idx, sparse=self.sparse)
+            rows = rows.masked_fill(~inside.unsqueeze(-1), 0)
+        else:  # more ranks than vocabulary rows: this rank holds none
+            rows = self.weight.new_zeros((*ids.shape, self.embedding_dim))
+        return self.summed(rows)
+
+    def shards(self) -> Dict[str, Shard]:
+        full = (self.num_embeddings, self.embedding_dim)
+        return {"weight": Shard(0, self.sizes, self.group.rank, full)}
+
+    def extra_repr(self) -> str:
+        return _describe(self, f"{self.num_embeddings}, {self.embedding_dim}")
+
+
+def _describe(layer: _Sharded, sizes: str) -> str:
+    shape = tuple(layer.weight.shape)
+    return f"{sizes}, style={layer.style!r}, shard={shape} on rank {layer.group.rank} of {layer.group.size}"
+
+
+PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)

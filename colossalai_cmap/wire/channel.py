@@ -1,0 +1,84 @@
+"""One group's side of the status protocol on this rank: its reusable round buffers, and what its rounds agreed.
+
+Every round on a group has the same size on every rank, whatever each rank is doing. The size adapts, but only as a
+function of the tables every rank has seen, in the same order, so every rank always agrees on it: it grows at once
+to fit the largest block any rank needed (up to :data:`PAYLOAD_MAX`), and shrinks by half after
+:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. Repeated calls with outputs up to 1 MiB
+per rank then make one collective, and a group that goes back to small outputs goes back to small rounds.
+
+The channel also keeps the shape of the last call exit's data phase (every rank derives it from the same table), so
+that the next exit of that shape can send its data together with its status round (:mod:`transfer`), and whether
+this rank left a backward unfinished (then it does not send data early: a peer may still wait in that backward).
+"""
+
+import os
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy
+import torch
+
+from .group import Group, state_of
+
+HEADER_LEN = 12
+HEADER_BYTES = HEADER_LEN * 8  # keeps the payload 16-byte aligned
+PAYLOAD_BASE = max(16, int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16)
+PAYLOAD_MAX = max(PAYLOAD_BASE, int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", str(1 << 20))) // 16 * 16)
+_QUIET_ROUNDS = 8
+
+
+class Channel:
+    """The round buffers (this rank's header and payload, everyone's as received), the routes through them, and the
+    agreed state: the payload size, the last data phase's shape, and whether a backward was left unfinished."""
+
+    def __init__(self, group: Group, device: torch.device) -> None:
+        self.size, self.device, self.cpu = group.size, device, device.type == "cpu"
+        self.payload_bytes = PAYLOAD_BASE
+        self.quiet = 0  # rounds in a row that needed a quarter of the payload or less
+        self.last_data: Optional[Tuple[Any, ...]] = None  # (rows per rank, row shape, dtype) of the last exit's data
+        self.backward_open = False  # this rank started a backward exchange that has not finished
+        self._allocate()
+
+    def _allocate(self) -> None:
+        total = HEADER_BYTES + self.payload_bytes
+        with torch.inference_mode(False):  # written later under any mode, so never an inference tensor
+            self.send = torch.zeros(total, dtype=torch.uint8, device=self.device)
+            self.recv = torch.empty((self.size, total), dtype=torch.uint8, device=self.device)
+        self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
+        self.payloads = self.recv.narrow(1, HEADER_BYTES, self.payload_bytes)
+        self.routes: Dict[Any, Any] = {}  # views into these buffers (:mod:`route`)
+        if self.cpu:
+            self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)
+            self.table = self.recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
+
+    def write_header(self, header: Sequence[int]) -> None:
+        if self.cpu:
+            self.head[:] = header
+        else:
+            self.send[:HEADER_BYTES].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
+
+    def read_rows(self) -> list:
+        return self.table.tolist() if self.cpu else self.recv[:, :HEADER_BYTES].view(torch.int64).tolist()
+
+    def agree(self, need: int) -> None:
+        """After a round: the payload size of the next one, from the largest block any rank needed in this one."""
+        size = self.payload_bytes
+        if size < need <= PAYLOAD_MAX:
+            size = max(PAYLOAD_BASE, 1 << (need - 1).bit_length())
+        elif need <= self.payload_bytes // 4 and self.payload_bytes > PAYLOAD_BASE:
+            self.quiet += 1
+            if self.quiet >= _QUIET_ROUNDS:
+                size = max(PAYLOAD_BASE, self.payload_bytes // 2)
+        else:
+            self.quiet = 0
+        if size != self.payload_bytes:
+            self.payload_bytes, self.quiet = size, 0
+            self._allocate()  # a returned round still holds views of the old buffers
+
+
+def channel(group: Group, device: torch.device) -> Channel:
+    """The group's channel on ``device``, kept in its :class:`~colossalai_cmap.wire.group.GroupState`."""
+    channels = state_of(group.pg).channels
+    found = channels.get(device)
+    if found is None:
+        found = channels[device] = Channel(group, device)
+    return found

@@ -1,0 +1,151 @@
+"""Collectives with bounded waits, and the count of what cmap sent.
+
+Every collective cmap issues goes through here, so a peer that died or never arrived turns into a ``CmapError``
+within the timeout instead of a hang, and :mod:`colossalai_cmap.stats` sees every collective and its bytes.
+"""
+
+import os
+import pickle
+from datetime import timedelta
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import stats
+from ..errors import CmapError
+from .group import Group, state_of
+
+TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
+
+
+def default_timeout() -> Optional[float]:
+    value = os.environ.get(TIMEOUT_ENV)
+    return float(value) if value else None
+
+
+def check_usable(group: Group, call: str) -> None:
+    """Refuse a group whose collectives fell out of step in an earlier call (a timeout or a dead peer)."""
+    reason = state_of(group.pg).broken
+    if reason is not None:
+        raise CmapError(f"{call}: the process group is unusable: {reason} Create a new group (or restart).")
+
+
+def _wait(work: Any, group: Group, call: str, what: str, timeout: Optional[float]) -> None:
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # a peer died, or the wait timed out
+        # The group's collective sequence may now be out of step across ranks, so a further collective could pair
+        # with a stale one (gloo aborts the process then). A failure inside func or cmap's own code never lands
+        # here: every rank learns of it in a round, in step.
+        state_of(group.pg).broken = f"an earlier cmap {what} failed on it ({type(exc).__name__})."
+        raise CmapError(
+            f"{call}: {what} failed on group rank {group.rank} (global rank {group.global_rank}): "
+            f"{type(exc).__name__}: {exc}. A peer rank may have died or not reached this cmap call."
+        ) from exc
+
+
+class _Landing:
+    """A collective's work that writes into a twin of an inference tensor, copied over once it is done.
+
+    gloo writes gathered data from its own thread, where inference mode is off, so it refuses to write into an
+    inference tensor (any buffer allocated under ``torch.inference_mode``).
+    """
+
+    def __init__(self, work: Any, pairs: List[Any]) -> None:
+        self.work, self.pairs = work, pairs
+
+    def wait(self, **kwargs: Any) -> None:
+        self.work.wait(**kwargs)
+        for out, twin in self.pairs:
+            out.copy_(twin)
+
+
+def _twin(out: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.empty_like(out)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]) -> None:
+    _wait(issue_all_gather(out, inp, group), group, call, "all_gather", timeout)
+
+
+def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Any:
+    """An all-gather left in flight, to wait for with :func:`wait_for` (data sent together with a round)."""
+    stats.note("all_gather", inp.numel() * inp.element_size())
+    if out.is_inference():
+        twin = _twin(out)
+        return _Landing(dist.all_gather_into_tensor(twin, inp, group=group.pg, async_op=True), [(out, twin)])
+    return dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True)
+
+
+def wait_for(work: Any, group: Group, call: str, timeout: Optional[float]) -> None:
+    """Wait, with the bound, for a collective :func:`issue_all_gather` left in flight."""
+    _wait(work, group, call, "all_gather", timeout)
+
+
+def gather_to(
+    inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
+) -> None:
+    stats.note("gather", inp.numel() * inp.element_size())
+    pairs = [(out, _twin(out)) for out in outs or () if out.is_inference()]
+    if pairs:
+        twins = {id(out): twin for out, twin in pairs}
+        outs = [twins.get(id(out), out) for out in outs or ()]
+    work = dist.gather(inp, outs, dst=group.ranks[dst], group=group.pg, async_op=True)
+    _wait(_Landing(work, pairs) if pairs else work, group, call, "gather", timeout)
+
+
+def scatter_from(
+    out: torch.Tensor, ins: Optional[List[torch.Tensor]], src: int, group: Group, call: str, timeout: Optional[float]
+) -> None:
+    stats.note("scatter", out.numel() * out.element_size())
+    work = dist.scatter(out, ins, src=group.ranks[src], group=group.pg, async_op=True)
+    _wait(work, group, call, "scatter", timeout)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Group, call: str, timeout: Optional[float]) -> None:
+    stats.note("broadcast", t.numel() * t.element_size())
+    _wait(dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True), group, call, "broadcast", timeout)
+
+
+def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float], op: Any = None) -> None:
+    stats.note("all_reduce", t.numel() * t.element_size())
+    op = dist.ReduceOp.SUM if op is None else op
+    _wait(dist.all_reduce(t, op=op, group=group.pg, async_op=True), group, call, "all_reduce", timeout)
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return pickle.loads(t.cpu().numpy().tobytes())
+
+
+def broadcast_object(obj: Any, src: int, group: Group, call: str, timeout: Optional[float], device: Any) -> Any:
+    """Broadcast a picklable object from group rank ``src``: its length, then its bytes, both bounded waits."""
+    data = _encode(obj, device) if group.rank == src else None
+    length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
+    broadcast(length, src, group, call, timeout)
+    if data is None:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    broadcast(data, src, group, call, timeout)
+    return obj if group.rank == src else _decode(data)
+
+
+def all_gather_object(obj: Any, group: Group, call: str, timeout: Optional[float], device: Any) -> List[Any]:
+    """Every rank's picklable object, in group-rank order (rare paths: failure details, layouts)."""
+    data = _encode(obj, device)
+    lengths = torch.empty(group.size, dtype=torch.int64, device=device)
+    all_gather_into(lengths, torch.tensor([data.numel()], dtype=torch.int64, device=device), group, call, timeout)
+    sizes = lengths.tolist()
+    cap = max(sizes)
+    send = torch.zeros(cap, dtype=torch.uint8, device=device)
+    send[: data.numel()] = data
+    recv = torch.empty(group.size * cap, dtype=torch.uint8, device=device)
+    all_gather_into(recv, send, group, call, timeout)
+    return [_decode(recv[r * cap : r * cap + n]) for r, n in enumerate(sizes)]

@@ -1,0 +1,222 @@
+"""The plain (not differentiable) sides of the two primitives: ``scatter`` (no communication) and ``join`` (one round
+of the status protocol, and a data phase for what does not fit it), with their records.
+
+:mod:`primitives` wraps them as autograd Functions; when no tensor needs a derivative and no function transform is
+active, the call path uses these directly.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .. import faults
+from ..errors import RankFailure
+from . import protocol, transfer
+from .channel import channel
+from .protocol import Header, Kind, Link, Round, Status
+from .roles import FIRST, KEEP, SAME, Role, Rows, is_rows
+from .route import pack, unpack
+
+
+class Exit(NamedTuple):
+    """A call's exit: the status fields of this rank's header, and which of them every rank must agree on.
+
+    After the round, before any data moves, :func:`join_values` compares the ``agree`` fields across every rank's
+    header and the ``agree_nonempty`` fields across the ranks that ran real examples; the first that differs raises
+    :class:`~colossalai_cmap.wire.protocol.Disagreement` on every rank, for the caller to explain.
+    """
+
+    status: int
+    input_sig: int
+    layout_sig: int
+    batch: int
+    graph_sig: int
+    flags: int
+    values: int
+    early: bool  # data may be sent right behind the status round (no collective inside func can be pending)
+    agree: Tuple[str, ...] = ()
+    agree_nonempty: Tuple[str, ...] = ()
+
+
+@dataclass(eq=False)
+class Learned:
+    """What a call's exit round told every rank, filled in by :func:`join_values`: the caller reads it afterwards
+    (in-place flags), and backward reads the row counts only the round knew (``src="local"``)."""
+
+    table: Tuple[Header, ...] = ()
+
+
+class JoinSpec(NamedTuple):
+    """One Join: its tensors' roles, the round's kind and name, where the result goes, and a call's exit fields."""
+
+    link: Link
+    roles: Tuple[Role, ...]
+    what: str = "a backward collective"
+    kind: int = Kind.SYNC
+    dst: int = -1  # -1: every rank gets the result; r: only group rank r (the others get None)
+    exit: Optional[Exit] = None
+    sync: bool = False  # a round even when nothing travels on this rank (its peers may have something)
+    learned: Optional[Learned] = None  # with an exit: filled in by its round
+
+    def sized_roles(self) -> Tuple[Role, ...]:
+        """The roles with the row counts an exit learned from its round (``src="local"``) filled in."""
+        if self.learned is None or all(not is_rows(r) or r.sizes is not None for r in self.roles):
+            return self.roles
+        sizes = tuple(h.rows for h in self.learned.table)
+        return tuple(Rows(r.dim, sizes) if is_rows(r) and r.sizes is None else r for r in self.roles)
+
+
+class SplitSpec(NamedTuple):
+    link: Link
+    roles: Tuple[Role, ...]
+    owner: Any = None  # tags the autograd node: a call's entry, where the closure walk stops
+
+
+def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """Global values to this rank's per-rank values: no communication."""
+    rank = spec.link.group.rank
+    out = []
+    for role, t in zip(spec.roles, tensors):
+        if is_rows(role):
+            out.append(t.narrow(role.dim, sum(role.sizes[:rank]), role.sizes[rank]))
+        elif role == FIRST and rank != 0:
+            out.append(torch.zeros_like(t))
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    """Per-rank values to global ones: one round, and a data phase for what does not fit its payload."""
+    link = spec.link
+    group = link.group
+    sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
+    if any(t.is_meta for t in tensors):
+        return _shapes_only(spec, tensors, sizes)
+    rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors)
+    if not rt.items and spec.exit is None and not spec.sync:
+        return tuple(tensors)  # nothing moves, nothing to agree on
+    prep, results, failure, cause = None, {}, None, None
+    try:  # everything that can fail on one rank, before the round that tells every rank
+        if faults.ACTIVE:
+            faults.check("backward" if spec.kind == Kind.SYNC else "pack", group)
+        if rt.fits:
+            pack(rt, tensors)
+        if rt.inline is False and rt.items:
+            if faults.ACTIVE:
+                faults.check("gather", group)
+            prep = transfer.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
+    except Exception as exc:
+        failure, cause = RankFailure.from_exception(exc, group.rank, group.global_rank), exc
+    ch = channel(group, link.device)
+    if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
+        _open_backward(ch)
+    early = transfer.early(prep, ch, group) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
+    rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
+    if spec.exit is not None:
+        transfer.meet_early(rnd, ch, link)
+    if rnd.failed:
+        protocol.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)))
+    if spec.exit is not None:
+        if spec.learned is not None:
+            spec.learned.table = rnd.table
+        protocol.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
+    if rt.items:
+        results = _deliver(spec, rt, rnd, tensors, prep)
+    if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
+        ch.backward_open, ch.last_data = False, transfer.early_shape(prep) if prep is not None else None
+    return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
+
+
+def _open_backward(ch: Any) -> None:
+    """Inside a backward: until it finishes, a peer may be left waiting in one of its exchanges if this rank's
+    backward raises, so this rank must not send data ahead of its next round."""
+    ch.backward_open = True
+
+    def closed() -> None:
+        ch.backward_open = False
+
+    torch.autograd.Variable._execution_engine.queue_callback(closed)
+
+
+def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:
+    """After the round: the payloads into the results, or the data phase (the row counts come from the round
+    when only it knew them, with ``src="local"``)."""
+    link = spec.link
+    if rt.sizes is None:
+        sizes = tuple(h.rows for h in rnd.table)
+        rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors, rnd)
+        if not rnd.inline:
+            prep = transfer.prepare(rt.items, tensors, sizes, link.group, spec.dst)
+    if rnd.inline:
+        return unpack(rt, spec.dst in (-1, link.group.rank))
+    if all(h.early for h in rnd.table):
+        return transfer.taken_early(prep)
+    return transfer.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
+
+
+def _shapes_only(
+    spec: JoinSpec, tensors: Sequence[torch.Tensor], sizes: Optional[Tuple[int, ...]]
+) -> Tuple[torch.Tensor, ...]:
+    """The meta implementation: the results' shapes and dtypes, with no communication."""
+    out = []
+    for role, t in zip(spec.roles, tensors):
+        if is_rows(role):
+            if sizes is None:
+                raise ValueError(f"{spec.link.call}: meta tensors with src='local': the global row count is unknown.")
+            shape = list(t.shape)
+            shape[role.dim] = sum(sizes)
+            out.append(t.new_empty(shape))
+        else:
+            out.append(torch.empty_like(t))
+    return tuple(out)
+
+
+def _output(role: Role, mine: torch.Tensor, found: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if found is not None:
+        return found.movedim(0, role.dim) if is_rows(role) and role.dim else found
+    return mine if role in (SAME, KEEP) else None  # a travelling tensor off dst
+
+
+def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -> None:
+    """This rank's side of a call's exit when func raised here: the same round, then every rank raises."""
+    link = spec.link
+    header = Header(Kind.STATUS, Status.FAILED, inline=1)
+    rnd = protocol.status_round(link, header)
+    transfer.meet_early(rnd, channel(link.group, link.device), link)
+    protocol.raise_failures(rnd, failure, cause, link)
+    raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
+
+
+def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Header:
+    status = Status.FAILED if failure is not None else Status.OK
+    ex = spec.exit
+    if ex is None:
+        return Header(spec.kind, status, rt.rows, digest=rt.digest, block=rt.block, inline=int(rt.fits))
+    status = status if status == Status.FAILED else ex.status
+    return Header(
+        Kind.STATUS,
+        status,
+        rt.rows,
+        ex.input_sig,
+        ex.layout_sig,
+        ex.batch,
+        rt.block,
+        int(rt.fits),
+        ex.graph_sig,
+        ex.flags,
+        ex.values,
+        int(early),
+    )
+
+
+def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = None) -> Round:
+    link = spec.link
+    if spec.kind == Kind.STATUS:
+        return protocol.status_round(link, header, early)
+    return protocol.checked_round(link, header, spec.what)
+
+
+def _name(spec: JoinSpec) -> str:
+    return spec.link.call if spec.kind == Kind.STATUS else f"{spec.link.call}: {spec.what}"

@@ -1,0 +1,182 @@
+"""The status protocol: every collective a peer might be waiting in is a round of one fixed size.
+
+A round is one ``all_gather`` of a header (:class:`Header`, twelve int64) and a payload area per rank (256 bytes to
+start with; :mod:`channel` says how it adapts, always alike on every rank). Small data rides in the payload, so a
+small call costs this one collective. Because every round on a group has the same size on every rank, whatever two
+ranks are doing, their rounds pair up: a rank that failed,
+finished early or left a backward meets its peers in a round, they read its header, and all of them raise or retry
+together. gloo never sees unequal sizes, and the group stays in step.
+
+Kinds of round: ``STATUS`` ends a call's forward shard; ``OP`` precedes a collective inside ``func``; ``SYNC``
+carries a collective outside ``func`` (backward, and cmap's own data movement). A ``STATUS`` round that meets a peer
+still in an ``OP`` or ``SYNC`` round repeats: that peer sees it, gives up its collective, and comes to its next
+round.
+"""
+
+from enum import IntEnum
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CmapError, CollectiveAborted, RankFailure
+from . import comm
+from . import route as routes
+from .channel import channel
+from .group import Group
+from .route import Route
+
+
+class Link(NamedTuple):
+    """Where an exchange communicates, and how its errors are named."""
+
+    group: Group
+    device: torch.device
+    call: str
+    timeout: Optional[float]
+
+
+class Kind(IntEnum):
+    STATUS = 1
+    OP = 2
+    SYNC = 3  # any other exchange: backward, tangents, write-back, tensor-parallel sums, state dicts
+
+
+class Status(IntEnum):
+    OK = 0
+    EMPTY = 1  # an empty shard: the rank ran a stand-in example
+    FAILED = 2
+
+
+class Header(NamedTuple):
+    """One rank's row of a round. ``digest`` identifies the collective (``OP``/``SYNC``) or the output layout."""
+
+    kind: int
+    status: int = Status.OK
+    rows: int = 0
+    input_sig: int = 0
+    digest: int = 0
+    batch: int = 0
+    block: int = 0  # bytes of data this rank sends
+    inline: int = 0  # 1: they ride in this round's payload
+    graph_sig: int = 0  # the closure edges found in this rank's local graph
+    flags: int = 0  # bit k: func changed the k-th mapped input in place
+    values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty shard)
+    early: int = 0  # 1: this rank sent its data together with this round (:mod:`transfer`)
+
+
+class Round(NamedTuple):
+    """A finished round: every rank's header, and the payloads (valid until the next round on this group)."""
+
+    table: Tuple[Header, ...]
+    payloads: torch.Tensor  # [P, payload bytes] uint8
+    early: Any = None  # the data collective sent right behind the round, still in flight
+
+    @property
+    def failed(self) -> bool:
+        return any(h.status == Status.FAILED for h in self.table)
+
+    @property
+    def inline(self) -> bool:
+        return all(h.inline for h in self.table)
+
+
+_ROUTES_MAX = 512
+
+
+def route(link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], after: Optional[Round] = None) -> Route:
+    """The route of an exchange on this group (:mod:`route`), kept with the group's round buffers; or, ``after`` a
+    round (when only the round told the row counts), through that round's payloads, whatever buffers come next."""
+    ch = channel(link.group, link.device)
+    if after is not None:
+        return routes.route({}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors)
+    if len(ch.routes) > _ROUTES_MAX:
+        ch.routes.clear()
+    return routes.route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors)
+
+
+def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
+    """One round: every rank's header and payload (packed beforehand, through a :class:`Route`). ``also`` issues a
+    collective right behind the round (data sent early), left in flight in the returned round's ``early``."""
+    ch = channel(link.group, link.device)
+    ch.write_header(header)
+    work = comm.issue_all_gather(ch.recv.view(-1), ch.send, link.group)
+    early = also() if also is not None else None
+    comm.wait_for(work, link.group, link.call, link.timeout)
+    rnd = Round(tuple(Header._make(row) for row in ch.read_rows()), ch.payloads, early)
+    ch.agree(max(h.block for h in rnd.table))
+    return rnd
+
+
+def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
+    """The end-of-shard round; repeats while a peer is still in an ``OP`` or ``SYNC`` round (it gives that up). Data
+    is sent early (``also``) only where no peer can be in such a round, so a repeat never follows it."""
+    while True:
+        rnd = exchange(link, header, also)
+        if all(h.kind == Kind.STATUS for h in rnd.table):
+            return rnd
+        also = None
+
+
+def checked_round(link: Link, header: Header, what: str) -> Round:
+    """An ``OP`` or ``SYNC`` round: every rank must be at the same collective (same ``digest``)."""
+    rnd = exchange(link, header)
+    away = [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
+    if away and header.kind == Kind.OP:
+        raise CollectiveAborted(_away_in_func(what, away))
+    if away:
+        raise CmapError(_away_in_backward(link.call, what, away))
+    if len({h.digest for h in rnd.table}) != 1:
+        if header.kind == Kind.OP:
+            raise CollectiveAborted(_mismatch(what, rnd))
+        raise CmapError(f"{link.call}: {_mismatch(what, rnd)}")
+    return rnd
+
+
+class Disagreement(Exception):
+    """Raised on every rank when the ranks' headers differ in a field they must agree on; the caller explains it."""
+
+    def __init__(self, field: str, table: Tuple[Header, ...]) -> None:
+        super().__init__(f"ranks differ in {field}: {[getattr(h, field) for h in table]}")
+        self.field, self.table = field, table
+
+
+def check_agreement(table: Tuple[Header, ...], agree: Sequence[str], agree_nonempty: Sequence[str]) -> None:
+    """Raise :class:`Disagreement` for the first field of ``agree`` that differs across ranks, or of
+    ``agree_nonempty`` across the ranks that ran real examples. Every rank holds the same table: same verdict."""
+    for field in agree:
+        if len({getattr(h, field) for h in table}) > 1:
+            raise Disagreement(field, table)
+    for field in agree_nonempty:
+        if len({getattr(h, field) for h in table if h.status == Status.OK}) > 1:
+            raise Disagreement(field, table)
+
+
+def raise_failures(rnd: Round, failure: Optional[RankFailure], cause: Optional[BaseException], link: Link) -> None:
+    """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``."""
+    if not rnd.failed:
+        return
+    failures = [f for f in comm.all_gather_object(failure, link.group, link.call, link.timeout, link.device) if f]
+    real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
+    raise CmapError.from_failures(link.call, real or failures, link.group.rank) from cause
+
+
+def _away_in_func(what: str, away: list) -> str:
+    return (
+        f"{what}: group rank(s) {away} had already left func (finished or failed) while this rank called it; "
+        f"every rank must make the same collective calls."
+    )
+
+
+def _away_in_backward(call: str, what: str, away: list) -> str:
+    return (
+        f"{call} (backward): group rank(s) {away} did not take part in {what}: their backward raised before it, or "
+        f"they skipped this call's backward. Every rank must backpropagate through the same cmap outputs."
+    )
+
+
+def _mismatch(what: str, rnd: Round) -> str:
+    digests = ", ".join(f"group rank {r}: {h.digest:#x}" for r, h in enumerate(rnd.table))
+    return (
+        f"{what}: ranks called different collectives or shapes here ({digests}); every rank must make the same "
+        f"collective calls with the same shapes."
+    )
