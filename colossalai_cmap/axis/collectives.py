@@ -36,15 +36,20 @@ def _names(axis_name: AxisName) -> Tuple[str, ...]:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
+    """``op`` over every axis of a (tuple) name, innermost first, so that the first name is major."""
+    for name in reversed(_names(axis_name)):
+        x = axes.apply(x, name, op)
+    return x
+
+
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Sum of ``x`` over every example of the axis (all ranks); every example gets the same value.
 
     Example:
         >>> cmap(lambda x: x / psum(x.sum(), "i"), axis_name="i")(torch.rand(10, 3))  # normalise by the total
     """
-    for name in reversed(_names(axis_name)):
-        x = axes.apply(x, name, "sum")
-    return x
+    return _over(x, axis_name, "sum")
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -54,24 +59,18 @@ def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise maximum over every example of the axis. Not differentiable."""
-    for name in reversed(_names(axis_name)):
-        x = axes.apply(x, name, "max")
-    return x
+    return _over(x, axis_name, "max")
 
 
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise minimum over every example of the axis. Not differentiable."""
-    for name in reversed(_names(axis_name)):
-        x = axes.apply(x, name, "min")
-    return x
+    return _over(x, axis_name, "min")
 
 
 def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
     """Every example's ``x``, in global order, stacked along a new dim ``axis`` (size B), or with ``tiled``
     concatenated along the existing dim ``axis``. The transpose of :func:`psum_scatter`."""
-    out = x
-    for name in reversed(_names(axis_name)):
-        out = axes.apply(out, name, "gather")
+    out = _over(x, axis_name, "gather")
     shape, size = _example_shape(axis_name, x), axis_size(axis_name)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
 

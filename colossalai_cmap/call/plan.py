@@ -15,6 +15,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..digests import digest
 from ..wire.group import Group
+from ..wire.protocol import Link
 from .layout import OutLayout
 from .options import Options
 from .specs import flatten_args
@@ -51,7 +52,7 @@ class FastPath(NamedTuple):
     outputs' layout."""
 
     plan: CallPlan
-    link: Any  # a primitives.Link
+    link: Link
     layout: Optional[OutLayout]
 
 

@@ -84,16 +84,6 @@ class FlatArgs:
     spec: TreeSpec
     batch_size: int
 
-    @property
-    def paths(self) -> List[str]:
-        """Each leaf's pytree path under the args tuple, e.g. ``[0]['a']`` (computed only when needed)."""
-        return leaf_paths(self.spec)
-
-    def unflatten(self, leaves: Sequence[Any]) -> Tuple[Any, ...]:
-        from torch.utils._pytree import tree_unflatten
-
-        return tree_unflatten(list(leaves), self.spec)
-
 
 def leaf_paths(spec: TreeSpec) -> List[str]:
     from torch.utils._pytree import tree_unflatten

@@ -108,7 +108,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
                 faults.check("gather", group)
             prep = transfer.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
-        failure, cause = RankFailure.from_exception(exc, group.rank, group.global_rank), exc
+        failure, cause = group.failure(exc), exc
     ch = channel(group, link.device)
     if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
         _open_backward(ch)

@@ -1,0 +1,68 @@
+"""The package's house rules, read from its source: each subpackage says what it is for and what it may import,
+and imports go one way, down (call and tp above axis and integration, all of them above wire, and the leaf modules
+at the bottom)."""
+
+import ast
+from pathlib import Path
+from typing import Dict, Set
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "colossalai_cmap"
+LEAVES = {"errors", "faults", "stats", "digests"}
+# what each part of the package may import from the package (besides itself)
+ALLOWED: Dict[str, Set[str]] = {
+    "wire": LEAVES,
+    "axis": {"wire"} | LEAVES,
+    "integration": {"wire"} | LEAVES,
+    "call": {"axis", "integration", "wire"} | LEAVES,
+    "tp": {"call", "axis", "integration", "wire"} | LEAVES,
+    **{leaf: set() for leaf in LEAVES},
+}
+SUBPACKAGES = ("call", "wire", "axis", "tp", "integration")
+
+
+def _part(path: Path) -> str:
+    """The part of the package a file belongs to: its subpackage, or its own name for a top-level module."""
+    return path.relative_to(PKG).parts[0].removesuffix(".py")
+
+
+def _imported_parts(path: Path) -> Set[str]:
+    """The parts of the package that ``path`` imports, lazily or not (relative imports resolved)."""
+    here = list(path.relative_to(PKG).parent.parts)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - (node.level - 1)]
+            target = base + (node.module.split(".") if node.module else [])
+            names = [target] if target else [[alias.name] for alias in node.names]
+            found.update(t[0].removesuffix(".py") for t in names if t)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            for name in [module] if module else [a.name for a in node.names]:
+                if name and name.startswith("colossalai_cmap."):
+                    found.add(name.split(".")[1])
+    return found
+
+
+MODULES = sorted(p for p in PKG.rglob("*.py") if p.parent != PKG or p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PKG)) for p in MODULES])
+def test_imports_go_down(path: Path) -> None:
+    part = _part(path)
+    if part not in ALLOWED:
+        pytest.fail(f"{path.relative_to(PKG)} is in no known part of the package; add it to a subpackage")
+    upward = _imported_parts(path) - ALLOWED[part] - {part}
+    assert not upward, f"{path.relative_to(PKG)} ({part}) imports {sorted(upward)}: imports go down only"
+
+
+@pytest.mark.parametrize("name", SUBPACKAGES)
+def test_each_subpackage_says_what_it_is_for(name: str) -> None:
+    doc = ast.get_docstring(ast.parse((PKG / name / "__init__.py").read_text()))
+    assert doc and "May import" in doc, f"{name}/__init__.py must say what the subpackage is for and may import"
+
+
+def test_top_level_holds_only_the_public_names_and_leaf_modules() -> None:
+    top = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
+    assert top == LEAVES, f"top-level modules {sorted(top - LEAVES)} belong in a subpackage"
