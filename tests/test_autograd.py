@@ -84,22 +84,6 @@ def check_modes_and_chunks(B):
     return True
 
 
-def check_local_dst(B):
-    """dst='local': per-shard gradients, as with shard_map: vmap's gradients on this rank's rows alone."""
-    rank, size = dist.get_rank(), dist.get_world_size()
-    q, r = divmod(B, size)
-    start, rows = rank * q + min(rank, r), q + (1 if rank < r else 0)
-    x, w = randn(B, 4, seed=8), randn(4, seed=9)
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    cm.cmap(torch.mul, in_dims=(0, None), dst="local")(xl, wl).sin().sum().backward()
-    xs, ws = x[start : start + rows].clone().requires_grad_(), w.clone().requires_grad_()
-    torch.vmap(torch.mul, in_dims=(0, None))(xs, ws).sin().sum().backward()
-    assert torch.equal(xl.grad[start : start + rows], xs.grad)
-    assert torch.count_nonzero(xl.grad[:start]) == 0 and torch.count_nonzero(xl.grad[start + rows :]) == 0
-    torch.testing.assert_close(wl.grad, ws.grad)
-    return True
-
-
 def check_dst_rank_not_differentiable(B):
     """dst=0 with inputs requiring grad: backward raises a clear error on rank 0, others get None; no hang."""
     rank = dist.get_rank()
@@ -195,10 +179,6 @@ def test_module_parameter_gradients(worlds, P, B):
 
 def test_gradients_in_modes_and_chunks(worlds):
     assert worlds(3).run(check_modes_and_chunks, 7) == [True] * 3
-
-
-def test_local_dst_gradients_are_per_shard(worlds):
-    assert worlds(3).run(check_local_dst, 7) == [True] * 3
 
 
 def test_dst_rank_backward_raises_without_hanging(worlds):

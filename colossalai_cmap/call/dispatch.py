@@ -53,6 +53,8 @@ def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> A
             planned = _plan(site, group, args, kwargs, leaves, link)
         plan = None if isinstance(planned, Failed) else planned.plan
         result, out = _run_and_conclude(site, planned, link, fast.layout if fast is not None else None, leaves)
+        if result.captures is not None:  # what this call found decides whether the next one intercepts
+            site.captures = result.captures
         if key is not None and (fast is None or fast.layout is not result.layout):
             site.plans.put(key, FastPath(plan, link, result.layout))
         return out

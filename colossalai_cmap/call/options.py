@@ -40,8 +40,10 @@ class Options:
 
     @property
     def differentiable(self) -> bool:
-        """Whether gradients cross ranks: every rank holds the whole result, so backward can meet on every rank."""
-        return self.dst == -1 and not isinstance(self.src, int)
+        """Whether gradients cross ranks: every rank holds its result (the whole one, or its shard's with
+        ``dst="local"``), so backward meets on every rank, and a value every rank holds whole gets its total
+        derivative on every rank."""
+        return not self.refuses_grad
 
 
 def make_options(func: Callable, **kwargs: Any) -> Options:

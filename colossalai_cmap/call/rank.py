@@ -22,6 +22,7 @@ from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
 from ..errors import RankFailure
 from ..wire import protocol
+from ..wire.exchange import CallTag
 from ..wire.group import Group
 from ..wire.primitives import requires_grad
 from ..wire.protocol import Link
@@ -68,11 +69,11 @@ def inside(group: Group) -> bool:
 def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
     """This rank's part of the call planned in ``inputs``, for the cmap ``site``; never raises."""
     opts, plan = site.options, inputs.plan
-    group = link.group
+    group, owner = link.group, CallTag()
     try:
         if faults.ACTIVE:
             faults.check("args", group)
-        owner, start = object(), torch._C._autograd._get_sequence_nr()
+        start = torch._C._autograd._get_sequence_nr()
         entered = enter(opts, site.refs, plan, inputs, link, owner)
         leaves = entered.leaves
         empty, extra = plan.rows == 0 and plan.batch != 0, _extra_rows(opts, plan)
@@ -89,6 +90,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
                 out = _call_func(site, shard, entered.kwargs, frame, seed, link)
         else:
             out = _call_func(site, shard, entered.kwargs, frame, seed, link)
+        owner.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
         flat, spec = flatten(out)
@@ -106,10 +108,11 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))
         return Outputs(flat, spec, layout, empty, graph_sig, _mutated(versions, inputs.leaves, plan), captures)
     except Exception as exc:  # every rank learns of it in the status round
+        owner.running = False
         return Failed(group.failure(exc), exc)
 
 
-def _interceptor(site: CallSite, owner: object, start: int, link: Link) -> Optional[closures.Interceptor]:
+def _interceptor(site: CallSite, owner: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
     """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
     no closure-captured tensor at all, and func's closures hold none now."""
     if not (site.options.differentiable and tracking()):
@@ -209,7 +212,7 @@ def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int
             )
 
 
-def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: object, start: int, link: Link) -> int:
+def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, start: int, link: Link) -> int:
     """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
     if not (opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
         return 0

@@ -67,10 +67,40 @@ class JoinSpec(NamedTuple):
         return tuple(Rows(r.dim, sizes) if is_rows(r) and r.sizes is None else r for r in self.roles)
 
 
+@dataclass(eq=False)
+class CallTag:
+    """Tags the entry ``Split`` nodes of one call: where the closure walk stops, and whether the call is still running
+    func. A backward that reaches such a node while func runs is a gradient taken inside func (``torch.autograd.grad``
+    or ``torch.func.grad`` per example), which stays per example: it gets this rank's share of the transpose, with no
+    communication. Only a backward after the call, into the caller's graph, sums over the group."""
+
+    running: bool = True
+
+
 class SplitSpec(NamedTuple):
     link: Link
     roles: Tuple[Role, ...]
-    owner: Any = None  # tags the autograd node: a call's entry, where the closure walk stops
+    owner: Optional[CallTag] = None  # a call's entry (None: any other Split)
+
+
+def local_transpose(spec: SplitSpec, role: Role, grad: torch.Tensor) -> torch.Tensor:
+    """A Split's transpose on this rank alone: the identity, or for rows this rank's rows in zeros of the whole."""
+    if not is_rows(role):
+        return grad
+    rank, sizes = spec.link.group.rank, role.sizes
+    before, after = sum(sizes[:rank]), sum(sizes[rank + 1 :])
+    parts = [
+        grad.new_zeros(_with(grad.shape, role.dim, before)),
+        grad,
+        grad.new_zeros(_with(grad.shape, role.dim, after)),
+    ]
+    return torch.cat(parts, role.dim)
+
+
+def _with(shape: Sequence[int], dim: int, n: int) -> Tuple[int, ...]:
+    out = list(shape)
+    out[dim] = n
+    return tuple(out)
 
 
 def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from .exchange import JoinSpec, SplitSpec, join_values, split_values
+from .exchange import JoinSpec, SplitSpec, join_values, local_transpose, split_values
 from .roles import join_transpose, scatter_transpose, shifted
 
 
@@ -126,6 +126,8 @@ class Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         spec, picked = ctx.spec, _wanted(ctx, grads)
+        if spec.owner is not None and spec.owner.running:  # a gradient taken inside func: per example, here
+            return _spread(picked, [local_transpose(spec, spec.roles[i], grads[i]) for i in picked], len(grads))
         roles = tuple(scatter_transpose(spec.roles[i]) for i in picked)
         out = Join.apply(JoinSpec(spec.link, roles), *[grads[i] for i in picked]) if picked else ()
         return _spread(picked, out, len(grads))
