@@ -103,3 +103,67 @@ def check_mapped_full_input_local_dst(B):
 @pytest.mark.parametrize("P", WORLDS)
 def test_mapped_input_gradient_with_local_dst(worlds, P):
     assert worlds(P).run(check_mapped_full_input_local_dst, 7) == [True] * P
+
+
+# ----------------------------------------------------------------------------------- loop mode with an axis
+def check_loop_mode_with_axis(B):
+    """mode="loop" with axis_name: gradients are vmap's (never P times them), even after earlier autograd history
+    on this thread and with uneven shares; randomness="same" gives every example the same draws; an out_dims=None
+    output that depends on the example is refused as vmap refuses it."""
+    (torch.ones(1, requires_grad=True) * 2).sum()  # any earlier autograd history on this thread
+    x = randn(B, 3, seed=21).requires_grad_()
+    cm.cmap(lambda v: v * 2 + cm.axis_index("i"), mode="loop", axis_name="i")(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((B, 3), 2.0)), x.grad
+    w = randn(3, seed=22).requires_grad_()  # a closure-captured weight: its gradient is the sum over every example
+    with torch.no_grad():
+        total = cm.cmap(lambda v: cm.psum(v, "i"), mode="loop", axis_name="i", out_dims=None)(x.detach())
+    torch.testing.assert_close(total, x.detach().sum(0))
+    cm.cmap(lambda v: (v * w).sum(), mode="loop", axis_name="i")(x.detach()).sum().backward()
+    torch.testing.assert_close(w.grad, x.detach().sum(0), atol=B * 1e-6, rtol=1e-5)
+    torch.manual_seed(0)
+    same = cm.cmap(lambda v: torch.rand(2), mode="loop", randomness="same", axis_name="i")(x.detach())
+    assert torch.unique(same, dim=0).shape[0] == 1, same
+    different = cm.cmap(lambda v: torch.rand(2), mode="loop", randomness="different", axis_name="i")(x.detach())
+    assert torch.unique(different, dim=0).shape[0] == B, different
+    with pytest.raises(ValueError, match="can not return a BatchedTensor when out_dim is None"):
+        cm.cmap(lambda v: v * 2, out_dims=None, mode="loop")(torch.arange(float(B)).view(B, 1))
+    return True
+
+
+@pytest.mark.parametrize("P", WORLDS)
+def test_loop_mode_with_axis(worlds, P):
+    assert worlds(P).run(check_loop_mode_with_axis, 2 * P + 1) == [True] * P
+
+
+def check_loop_mode_follows_vmap():
+    """Loop mode raises vmap's error for a random draw under randomness="error", and returns vmap's empty result at
+    B=0 (func runs once on a zero example to learn the outputs)."""
+    x = torch.arange(4.0).view(4, 1)
+    with pytest.raises(RuntimeError, match="called random operation while in randomness error mode"):
+        cm.cmap(lambda v: v + torch.rand(1), mode="loop")(x)
+    empty = torch.empty(0, 3)
+    for mode in ("vmap", "loop"):
+        got = cm.cmap(lambda v: (v * 2, v.sum()), mode=mode)(empty)
+        expected = torch.vmap(lambda v: (v * 2, v.sum()))(empty)
+        assert [t.shape for t in got] == [t.shape for t in expected], (mode, got)
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_loop_mode_follows_vmap(worlds, P):
+    assert worlds(P).run(check_loop_mode_follows_vmap) == [True] * P
+
+
+def check_requires_grad_as_vmap():
+    """An output vmap returns with requires_grad=False comes back the same from cmap, when another output needs grad."""
+    x, y = randn(5, 3, seed=31).requires_grad_(), randn(5, 3, seed=32)
+    a, b = cm.cmap(lambda u, v: (u * 2, v * 2))(x, y)
+    ea, eb = torch.vmap(lambda u, v: (u * 2, v * 2))(x, y)
+    assert (a.requires_grad, b.requires_grad) == (ea.requires_grad, eb.requires_grad) == (True, False)
+    b.numpy()  # raises if it requires grad
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_requires_grad_as_vmap(worlds, P):
+    assert worlds(P).run(check_requires_grad_as_vmap) == [True] * P

@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from ..digests import digest
 from ..wire.exchange import JoinSpec, SplitSpec
@@ -52,9 +53,53 @@ def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:
         t = torch._C._functorch.get_unwrapped(t)
 
 
-def _foreign(node: Any, start: int) -> bool:
+MADE = "colossalai_cmap.call"  # Node.metadata key: the call whose loop-mode threads made this node
+
+
+def _foreign(node: Any, start: int, owner: object) -> bool:
+    """Whether ``node`` was made before the call: a node numbered before the call's start on this thread that no
+    loop-mode example thread of the call made (their numbers are their own thread's)."""
     # A leaf's accumulator may be made lazily, during this call: it is foreign whatever its number says.
-    return type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < start
+    if type(node).__name__ == "AccumulateGrad":
+        return True
+    if node._sequence_nr() >= start or getattr(node, "_cmap_owner", None) is owner:
+        return False
+    return node.metadata.get(MADE) is not owner
+
+
+class MadeHere(TorchFunctionMode):
+    """In a loop-mode example thread: tags the autograd nodes each op makes with the call's tag. The nodes an op
+    made are the ones between its outputs and its inputs' own nodes."""
+
+    def __init__(self, owner: object) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        stop = set(_nodes(tree_flatten((args, kwargs))[0]))  # before the op: an in-place op gives its input a new one
+        out = func(*args, **kwargs)
+        stack = list(_nodes(tree_flatten(out)[0]))
+        while stack:
+            node = stack.pop()
+            if node is None or node in stop or type(node).__name__ == "AccumulateGrad":
+                continue
+            if node.metadata.get(MADE) is self.owner:
+                continue
+            node.metadata[MADE] = self.owner
+            stack.extend(n for n, _ in node.next_functions)
+        return out
+
+
+def _nodes(values: Sequence[Any]) -> Iterator[Any]:
+    """The autograd nodes of the tensors among ``values``, at every function-transform level."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            for t in _levels(v):
+                if t.grad_fn is not None:
+                    yield t.grad_fn
 
 
 def _foreign_edges(outputs: Sequence[Any], owner: object, start: int) -> Dict[Any, List[int]]:
@@ -63,13 +108,13 @@ def _foreign_edges(outputs: Sequence[Any], owner: object, start: int) -> Dict[An
     seen, edges = set(), {}
     while stack:
         node = stack.pop()
-        if node in seen or _foreign(node, start) or getattr(node, "_cmap_owner", None) is owner:
+        if node in seen or _foreign(node, start, owner) or getattr(node, "_cmap_owner", None) is owner:
             continue
         seen.add(node)
         for k, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
                 continue
-            if _foreign(nxt, start):
+            if _foreign(nxt, start, owner):
                 edges.setdefault(node, []).append(k)
             else:
                 stack.append(nxt)
@@ -147,5 +192,5 @@ class Interceptor(TorchFunctionMode):
         for t in _levels(v):
             node = t.grad_fn
             if node is not None:
-                return node._sequence_nr() >= self.start
+                return not _foreign(node, self.start, self.owner)
         return False

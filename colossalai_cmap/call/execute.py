@@ -8,8 +8,15 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
+from ..axis.ops import LoopBarrier
 from .options import Options
 from .specs import flatten_out_dims, normalise_out_dim, unflatten
+
+# torch.vmap's own sentence, for a random draw under randomness="error" (loop mode checks the generator's state)
+RANDOM_IN_ERROR_MODE = (
+    "vmap: called random operation while in randomness error mode. Please either use the 'same' or 'different' "
+    "randomness flags on vmap or perform the randomness operation out of vmap"
+)
 
 
 class Shard(NamedTuple):
@@ -39,11 +46,14 @@ def run_shard(
     frame: Optional[AxisFrame],
     *,
     vmapped: Optional[Callable] = None,
+    thread_modes: Sequence[Any] = (),
 ) -> Any:
     """Apply ``func`` to the shard's examples; the batch dims come back at ``out_dims``.
 
     With an axis ``frame``, each example can see its global index (``axis_index``), and loop mode runs the examples
-    in threads so that collectives can meet.
+    in threads so that collectives can meet, each under ``thread_modes`` (torch function modes are per thread). Loop mode
+    follows vmap's ``randomness``: "error" raises vmap's error if func drew random numbers, "same" gives every
+    example the same draws.
     """
     indices = None
     if frame is not None:
@@ -60,17 +70,32 @@ def run_shard(
             return func(*shard.args(), **kwargs)
         chunks = [func(*part.args(), **kwargs) for part in _chunks(shard, opts.chunk_size)]
         return _combine(chunks, opts, torch.cat)
+    before = torch.random.get_rng_state() if opts.randomness != "different" else None
     if shard.rows == 0:
-        raise ValueError(f"{opts.call}: mode='loop' cannot infer the outputs of an empty batch (B=0).")
-    if frame is not None:
-        return _loop_threads(opts, func, shard, kwargs, frame, indices)
-    state = torch.random.get_rng_state() if opts.randomness == "same" else None
-    results = []
-    for i in range(shard.rows):
-        if state is not None:
-            torch.random.set_rng_state(state)
-        results.append(func(*shard.example(i), **kwargs))
-    return _combine(results, opts, torch.stack)
+        out = _empty_loop(opts, func, shard, kwargs)
+    elif frame is not None:
+        out = _loop_threads(opts, func, shard, kwargs, frame, indices, thread_modes)
+    else:
+        results = []
+        for i in range(shard.rows):
+            if opts.randomness == "same":
+                torch.random.set_rng_state(before)
+            results.append(func(*shard.example(i), **kwargs))
+        out = _combine(results, opts, torch.stack)
+    if opts.randomness == "error" and not torch.equal(before, torch.random.get_rng_state()):
+        raise RuntimeError(RANDOM_IN_ERROR_MODE)
+    return out
+
+
+def _empty_loop(opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any]) -> Any:
+    """Loop mode on an empty batch, as vmap: func runs once on a zero example to learn the outputs' structure, and
+    every mapped output comes back with zero rows."""
+    example = [
+        v if d is None else v.new_zeros(v.shape[:d] + v.shape[d + 1 :]) for v, d in zip(shard.leaves, shard.dims)
+    ]
+    with torch.no_grad():
+        one = func(*tree_unflatten(example, shard.spec), **kwargs)
+    return _combine([one], opts, lambda parts, dim: parts[0].unsqueeze(dim).narrow(dim, 0, 0))
 
 
 def _vmap(
@@ -107,6 +132,7 @@ def _combine(results: List[Any], opts: Options, how: Callable) -> Any:
     for i, dim in enumerate(dims):
         first = flats[0][i]
         if dim is None:
+            _check_same(opts, i, first, [f[i] for f in flats[1:]])
             out.append(first)
             continue
         if not isinstance(first, torch.Tensor):
@@ -117,26 +143,49 @@ def _combine(results: List[Any], opts: Options, how: Callable) -> Any:
     return tree_unflatten(out, spec)
 
 
-def _loop_threads(
-    opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any], frame: AxisFrame, indices: torch.Tensor
-) -> Any:
-    """Loop mode with collectives: one thread per example, so that a collective can wait for every example."""
-    from ..axis.ops import LoopBarrier
+def _check_same(opts: Options, i: int, first: Any, others: List[Any]) -> None:
+    """An ``out_dims=None`` output must not depend on the example: vmap refuses it, so a loop or chunks must too."""
+    for other in others:
+        same = torch.equal(first, other) if isinstance(first, torch.Tensor) else first == other
+        if not same:
+            name = opts.call.split("(", 1)[-1].split(",", 1)[0]
+            raise ValueError(
+                f"{opts.call}: `{name}` can not return a BatchedTensor when out_dim is None (output {i} differs "
+                f"between examples; mode={opts.mode!r}). Give it an int out_dim, or make it the same for every example."
+            )
 
-    barrier = frame.loop = LoopBarrier(shard.rows)
+
+def _loop_threads(
+    opts: Options,
+    func: Callable,
+    shard: Shard,
+    kwargs: Dict[str, Any],
+    frame: AxisFrame,
+    indices: torch.Tensor,
+    thread_modes: Sequence[Any],
+) -> Any:
+    """Loop mode with collectives: one thread per example, taking turns, so that a collective can wait for every
+    example. Each thread enters ``thread_modes``: the call's (the closure interceptor, and the marker of the nodes
+    it makes, whose sequence numbers are the thread's own and so cannot tell that they were made during the call)."""
+    barrier = frame.loop = LoopBarrier(shard.rows, same_rng=opts.randomness == "same")
     frame.index = indices
     results: List[Any] = [None] * shard.rows
     errors: List[BaseException] = []
     grad = torch.is_grad_enabled()
 
     def work(i: int) -> None:
-        barrier.set_index(i, indices[i])
         try:
-            with torch.set_grad_enabled(grad):
+            barrier.enter(i, indices[i])
+            with torch.set_grad_enabled(grad), contextlib.ExitStack() as modes:
+                if threading.current_thread() is not threading.main_thread():
+                    for mode in thread_modes:
+                        modes.enter_context(mode)
                 results[i] = func(*shard.example(i), **kwargs)
-        except BaseException as exc:  # the first real error wins; the others are broken-barrier fallout
+        except BaseException as exc:  # the first error reaches every example through the barrier
             errors.append(exc)
-            barrier.abort()
+            barrier.abort(exc)
+        finally:
+            barrier.leave()
 
     if shard.rows == 1:
         work(0)
@@ -147,8 +196,7 @@ def _loop_threads(
         for t in threads:
             t.join()
     if errors:
-        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-        raise (real or errors)[0]
+        raise errors[0]
     return _combine(results, opts, torch.stack)
 
 

@@ -87,9 +87,9 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         intercept = _interceptor(site, owner, start, link)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(site, shard, entered.kwargs, frame, seed, link)
+                out = _call_func(site, shard, entered.kwargs, frame, seed, link, _thread_modes(owner, intercept))
         else:
-            out = _call_func(site, shard, entered.kwargs, frame, seed, link)
+            out = _call_func(site, shard, entered.kwargs, frame, seed, link, _thread_modes(owner, intercept))
         owner.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
@@ -112,6 +112,14 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         return Failed(group.failure(exc), exc)
 
 
+def _thread_modes(owner: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
+    """What loop mode's example threads run under (modes are per thread): the interceptor, and the marker of the
+    autograd nodes they make."""
+    if not tracking():
+        return ()
+    return (closures.MadeHere(owner),) + ((intercept,) if intercept is not None else ())
+
+
 def _interceptor(site: CallSite, owner: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
     """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
     no closure-captured tensor at all, and func's closures hold none now."""
@@ -123,7 +131,13 @@ def _interceptor(site: CallSite, owner: CallTag, start: int, link: Link) -> Opti
 
 
 def _call_func(
-    site: CallSite, shard: Shard, kwargs: Dict[str, Any], frame: Any, seed: Optional[int], link: Link
+    site: CallSite,
+    shard: Shard,
+    kwargs: Dict[str, Any],
+    frame: Any,
+    seed: Optional[int],
+    link: Link,
+    thread_modes: Tuple[Any, ...],
 ) -> Any:
     opts = site.options
     SPLITTING.append(link.group.ranks)  # a cmap nested in func on these ranks runs locally
@@ -131,7 +145,7 @@ def _call_func(
         if frame is None and seed is None:
             return run_shard(opts, site.body, shard, kwargs, None, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-            return run_shard(opts, site.body, shard, kwargs, frame)
+            return run_shard(opts, site.body, shard, kwargs, frame, thread_modes=thread_modes)
     finally:
         SPLITTING.pop()
 

@@ -13,6 +13,7 @@ run without the Function machinery.
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .exchange import JoinSpec, SplitSpec, join_values, local_transpose, split_values
 from .roles import join_transpose, scatter_transpose, shifted
@@ -50,8 +51,16 @@ def split(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tenso
     return Split.apply(spec, *tensors) if needs_function(tensors) else split_values(spec, tensors)
 
 
-def _non_differentiable(ctx: Any, outputs: Sequence[Any]) -> None:
-    fixed = [o for o in outputs if isinstance(o, torch.Tensor) and not (o.is_floating_point() or o.is_complex())]
+def _non_differentiable(ctx: Any, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    """Outputs that carry no derivative, as vmap's would: integer ones, and (outside function transforms and
+    forward-mode AD) those whose input needs none, so that ``requires_grad`` comes back as the input had it."""
+    plain = torch._C._functorch.maybe_current_level() is None and fwAD._current_level < 0
+    fixed = [
+        o
+        for o, x in zip(outputs, inputs)
+        if isinstance(o, torch.Tensor)
+        and (not (o.is_floating_point() or o.is_complex()) or (plain and not x.requires_grad))
+    ]
     if fixed:
         ctx.mark_non_differentiable(*fixed)
 
@@ -86,7 +95,7 @@ class Join(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         ctx.spec = inputs[0]
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[1:]]  # zeros for a missing tangent
-        _non_differentiable(ctx, output)
+        _non_differentiable(ctx, inputs[1:], output)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
@@ -121,7 +130,7 @@ class Split(torch.autograd.Function):
         if inputs[0].owner is not None:
             ctx._cmap_owner = inputs[0].owner
         ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
-        _non_differentiable(ctx, output)
+        _non_differentiable(ctx, inputs[1:], output)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
