@@ -275,7 +275,7 @@ def test_untraceable_model_names_the_call():
         shard_model(Outer())
     text = str(info.value)
     assert "torch.fx cannot trace Outer" in text
-    assert "at the call `if h.sum() > 0:" in text and "test_shard_model.py" in text
+    assert "at the call `if h.sum() > 0:" in text and "test_tp_fx.py" in text
     assert "'block' (Branchy)" in text
     assert "control flow" in text
 
