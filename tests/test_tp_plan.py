@@ -35,10 +35,10 @@ pytestmark = pytest.mark.timeout(300)
 
 def assert_grads(sharded: nn.Module, full: nn.Module, what: str) -> None:
     """Every parameter's gradient: a sharded one equals its slice of the full gradient, the others all of it."""
-    shards, ref = cm.sharded_parameters(sharded), dict(full.named_parameters())
+    slices, ref = cm.sharded_parameters(sharded), dict(full.named_parameters())
     assert set(dict(sharded.named_parameters())) == set(ref)
     for name, p in sharded.named_parameters():
-        expected = shards[name].take(ref[name].grad) if name in shards else ref[name].grad
+        expected = slices[name].take(ref[name].grad) if name in slices else ref[name].grad
         torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"{what}: grad of {name}: {m}")
 
 
@@ -74,9 +74,9 @@ def check_llama():
         torch.testing.assert_close(tp.last, ref.last, **TOL, msg=lambda m: f"AdamW step {step}: loss: {m}")
     # The parameters: within what five AdamW updates can move an entry whose tiny gradient rounds differently.
     drift = dict(rtol=TOL["rtol"], atol=TOL["atol"] + adam_drift_bound(1e-3, (0.9, 0.999), 5))
-    shards, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
     for name, p in tp.named_parameters():
-        expected = shards[name].take(full[name]) if name in shards else full[name]
+        expected = slices[name].take(full[name]) if name in slices else full[name]
         torch.testing.assert_close(p, expected, **drift, msg=lambda m: f"after 5 AdamW steps: {name}: {m}")
     return param_bytes(tp), param_bytes(ref)
 
@@ -186,8 +186,8 @@ def check_uneven_mlp():
     got, ref = vocab(ids), table(ids)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
     (got * randn(2, 5, 6, seed=2)).sum().backward(), (ref * randn(2, 5, 6, seed=2)).sum().backward()
-    shard = cm.sharded_parameters(vocab)["0.weight"]
-    torch.testing.assert_close(vocab[0].weight.grad, shard.take(table.weight.grad), **TOL)
+    piece = cm.sharded_parameters(vocab)["0.weight"]
+    torch.testing.assert_close(vocab[0].weight.grad, piece.take(table.weight.grad), **TOL)
     return param_bytes(sharded)
 
 

@@ -26,20 +26,15 @@ from ..wire.exchange import JoinSpec, SplitSpec
 from ..wire.group import Group
 from ..wire.primitives import join, needs_function, split
 from ..wire.protocol import Link
-from ..wire.roles import COPY, Rows
+from ..wire.roles import COPY, Rows, tensor_split_sizes
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Shard", "split_sizes"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Slice"]
 
 CALL = "shard_model"
 COLWISE, ROWWISE, COLWISE_GATHER, VOCAB = "colwise", "rowwise", "colwise_gather", "vocab"
 
 
-def split_sizes(n: int, parts: int) -> Tuple[int, ...]:
-    """The sizes ``torch.tensor_split`` gives ``n`` items in ``parts``: the first ``n % parts`` one larger."""
-    return tuple(n // parts + (1 if r < n % parts else 0) for r in range(parts))
-
-
-class Shard(NamedTuple):
+class Slice(NamedTuple):
     """How one parameter of a sharded module is split: group rank ``r`` holds ``sizes[r]`` entries along ``dim``
     of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``."""
 
@@ -109,7 +104,7 @@ class _Sharded(nn.Module):
         spec = JoinSpec(self.link(partial), (COPY,), f"the sum of {self.style} layer {self.path!r}")
         return join(spec, [partial])[0]
 
-    def shards(self) -> Dict[str, Shard]:
+    def slices(self) -> Dict[str, Slice]:
         """The split of each sharded parameter, by parameter name (a replicated bias is not listed)."""
         raise NotImplementedError
 
@@ -118,11 +113,11 @@ class _Sharded(nn.Module):
         if full is None:
             self.register_parameter(name, None)
             return
-        value = full.detach() if dim is None else self._shard(full, dim).take(full.detach())
+        value = full.detach() if dim is None else self._slice(full, dim).take(full.detach())
         setattr(self, name, nn.Parameter(value.clone(), requires_grad=full.requires_grad))
 
-    def _shard(self, full: torch.Tensor, dim: int) -> Shard:
-        return Shard(dim, split_sizes(full.shape[dim], self.group.size), self.group.rank, tuple(full.shape))
+    def _slice(self, full: torch.Tensor, dim: int) -> Slice:
+        return Slice(dim, tensor_split_sizes(full.shape[dim], self.group.size), self.group.rank, tuple(full.shape))
 
 
 class ColumnParallelLinear(_Sharded):
@@ -141,7 +136,7 @@ class ColumnParallelLinear(_Sharded):
         super().__init__(group, path)
         self.style = COLWISE_GATHER if gather else COLWISE
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = split_sizes(linear.out_features, group.size)
+        self.sizes = tensor_split_sizes(linear.out_features, group.size)
         self.entries = entries
         self._keep("weight", linear.weight, 0)
         self._keep("bias", linear.bias, 0)
@@ -153,11 +148,11 @@ class ColumnParallelLinear(_Sharded):
         spec = JoinSpec(self.link(out), (Rows(out.dim() - 1, self.sizes),), f"the gather of layer {self.path!r}")
         return join(spec, [out])[0]
 
-    def shards(self) -> Dict[str, Shard]:
+    def slices(self) -> Dict[str, Slice]:
         full = (self.out_features, self.in_features)
-        found = {"weight": Shard(0, self.sizes, self.group.rank, full)}
+        found = {"weight": Slice(0, self.sizes, self.group.rank, full)}
         if self.bias is not None:
-            found["bias"] = Shard(0, self.sizes, self.group.rank, (self.out_features,))
+            found["bias"] = Slice(0, self.sizes, self.group.rank, (self.out_features,))
         return found
 
     def extra_repr(self) -> str:
@@ -180,7 +175,7 @@ class RowParallelLinear(_Sharded):
         super().__init__(group, path)
         self.style = ROWWISE
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = split_sizes(linear.in_features, group.size)
+        self.sizes = tensor_split_sizes(linear.in_features, group.size)
         self._keep("weight", linear.weight, 1)
         self._keep("bias", linear.bias, None)
 
@@ -194,8 +189,8 @@ class RowParallelLinear(_Sharded):
         out = self.summed(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
-    def shards(self) -> Dict[str, Shard]:
-        return {"weight": Shard(1, self.sizes, self.group.rank, (self.out_features, self.in_features))}
+    def slices(self) -> Dict[str, Slice]:
+        return {"weight": Slice(1, self.sizes, self.group.rank, (self.out_features, self.in_features))}
 
     def extra_repr(self) -> str:
         return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")
@@ -215,15 +210,15 @@ class VocabParallelEmbedding(_Sharded):
         super().__init__(group, path)
         self.style = VOCAB
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.sizes = split_sizes(embedding.num_embeddings, group.size)
+        self.sizes = tensor_split_sizes(embedding.num_embeddings, group.size)
         self.sparse = embedding.sparse
         self._keep("weight", embedding.weight, 0)
-        start, pad = self.shards()["weight"].offset, embedding.padding_idx
+        start, pad = self.slices()["weight"].offset, embedding.padding_idx
         inside = pad is not None and start <= pad < start + self.sizes[group.rank]
         self.padding_idx = pad - start if inside else None  # this rank's row index of the padding row, if it holds it
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        start, count = self.shards()["weight"].offset, self.sizes[self.group.rank]
+        start, count = self.slices()["weight"].offset, self.sizes[self.group.rank]
         inside = (ids >= start) & (ids < start + count)
         if count:
             local = torch.where(inside, ids - start, torch.zeros_like(ids))
@@ -233,9 +228,9 @@ class VocabParallelEmbedding(_Sharded):
             rows = self.weight.new_zeros((*ids.shape, self.embedding_dim))
         return self.summed(rows)
 
-    def shards(self) -> Dict[str, Shard]:
+    def slices(self) -> Dict[str, Slice]:
         full = (self.num_embeddings, self.embedding_dim)
-        return {"weight": Shard(0, self.sizes, self.group.rank, full)}
+        return {"weight": Slice(0, self.sizes, self.group.rank, full)}
 
     def extra_repr(self) -> str:
         return _describe(self, f"{self.num_embeddings}, {self.embedding_dim}")

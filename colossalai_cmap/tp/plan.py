@@ -21,7 +21,7 @@ from ..wire.exchange import JoinSpec
 from ..wire.group import Group, group_device
 from ..wire.primitives import join
 from ..wire.protocol import Link
-from ..wire.roles import Rows
+from ..wire.roles import Rows, tensor_split_sizes
 from .layers import (
     CALL,
     COLWISE,
@@ -32,7 +32,6 @@ from .layers import (
     Entries,
     RowParallelLinear,
     VocabParallelEmbedding,
-    split_sizes,
 )
 
 # What each style shards; attention modules with these integer attributes get this rank's head counts.
@@ -143,7 +142,7 @@ def _check_heads(modules: Dict[str, nn.Module], placements: List[Placement], siz
             continue
         linear = modules[p.path]
         features = linear.in_features if p.style == ROWWISE else linear.out_features
-        sizes = split_sizes(features, size)
+        sizes = tensor_split_sizes(features, size)
         if features % head_dim == 0 and any(s % head_dim for s in sizes):
             raise ValueError(
                 f"{CALL}: plan pattern {p.pattern!r} splits attention projection {p.path!r} ({features} "
