@@ -168,6 +168,32 @@ def uneven_model(seed: int) -> nn.Module:
 
 MLP_PLAN = {"0": "colwise", "2": "rowwise"}
 UNEVEN_PLAN = {**MLP_PLAN, "3.[qkv]": "colwise", "3.o": "rowwise"}
+ALL_STYLES_PLAN = {
+    "0": "vocab",
+    "1": "colwise",
+    "3": "rowwise",
+    "4.[qkv]": "colwise",
+    "4.o": "rowwise",
+    "5": "colwise_gather",
+}
+
+
+def all_styles_model(seed: int) -> nn.Module:
+    """Every style: a vocabulary of 13 (a padding row), an MLP 12 -> 13 -> 12, 6 heads of 2, a gathered head."""
+    torch.manual_seed(seed)
+    layers = [nn.Embedding(13, 12, padding_idx=6), nn.Linear(12, 13), nn.GELU(), nn.Linear(13, 12)]
+    return nn.Sequential(*layers, HeadsAttention(6, 2), nn.Linear(12, 7))
+
+
+def as_objects(plan: dict) -> dict:
+    """The same plan with the style objects in place of their shorthand strings."""
+    objects = {
+        "colwise": cm.Colwise(),
+        "rowwise": cm.Rowwise(),
+        "colwise_gather": cm.ColwiseGather(),
+        "vocab": cm.Vocab(),
+    }
+    return {pattern: objects[style] for pattern, style in plan.items()}
 
 
 def check_uneven_mlp():
@@ -189,6 +215,32 @@ def check_uneven_mlp():
     piece = cm.sharded_parameters(vocab)["0.weight"]
     torch.testing.assert_close(vocab[0].weight.grad, piece.take(table.weight.grad), **TOL)
     return param_bytes(sharded)
+
+
+def check_styles_match_shorthands():
+    """A plan of style objects and the same plan of strings: the same layers, bits, gradients and collectives.
+
+    Each model gets a fresh group, so that both start from the same payload size (it adapts per group).
+    """
+    P, ids = dist.get_world_size(), torch.tensor([[0, 4, 5, 6, 12], [6, 9, 1, 12, 3]])
+    runs = []
+    for plan in (ALL_STYLES_PLAN, as_objects(ALL_STYLES_PLAN)):
+        model = cm.shard_model(all_styles_model(4), group=dist.new_group(list(range(P))), plan=plan)
+        outs, logs = [], []
+        for step in range(3):
+            with cm.record_collectives() as fwd:
+                out = model(ids)
+            with cm.record_collectives() as bwd:
+                (out.sin() * randn(*out.shape, seed=step)).sum().backward()
+            outs.append(out.detach())
+            logs.append((fwd.entries, bwd.entries))
+        runs.append((repr(model), outs, {n: p.grad for n, p in model.named_parameters()}, logs))
+    (text, outs, grads, logs), (text_o, outs_o, grads_o, logs_o) = runs
+    assert "style=ColwiseGather()" in text and text == text_o
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_o))
+    assert grads.keys() == grads_o.keys() and all(torch.equal(g, grads_o[n]) for n, g in grads.items())
+    assert logs == logs_o and logs[-1][0] and logs[-1][1]
+    return [len(fwd) + len(bwd) for fwd, bwd in logs]
 
 
 def check_large_activation_counts():
@@ -230,8 +282,14 @@ def plan_errors():
         ({"1": "colwise"}, r"gives style 'colwise' to module '1', a GELU; 'colwise' shards an nn.Linear"),
         ({"0": "vocab"}, r"gives style 'vocab' to module '0', a Linear; 'vocab' shards an nn.Embedding"),
         ({"0": "colwise", "[0]": "rowwise"}, r"module '0' is matched by plan pattern '0' as 'colwise' and by '\[0\]'"),
+        ({"1": cm.Colwise()}, r"plan pattern '1' gives style 'colwise' to module '1', a GELU; 'colwise' shards an nn"),
+        ({"3.q": cm.Vocab()}, r"gives style 'vocab' to module '3.q', a Linear; 'vocab' shards an nn.Embedding"),
+        ({"3": cm.ColwiseGather()}, r"style 'colwise_gather' to module '3', a HeadsAttention; 'colwise_gather' shards"),
+        ({"[02]": cm.Rowwise(), "2": "colwise"}, r"module '2' is matched by plan pattern '\[02\]' as 'rowwise' and by"),
+        ({"0": cm.Colwise}, r"unknown style <class .*Colwise'>; .* or a style object: Colwise\(\), Rowwise\(\)"),
         ({}, r"plan must be a non-empty mapping"),
         ({"3.[qk]": "colwise", "3.o": "rowwise"}, None),  # fine at TP 3: one whole head per rank
+        ({"0": cm.Colwise(), "[0]": "colwise"}, None),  # one style, as an object and by its shorthand
     ]
     messages = []
     for plan, pattern in cases:
@@ -321,6 +379,12 @@ def test_uneven_mlp_and_heads_at_tp3(worlds):
 def test_plan_errors_on_every_rank(worlds):
     messages = worlds(3).run(plan_errors, deadline=DEADLINE)
     assert messages[0] == messages[1] == messages[2] and all(m.startswith("shard_model: ") for m in messages[0])
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_style_objects_match_shorthands(worlds, P):
+    counts = worlds(P).run(check_styles_match_shorthands, deadline=DEADLINE)
+    assert len(set(map(tuple, counts))) == 1  # every rank made the same collectives
 
 
 def test_large_activation_counts(worlds):

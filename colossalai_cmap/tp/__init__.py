@@ -3,3 +3,7 @@ the torch.fx form.
 
 May import: ``call``, ``axis``, ``integration``, ``wire`` and the leaf modules.
 """
+
+from .styles import Colwise, ColwiseGather, ParallelStyle, Rowwise, Vocab
+
+__all__ = ["ParallelStyle", "Colwise", "Rowwise", "ColwiseGather", "Vocab"]

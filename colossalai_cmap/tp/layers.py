@@ -1,5 +1,7 @@
 """Tensor-parallel layers for ``shard_model(model, plan=...)``: Megatron's column- and row-parallel ``Linear`` and
-its vocabulary-parallel ``Embedding``, built on cmap's two primitives.
+its vocabulary-parallel ``Embedding``, built on cmap's two primitives. The styles of :mod:`.styles` build them; each
+layer keeps the style object that built it, and reads its ``name`` for messages and ``gathers`` for a gathered
+output.
 
 Megatron's two conjugate operators are roles of the primitives (:mod:`roles`):
 
@@ -31,7 +33,6 @@ from ..wire.roles import COPY, Rows, tensor_split_sizes
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Slice"]
 
 CALL = "shard_model"
-COLWISE, ROWWISE, COLWISE_GATHER, VOCAB = "colwise", "rowwise", "colwise_gather", "vocab"
 
 
 class Slice(NamedTuple):
@@ -85,13 +86,15 @@ class Entries:
 
 
 class _Sharded(nn.Module):
-    """What the tensor-parallel layers share: the group, the module path in messages, and the exchanges."""
+    """What the tensor-parallel layers share: the group, the module path and style in messages, and the exchanges.
 
-    style: str
+    ``style`` is the :class:`~colossalai_cmap.tp.styles.ParallelStyle` that built the layer (typed ``Any``: the
+    styles import the layers).
+    """
 
-    def __init__(self, group: Group, path: str) -> None:
+    def __init__(self, group: Group, path: str, style: Any) -> None:
         super().__init__()
-        self.group, self.path = group, path
+        self.group, self.path, self.style = group, path, style
         self.timeout = default_timeout()
 
     def link(self, t: torch.Tensor) -> Link:
@@ -101,7 +104,7 @@ class _Sharded(nn.Module):
         """Megatron's g: the sum over the group of every rank's partial result; backward is the identity."""
         if self.group.size == 1:
             return partial
-        spec = JoinSpec(self.link(partial), (COPY,), f"the sum of {self.style} layer {self.path!r}")
+        spec = JoinSpec(self.link(partial), (COPY,), f"the sum of {self.style.name} layer {self.path!r}")
         return join(spec, [partial])[0]
 
     def slices(self) -> Dict[str, Slice]:
@@ -121,7 +124,7 @@ class _Sharded(nn.Module):
 
 
 class ColumnParallelLinear(_Sharded):
-    """An ``nn.Linear`` split by output features (``"colwise"``, or ``"colwise_gather"`` with ``gather=True``).
+    """An ``nn.Linear`` split by output features (``Colwise``, or ``ColwiseGather``, whose ``gathers`` is True).
 
     The input is replicated; it enters through f, so its gradient is summed over the group in backward (one sum for
     every layer that reads the same tensor). The output is this rank's slice of the output features, last dim, or
@@ -132,9 +135,8 @@ class ColumnParallelLinear(_Sharded):
         bias: this rank's slice of the full bias, or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, gather: bool = False) -> None:
-        super().__init__(group, path)
-        self.style = COLWISE_GATHER if gather else COLWISE
+    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any) -> None:
+        super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.sizes = tensor_split_sizes(linear.out_features, group.size)
         self.entries = entries
@@ -143,7 +145,7 @@ class ColumnParallelLinear(_Sharded):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(self.entries.enter(x, self.link(x)), self.weight, self.bias)
-        if self.style == COLWISE or self.group.size == 1:
+        if not self.style.gathers or self.group.size == 1:
             return out
         spec = JoinSpec(self.link(out), (Rows(out.dim() - 1, self.sizes),), f"the gather of layer {self.path!r}")
         return join(spec, [out])[0]
@@ -160,7 +162,7 @@ class ColumnParallelLinear(_Sharded):
 
 
 class RowParallelLinear(_Sharded):
-    """An ``nn.Linear`` split by input features (``"rowwise"``).
+    """An ``nn.Linear`` split by input features (``Rowwise``).
 
     Its input is the activation a column-parallel layer left sharded: this rank's slice of the input features. The
     partial products are summed over the group by g (one exchange forward, none backward), then the whole bias is
@@ -171,9 +173,8 @@ class RowParallelLinear(_Sharded):
         bias: the full bias (every rank holds it; added after the sum), or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str) -> None:
-        super().__init__(group, path)
-        self.style = ROWWISE
+    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any) -> None:
+        super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.sizes = tensor_split_sizes(linear.in_features, group.size)
         self._keep("weight", linear.weight, 1)
@@ -183,7 +184,7 @@ class RowParallelLinear(_Sharded):
         mine = self.sizes[self.group.rank]
         if x.shape[-1] != mine:
             raise ValueError(
-                f"{CALL}: rowwise layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
+                f"{CALL}: {self.style.name} layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
                 f"features (the sharded output of a colwise layer), but got an input of shape {tuple(x.shape)}."
             )
         out = self.summed(F.linear(x, self.weight))
@@ -197,7 +198,7 @@ class RowParallelLinear(_Sharded):
 
 
 class VocabParallelEmbedding(_Sharded):
-    """An ``nn.Embedding`` split by vocabulary rows (``"vocab"``).
+    """An ``nn.Embedding`` split by vocabulary rows (``Vocab``).
 
     Ids outside this rank's rows contribute zero; the output is the sum over the group (g), so every rank holds the
     full embedding. The ids must be the same on every rank.
@@ -206,9 +207,8 @@ class VocabParallelEmbedding(_Sharded):
         weight: this rank's rows of the full ``[num_embeddings, embedding_dim]`` weight.
     """
 
-    def __init__(self, embedding: nn.Embedding, group: Group, path: str) -> None:
-        super().__init__(group, path)
-        self.style = VOCAB
+    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any) -> None:
+        super().__init__(group, path, style)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.sizes = tensor_split_sizes(embedding.num_embeddings, group.size)
         self.sparse = embedding.sparse
