@@ -267,7 +267,7 @@ def check_inputs_differ():
     with pytest.raises(cm.CmapError, match=r"check_inputs=True: the inputs of Sequential differ across the ranks"):
         model(x + rank)
     model(x)  # the group is still in step
-    traced = cm.shard_model(nn.Linear(12, 5), check_inputs=True)  # the torch.fx form: cmap's own input check
+    traced = cm.shard_linears_fx(nn.Linear(12, 5), check_inputs=True)  # the torch.fx form: cmap's own input check
     traced(x)
     with pytest.raises(cm.CmapError, match="in_dims=None inputs"):
         traced(x + rank)
@@ -314,8 +314,14 @@ def plan_errors():
         cm.shard_model(nn.Sequential(nn.Embedding(12, 4, max_norm=1.0)), plan={"0": "vocab"})
     with pytest.raises(ValueError, match=r"module '0', a Custom with its own forward; 'colwise' replaces a plain"):
         cm.shard_model(nn.Sequential(type("Custom", (nn.Linear,), {"forward": torch.sin})(2, 2)), plan={"0": "colwise"})
-    with pytest.raises(ValueError, match="plan= replaces layers= and style="):
-        cm.shard_model(uneven_model(2), plan={"0": "colwise"}, style="row")
+    no_plan = r"pass the plan as plan=\{module-name pattern: style\}.* use the torch.fx form, shard_linears_fx\(model"
+    for call in (lambda m: cm.shard_model(m), lambda m: cm.shard_model(m, MLP_PLAN)):  # no plan=; a plan as group
+        model = uneven_model(2)
+        with pytest.raises(TypeError, match=no_plan) as info:
+            call(model)
+        assert all(type(m) in (nn.Linear, nn.GELU, nn.Sequential, HeadsAttention) for m in model.modules())
+        messages.append(str(info.value))
+    assert "(the second positional argument is the group)" in messages[-1]
     return messages
 
 

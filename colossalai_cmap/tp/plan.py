@@ -1,4 +1,5 @@
-"""``shard_model(model, plan=...)``: a sharding plan checked as a whole, then applied in place, with no tracing.
+"""``shard_model(model, plan=...)``: tensor parallelism from a sharding plan, checked as a whole, then applied in
+place, with no tracing.
 
 The plan maps ``fnmatch`` patterns over ``model.named_modules()`` names to styles (:mod:`.styles`: the style
 objects, or their shorthand strings). Every check runs before any weight is touched, and depends only on the model,
@@ -8,7 +9,7 @@ whatever it was, so any model works.
 """
 
 import fnmatch
-from typing import Any, Dict, List, Mapping, NamedTuple, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -24,7 +25,9 @@ from ..wire.primitives import join
 from ..wire.protocol import Link
 from ..wire.roles import Rows, tensor_split_sizes
 from .layers import CALL, Entries
-from .styles import ParallelStyle, resolve_style
+from .styles import SHORTHANDS, ParallelStyle, resolve_style
+
+__all__ = ["shard_model"]
 
 # Attention modules with these integer attributes get this rank's head counts.
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
@@ -39,8 +42,58 @@ class Assignment(NamedTuple):
     pattern: str
 
 
-def shard_by_plan(model: nn.Module, group: Any, plan: Mapping[str, Any], check_inputs: bool) -> nn.Module:
-    """Check ``plan`` against ``model``, then replace every matched module by its tensor-parallel layer."""
+def shard_model(
+    model: nn.Module,
+    group: Any = None,
+    *,
+    plan: Optional[Mapping[str, Union[ParallelStyle, str]]] = None,
+    check_inputs: bool = False,
+) -> nn.Module:
+    """Tensor parallelism as Megatron-LM does it: shard the modules a plan names, in place, and return ``model``.
+
+    ``plan`` maps ``fnmatch`` patterns over ``model.named_modules()`` names to parallel styles: ``Colwise()`` (an
+    ``nn.Linear`` split by output features; replicated input, output left sharded along the last dim),
+    ``Rowwise()`` (split by input features; takes that sharded activation, returns the replicated sum, bias added
+    once), ``ColwiseGather()`` (colwise, output gathered to full) and ``Vocab()`` (an ``nn.Embedding`` split by
+    vocabulary rows), or their shorthand strings ``"colwise"``, ``"rowwise"``, ``"colwise_gather"``, ``"vocab"``.
+    The whole plan is checked first (patterns that match nothing, styles on the wrong module type, partial attention
+    heads, tied weights); then the matched modules are replaced, with no tracing, so any model's forward works.
+    See ``docs/shard_model.md``.
+
+    Every rank of the group must call this with the same model (same architecture and weights, as after
+    ``colossalai.launch``'s shared seed) and later pass the same inputs to it.
+
+    Args:
+        model: the module to shard, changed in place.
+        group: the tensor-parallel group, as for ``cmap``: None (the world, or this process alone when
+            ``torch.distributed`` is not initialised), a ``ProcessGroup``, ``(ProcessGroupMesh, axis)``, or a
+            colossalai ``Booster``/plugin.
+        plan: module-name patterns to styles, as above. Required (keyword only); the torch.fx form, which shards
+            every linear layer with no plan, is :func:`~colossalai_cmap.tp.fx.shard_linears_fx`.
+        check_inputs: check on every forward that every rank passed the same inputs (a checksum per rank in one
+            exchange); ranks that differ raise ``CmapError`` on every rank.
+
+    Returns:
+        ``model`` itself, its matched modules replaced by tensor-parallel layers that hold this rank's slices.
+
+    Raises:
+        TypeError: no ``plan``.
+        ValueError: a plan that does not fit the model; every rank raises it before any weight is touched.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 24))
+        >>> full = copy.deepcopy(model)
+        >>> model = shard_model(model, plan={"0": Colwise(), "2": Rowwise()})  # Megatron's MLP, on every rank
+        >>> torch.testing.assert_close(model(x), full(x))
+    """
+    if plan is None:
+        styles = ", ".join(map(repr, SHORTHANDS.values()))
+        misplaced = " (the second positional argument is the group)" if isinstance(group, Mapping) else ""
+        raise TypeError(
+            f"{CALL}: pass the plan as plan={{module-name pattern: style}}{misplaced}, with the styles {styles} or "
+            f"their shorthands {', '.join(map(repr, SHORTHANDS))}; to shard every linear layer with no plan, use the "
+            f"torch.fx form, shard_linears_fx(model, group, layers=..., style=...)."
+        )
     group_ = resolve_group(CALL, group)
     assignments = resolve_plan(model, plan, group_.size)
     entries = Entries()
