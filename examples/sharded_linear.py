@@ -7,7 +7,7 @@ A Linear is a sum over its input features, so sharding its weight by input featu
 axis. Part 1 writes the cmap out: each rank holds its ``torch.tensor_split`` slice of the weight's columns, cmap
 runs in "batched" mode over those features, each rank multiplies the same columns of the input by its slice, and
 ``psum`` adds the partial products over the whole axis: one value every rank shares, returned once
-(``out_dims=None``). Part 2 lets ``shard_model`` find the layer with torch.fx and do the same rewrite.
+(``out_dims=None``). Part 2 lets ``shard_linears_fx`` find the layer with torch.fx and do the same rewrite.
 
 Part 3 is the seed in its own terms: every rank has its own model and its own input (one example per rank, as the
 seed seeds each rank differently), and the work is split by input features. One ``all_to_all`` shards the weights
@@ -111,8 +111,8 @@ def main() -> bool:
     result_by_hand = sharded_matmul(weight_cols, input) + model.bias  # the bias once, after the sum
     assert torch.allclose(result_by_hand, result_without_sharding, atol=1e-05)
 
-    # Part 2: shard_model traces the model, keeps this rank's weight slice and rewrites F.linear into that cmap.
-    traced_model = cm.shard_model(model)
+    # Part 2: shard_linears_fx traces the model, keeps this rank's weight slice and rewrites F.linear into that cmap.
+    traced_model = cm.shard_linears_fx(model)
     if rank == 0:
         print_with_rank(rank, "Trace After: {}".format(traced_model.code.strip()))
     result_with_sharding = traced_model(input)

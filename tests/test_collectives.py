@@ -126,7 +126,7 @@ def check_nested(B0, B1):
 
 
 def check_replicated_output(B):
-    """out_dims=None returns a value every example shares once, e.g. after a psum (used by shard_model)."""
+    """out_dims=None returns a value every example shares once, e.g. after a psum (used by shard_linears_fx)."""
     x = randn(B, 4, seed=9)
     total, centred = cm.cmap(lambda v: (psum(v, "i"), v - pmean(v, "i")), out_dims=(None, 0), axis_name="i")(x)
     torch.testing.assert_close(total, x.sum(0))

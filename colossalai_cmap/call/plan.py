@@ -16,6 +16,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from ..digests import digest
 from ..wire.group import Group
 from ..wire.protocol import Link
+from ..wire.roles import tensor_split_sizes
 from .layout import OutLayout
 from .options import Options
 from .specs import flatten_args
@@ -60,8 +61,9 @@ class FastPath(NamedTuple):
 def shares(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
     """Rows per rank: ``torch.chunk``'s blocks of ``ceil(B / P)`` when the results are gathered (the padded gather
     buffer then holds the result as its first B rows), else ``torch.tensor_split``'s."""
-    rows = torch.empty(batch, 0)
-    parts = rows.chunk(world) if gathered and batch else rows.tensor_split(world)
+    if not (gathered and batch):
+        return tensor_split_sizes(batch, world)
+    parts = torch.empty(batch, 0).chunk(world)
     return tuple(p.shape[0] for p in parts) + (0,) * (world - len(parts))
 
 

@@ -1,5 +1,9 @@
 """Tensor parallelism: ``shard_model(model, plan=...)`` with parallel styles, its layers, the full state dict, and
-the torch.fx form.
+the torch.fx form, ``shard_linears_fx``.
 
 May import: ``call``, ``axis``, ``integration``, ``wire`` and the leaf modules.
 """
+
+from .styles import Colwise, ColwiseGather, ParallelStyle, Rowwise, Vocab
+
+__all__ = ["ParallelStyle", "Colwise", "Rowwise", "ColwiseGather", "Vocab"]

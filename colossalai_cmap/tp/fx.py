@@ -1,4 +1,4 @@
-"""``shard_model``: tensor-parallel layers from a sharding plan (:mod:`tp_plan`), or by a torch.fx rewrite onto cmap.
+"""``shard_linears_fx``: every Linear of a model sharded by a torch.fx rewrite onto cmap, with no plan.
 
 A Linear ``y = x @ W.T + b`` with ``W`` of shape ``[out, in]`` is a sum over its input features. Sharded by input
 features ("row" style), it is a cmap over the input-feature axis: each rank holds a slice of ``W``'s columns, takes
@@ -8,12 +8,13 @@ each rank computes its slice of ``y`` and cmap gathers the slices. Shards follow
 feature counts need not divide by the group size, and nothing depends on the batch size.
 
 The input ``x`` of every sharded layer must be the same on every rank (the model's input, and the replicated
-activations between layers that both styles produce). This module holds the torch.fx form.
+activations between layers that both styles produce). Tensor parallelism from a plan, with activations left sharded
+between layers, is :func:`~colossalai_cmap.tp.plan.shard_model`.
 """
 
 import traceback
 import warnings
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -26,82 +27,59 @@ from ..call.api import cmap
 from ..integration.groups import resolve_group
 from ..wire.group import Group
 
-__all__ = ["shard_model", "ShardedLinear"]
+__all__ = ["shard_linears_fx", "ShardedLinear"]
 
 STYLES = ("row", "col")
-AXIS = "shard_model.features"  # the mapped axis: input features ("row") or output features ("col")
-_CALL = "shard_model"
+_CALL = "shard_linears_fx"
+AXIS = f"{_CALL}.features"  # the mapped axis: input features ("row") or output features ("col")
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
 
 
-def shard_model(
+def shard_linears_fx(
     model: nn.Module,
     group: Any = None,
     *,
-    plan: Optional[Mapping[str, str]] = None,
     layers: Optional[Iterable[str]] = None,
-    style: Optional[str] = None,
+    style: str = "row",
     check_inputs: bool = False,
-) -> nn.Module:
-    """Shard a model's layers across a group, keeping only this rank's slice of each weight.
+) -> fx.GraphModule:
+    """Shard a model's linear layers across a group by tracing it with ``torch.fx``, each layer a cmap.
 
-    **With** ``plan`` (tensor parallelism as Megatron-LM does it, see ``docs/shard_model.md``): ``plan`` maps
-    ``fnmatch`` patterns over ``model.named_modules()`` names to styles: ``"colwise"`` (an ``nn.Linear`` split by
-    output features; replicated input, output left sharded along the last dim), ``"rowwise"`` (split by input
-    features; takes that sharded activation, returns the replicated sum, bias added once), ``"colwise_gather"``
-    (colwise, output gathered to full) and ``"vocab"`` (an ``nn.Embedding`` split by vocabulary rows). The whole plan
-    is checked first (patterns that match nothing, styles on the wrong module type, partial attention heads, tied
-    weights); then the matched modules are replaced in place, with no tracing, and ``model`` itself is returned.
+    Every ``nn.Linear`` call and every ``F.linear`` call whose weight is a parameter (or only those named in
+    ``layers``) is replaced by a :class:`ShardedLinear` that holds this rank's ``torch.tensor_split`` slice of the
+    weight and runs the layer with ``cmap`` over the feature axis: a replicated input, a replicated output. The
+    result equals the unsharded model's forward for any batch size, on every rank, and so do the gradients: a
+    sharded weight's gradient is the matching slice of the unsharded one; the bias is added once.
 
-    **Without** ``plan``, the model is traced with ``torch.fx``. Every ``nn.Linear`` call and every ``F.linear``
-    call whose weight is a parameter (or only those named in ``layers``) is replaced by a :class:`ShardedLinear`
-    that holds this rank's ``torch.tensor_split`` slice of the weight and runs the layer with ``cmap`` over the
-    feature axis. The result
-    equals the unsharded model's forward for any batch size, on every rank, and so do the gradients: a sharded
-    weight's gradient is the matching slice of the unsharded one; the bias is added once.
-
-    Every rank must call this with the same model (same architecture and weights, as after
-    ``colossalai.launch``'s shared seed) and later pass the same inputs to the returned module.
+    Every rank must call this with the same model (same architecture and weights, as after ``colossalai.launch``'s
+    shared seed) and later pass the same inputs to the returned module.
 
     Args:
-        model: the module to shard. With ``plan`` it is changed in place and returned; without, it is not modified
-            and the returned module shares its unsharded parts.
+        model: the module to shard; it is not modified, and the returned module shares its unsharded parts.
         group: where the shards live, as for ``cmap``: None (the world, or this process alone when
             ``torch.distributed`` is not initialised), a ``ProcessGroup``, ``(ProcessGroupMesh, axis)``, or a
             colossalai ``Booster``/plugin.
         layers: names of the layers to shard: an ``nn.Linear`` by its module path (``"fc1"``), an ``F.linear``
             call by its weight's path (``"proj.weight"``). None: every one found.
-        plan: module-name patterns to styles, as above. Not with ``layers`` or ``style``.
-        style: ``"row"`` (the default) splits the input features (partial products, then ``psum``); ``"col"``
-            splits the output features (then an all-gather).
-        check_inputs: check on every forward that every rank passed the same inputs (a checksum per rank in one
-            exchange with ``plan``; cmap's input check without); ranks that differ raise ``CmapError`` on every rank.
+        style: ``"row"`` splits the input features (partial products, then ``psum``); ``"col"`` splits the output
+            features (then an all-gather).
+        check_inputs: check on every forward, with cmap's input check, that every rank passed the same inputs; ranks
+            that differ raise ``CmapError`` on every rank.
 
     Returns:
-        With ``plan``: ``model``, its matched modules replaced. Without: a ``torch.fx.GraphModule`` whose sharded
-        layers are :class:`ShardedLinear` submodules: an ``nn.Linear`` keeps its path; an ``F.linear`` call on weight
-        ``p.w`` becomes submodule ``p.w_shard``.
+        A ``torch.fx.GraphModule`` whose sharded layers are :class:`ShardedLinear` submodules: an ``nn.Linear`` keeps
+        its path; an ``F.linear`` call on weight ``p.w`` becomes submodule ``p.w_shard``.
 
     Raises:
-        ValueError: a plan that does not fit the model (every rank raises it before any weight is touched), an
-            unknown ``style``, a name in ``layers`` that is not a shardable linear, or a sharded weight that the
-            model also uses outside a linear call.
+        ValueError: an unknown ``style``, a name in ``layers`` that is not a shardable linear, or a sharded weight
+            that the model also uses outside a linear call.
         torch.fx.proxy.TraceError: the model cannot be traced by ``torch.fx``; the message names the call.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 24))
-        >>> sharded = shard_model(model)  # on every rank of the world: the torch.fx form
+        >>> sharded = shard_linears_fx(model)  # on every rank of the world
         >>> torch.testing.assert_close(sharded(x), model(x))
-        >>> mlp = shard_model(copy.deepcopy(model), plan={"0": "colwise", "2": "rowwise"})  # Megatron's MLP
-        >>> torch.testing.assert_close(mlp(x), model(x))
     """
-    if plan is not None:
-        if layers is not None or style is not None:
-            raise ValueError(f"{_CALL}: plan= replaces layers= and style=; pass either plan or layers/style.")
-        from .plan import shard_by_plan
-
-        return shard_by_plan(model, group, plan, check_inputs)
-    style = "row" if style is None else style
     if style not in STYLES:
         raise ValueError(f"{_CALL}: unknown style={style!r}; expected one of {', '.join(map(repr, STYLES))}.")
     group_ = resolve_group(_CALL, group)
@@ -228,9 +206,9 @@ def _untraceable_message(model: nn.Module, tracer: _Tracer, exc: BaseException) 
     inside = f" inside submodule {tracer.stack[-1]}" if tracer.stack else ""
     return (
         f"{_CALL}: torch.fx cannot trace {type(model).__name__}{inside}{where}: {type(exc).__name__}: {exc}. "
-        f"shard_model needs a model that torch.fx can trace symbolically: move data-dependent control flow and "
+        f"{_CALL} needs a model that torch.fx can trace symbolically: move data-dependent control flow and "
         f"non-torch calls out of forward, wrap such a helper with torch.fx.wrap, or shard a traceable submodule "
-        f"instead (model.block = shard_model(model.block))."
+        f"instead (model.block = {_CALL}(model.block))."
     )
 
 

@@ -1,5 +1,7 @@
 """Tensor-parallel layers for ``shard_model(model, plan=...)``: Megatron's column- and row-parallel ``Linear`` and
-its vocabulary-parallel ``Embedding``, built on cmap's two primitives.
+its vocabulary-parallel ``Embedding``, built on cmap's two primitives. The styles of :mod:`.styles` build them; each
+layer keeps the style object that built it, and reads its ``name`` for messages and ``gathers`` for a gathered
+output.
 
 Megatron's two conjugate operators are roles of the primitives (:mod:`roles`):
 
@@ -26,20 +28,14 @@ from ..wire.exchange import JoinSpec, SplitSpec
 from ..wire.group import Group
 from ..wire.primitives import join, needs_function, split
 from ..wire.protocol import Link
-from ..wire.roles import COPY, Rows
+from ..wire.roles import COPY, Rows, tensor_split_sizes
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Shard", "split_sizes"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Slice"]
 
 CALL = "shard_model"
-COLWISE, ROWWISE, COLWISE_GATHER, VOCAB = "colwise", "rowwise", "colwise_gather", "vocab"
 
 
-def split_sizes(n: int, parts: int) -> Tuple[int, ...]:
-    """The sizes ``torch.tensor_split`` gives ``n`` items in ``parts``: the first ``n % parts`` one larger."""
-    return tuple(n // parts + (1 if r < n % parts else 0) for r in range(parts))
-
-
-class Shard(NamedTuple):
+class Slice(NamedTuple):
     """How one parameter of a sharded module is split: group rank ``r`` holds ``sizes[r]`` entries along ``dim``
     of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``."""
 
@@ -90,13 +86,15 @@ class Entries:
 
 
 class _Sharded(nn.Module):
-    """What the tensor-parallel layers share: the group, the module path in messages, and the exchanges."""
+    """What the tensor-parallel layers share: the group, the module path and style in messages, and the exchanges.
 
-    style: str
+    ``style`` is the :class:`~colossalai_cmap.tp.styles.ParallelStyle` that built the layer (typed ``Any``: the
+    styles import the layers).
+    """
 
-    def __init__(self, group: Group, path: str) -> None:
+    def __init__(self, group: Group, path: str, style: Any) -> None:
         super().__init__()
-        self.group, self.path = group, path
+        self.group, self.path, self.style = group, path, style
         self.timeout = default_timeout()
 
     def link(self, t: torch.Tensor) -> Link:
@@ -106,10 +104,10 @@ class _Sharded(nn.Module):
         """Megatron's g: the sum over the group of every rank's partial result; backward is the identity."""
         if self.group.size == 1:
             return partial
-        spec = JoinSpec(self.link(partial), (COPY,), f"the sum of {self.style} layer {self.path!r}")
+        spec = JoinSpec(self.link(partial), (COPY,), f"the sum of {self.style.name} layer {self.path!r}")
         return join(spec, [partial])[0]
 
-    def shards(self) -> Dict[str, Shard]:
+    def slices(self) -> Dict[str, Slice]:
         """The split of each sharded parameter, by parameter name (a replicated bias is not listed)."""
         raise NotImplementedError
 
@@ -118,15 +116,15 @@ class _Sharded(nn.Module):
         if full is None:
             self.register_parameter(name, None)
             return
-        value = full.detach() if dim is None else self._shard(full, dim).take(full.detach())
+        value = full.detach() if dim is None else self._slice(full, dim).take(full.detach())
         setattr(self, name, nn.Parameter(value.clone(), requires_grad=full.requires_grad))
 
-    def _shard(self, full: torch.Tensor, dim: int) -> Shard:
-        return Shard(dim, split_sizes(full.shape[dim], self.group.size), self.group.rank, tuple(full.shape))
+    def _slice(self, full: torch.Tensor, dim: int) -> Slice:
+        return Slice(dim, tensor_split_sizes(full.shape[dim], self.group.size), self.group.rank, tuple(full.shape))
 
 
 class ColumnParallelLinear(_Sharded):
-    """An ``nn.Linear`` split by output features (``"colwise"``, or ``"colwise_gather"`` with ``gather=True``).
+    """An ``nn.Linear`` split by output features (``Colwise``, or ``ColwiseGather``, whose ``gathers`` is True).
 
     The input is replicated; it enters through f, so its gradient is summed over the group in backward (one sum for
     every layer that reads the same tensor). The output is this rank's slice of the output features, last dim, or
@@ -137,27 +135,26 @@ class ColumnParallelLinear(_Sharded):
         bias: this rank's slice of the full bias, or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, gather: bool = False) -> None:
-        super().__init__(group, path)
-        self.style = COLWISE_GATHER if gather else COLWISE
+    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any) -> None:
+        super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = split_sizes(linear.out_features, group.size)
+        self.sizes = tensor_split_sizes(linear.out_features, group.size)
         self.entries = entries
         self._keep("weight", linear.weight, 0)
         self._keep("bias", linear.bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(self.entries.enter(x, self.link(x)), self.weight, self.bias)
-        if self.style == COLWISE or self.group.size == 1:
+        if not self.style.gathers or self.group.size == 1:
             return out
         spec = JoinSpec(self.link(out), (Rows(out.dim() - 1, self.sizes),), f"the gather of layer {self.path!r}")
         return join(spec, [out])[0]
 
-    def shards(self) -> Dict[str, Shard]:
+    def slices(self) -> Dict[str, Slice]:
         full = (self.out_features, self.in_features)
-        found = {"weight": Shard(0, self.sizes, self.group.rank, full)}
+        found = {"weight": Slice(0, self.sizes, self.group.rank, full)}
         if self.bias is not None:
-            found["bias"] = Shard(0, self.sizes, self.group.rank, (self.out_features,))
+            found["bias"] = Slice(0, self.sizes, self.group.rank, (self.out_features,))
         return found
 
     def extra_repr(self) -> str:
@@ -165,7 +162,7 @@ class ColumnParallelLinear(_Sharded):
 
 
 class RowParallelLinear(_Sharded):
-    """An ``nn.Linear`` split by input features (``"rowwise"``).
+    """An ``nn.Linear`` split by input features (``Rowwise``).
 
     Its input is the activation a column-parallel layer left sharded: this rank's slice of the input features. The
     partial products are summed over the group by g (one exchange forward, none backward), then the whole bias is
@@ -176,11 +173,10 @@ class RowParallelLinear(_Sharded):
         bias: the full bias (every rank holds it; added after the sum), or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str) -> None:
-        super().__init__(group, path)
-        self.style = ROWWISE
+    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any) -> None:
+        super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = split_sizes(linear.in_features, group.size)
+        self.sizes = tensor_split_sizes(linear.in_features, group.size)
         self._keep("weight", linear.weight, 1)
         self._keep("bias", linear.bias, None)
 
@@ -188,21 +184,21 @@ class RowParallelLinear(_Sharded):
         mine = self.sizes[self.group.rank]
         if x.shape[-1] != mine:
             raise ValueError(
-                f"{CALL}: rowwise layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
+                f"{CALL}: {self.style.name} layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
                 f"features (the sharded output of a colwise layer), but got an input of shape {tuple(x.shape)}."
             )
         out = self.summed(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
-    def shards(self) -> Dict[str, Shard]:
-        return {"weight": Shard(1, self.sizes, self.group.rank, (self.out_features, self.in_features))}
+    def slices(self) -> Dict[str, Slice]:
+        return {"weight": Slice(1, self.sizes, self.group.rank, (self.out_features, self.in_features))}
 
     def extra_repr(self) -> str:
         return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")
 
 
 class VocabParallelEmbedding(_Sharded):
-    """An ``nn.Embedding`` split by vocabulary rows (``"vocab"``).
+    """An ``nn.Embedding`` split by vocabulary rows (``Vocab``).
 
     Ids outside this rank's rows contribute zero; the output is the sum over the group (g), so every rank holds the
     full embedding. The ids must be the same on every rank.
@@ -211,19 +207,18 @@ class VocabParallelEmbedding(_Sharded):
         weight: this rank's rows of the full ``[num_embeddings, embedding_dim]`` weight.
     """
 
-    def __init__(self, embedding: nn.Embedding, group: Group, path: str) -> None:
-        super().__init__(group, path)
-        self.style = VOCAB
+    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any) -> None:
+        super().__init__(group, path, style)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.sizes = split_sizes(embedding.num_embeddings, group.size)
+        self.sizes = tensor_split_sizes(embedding.num_embeddings, group.size)
         self.sparse = embedding.sparse
         self._keep("weight", embedding.weight, 0)
-        start, pad = self.shards()["weight"].offset, embedding.padding_idx
+        start, pad = self.slices()["weight"].offset, embedding.padding_idx
         inside = pad is not None and start <= pad < start + self.sizes[group.rank]
         self.padding_idx = pad - start if inside else None  # this rank's row index of the padding row, if it holds it
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        start, count = self.shards()["weight"].offset, self.sizes[self.group.rank]
+        start, count = self.slices()["weight"].offset, self.sizes[self.group.rank]
         inside = (ids >= start) & (ids < start + count)
         if count:
             local = torch.where(inside, ids - start, torch.zeros_like(ids))
@@ -233,9 +228,9 @@ class VocabParallelEmbedding(_Sharded):
             rows = self.weight.new_zeros((*ids.shape, self.embedding_dim))
         return self.summed(rows)
 
-    def shards(self) -> Dict[str, Shard]:
+    def slices(self) -> Dict[str, Slice]:
         full = (self.num_embeddings, self.embedding_dim)
-        return {"weight": Shard(0, self.sizes, self.group.rank, full)}
+        return {"weight": Slice(0, self.sizes, self.group.rank, full)}
 
     def extra_repr(self) -> str:
         return _describe(self, f"{self.num_embeddings}, {self.embedding_dim}")

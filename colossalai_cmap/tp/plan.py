@@ -1,13 +1,15 @@
-"""``shard_model(model, plan=...)``: a sharding plan checked as a whole, then applied in place, with no tracing.
+"""``shard_model(model, plan=...)``: tensor parallelism from a sharding plan, checked as a whole, then applied in
+place, with no tracing.
 
-The plan maps ``fnmatch`` patterns over ``model.named_modules()`` names to styles (:data:`STYLES`). Every check runs
-before any weight is touched, and depends only on the model, the plan and the group size, so every rank raises the
-same error, naming the pattern or the module path. Then each matched module is replaced by its tensor-parallel
-layer (:mod:`tp_layers`); the model's forward is whatever it was, so any model works.
+The plan maps ``fnmatch`` patterns over ``model.named_modules()`` names to styles (:mod:`.styles`: the style
+objects, or their shorthand strings). Every check runs before any weight is touched, and depends only on the model,
+the plan and the group size, so every rank raises the same error, naming the pattern or the module path. Then each
+matched module is replaced by the tensor-parallel layer its style builds (:mod:`.layers`); the model's forward is
+whatever it was, so any model works.
 """
 
 import fnmatch
-from typing import Any, Dict, List, Mapping, NamedTuple, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -21,41 +23,83 @@ from ..wire.exchange import JoinSpec
 from ..wire.group import Group, group_device
 from ..wire.primitives import join
 from ..wire.protocol import Link
-from ..wire.roles import Rows
-from .layers import (
-    CALL,
-    COLWISE,
-    COLWISE_GATHER,
-    ROWWISE,
-    VOCAB,
-    ColumnParallelLinear,
-    Entries,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    split_sizes,
-)
+from ..wire.roles import Rows, tensor_split_sizes
+from .layers import CALL, Entries
+from .styles import SHORTHANDS, ParallelStyle, resolve_style
 
-# What each style shards; attention modules with these integer attributes get this rank's head counts.
-STYLES: Dict[str, type] = {COLWISE: nn.Linear, ROWWISE: nn.Linear, COLWISE_GATHER: nn.Linear, VOCAB: nn.Embedding}
+__all__ = ["shard_model"]
+
+# Attention modules with these integer attributes get this rank's head counts.
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
 
 
-class Placement(NamedTuple):
-    """One module the plan shards: its path, style, and the plan pattern that matched it."""
+class Assignment(NamedTuple):
+    """One module the plan shards: its path, the module, its style object, and the plan pattern that matched it."""
 
     path: str
-    style: str
+    module: nn.Module
+    style: ParallelStyle
     pattern: str
 
 
-def shard_by_plan(model: nn.Module, group: Any, plan: Mapping[str, str], check_inputs: bool) -> nn.Module:
-    """Check ``plan`` against ``model``, then replace every matched module by its tensor-parallel layer."""
+def shard_model(
+    model: nn.Module,
+    group: Any = None,
+    *,
+    plan: Optional[Mapping[str, Union[ParallelStyle, str]]] = None,
+    check_inputs: bool = False,
+) -> nn.Module:
+    """Tensor parallelism as Megatron-LM does it: shard the modules a plan names, in place, and return ``model``.
+
+    ``plan`` maps ``fnmatch`` patterns over ``model.named_modules()`` names to parallel styles: ``Colwise()`` (an
+    ``nn.Linear`` split by output features; replicated input, output left sharded along the last dim),
+    ``Rowwise()`` (split by input features; takes that sharded activation, returns the replicated sum, bias added
+    once), ``ColwiseGather()`` (colwise, output gathered to full) and ``Vocab()`` (an ``nn.Embedding`` split by
+    vocabulary rows), or their shorthand strings ``"colwise"``, ``"rowwise"``, ``"colwise_gather"``, ``"vocab"``.
+    The whole plan is checked first (patterns that match nothing, styles on the wrong module type, partial attention
+    heads, tied weights); then the matched modules are replaced, with no tracing, so any model's forward works.
+    See ``docs/shard_model.md``.
+
+    Every rank of the group must call this with the same model (same architecture and weights, as after
+    ``colossalai.launch``'s shared seed) and later pass the same inputs to it.
+
+    Args:
+        model: the module to shard, changed in place.
+        group: the tensor-parallel group, as for ``cmap``: None (the world, or this process alone when
+            ``torch.distributed`` is not initialised), a ``ProcessGroup``, ``(ProcessGroupMesh, axis)``, or a
+            colossalai ``Booster``/plugin.
+        plan: module-name patterns to styles, as above. Required (keyword only); the torch.fx form, which shards
+            every linear layer with no plan, is :func:`~colossalai_cmap.tp.fx.shard_linears_fx`.
+        check_inputs: check on every forward that every rank passed the same inputs (a checksum per rank in one
+            exchange); ranks that differ raise ``CmapError`` on every rank.
+
+    Returns:
+        ``model`` itself, its matched modules replaced by tensor-parallel layers that hold this rank's slices.
+
+    Raises:
+        TypeError: no ``plan``.
+        ValueError: a plan that does not fit the model; every rank raises it before any weight is touched.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 24))
+        >>> full = copy.deepcopy(model)
+        >>> model = shard_model(model, plan={"0": Colwise(), "2": Rowwise()})  # Megatron's MLP, on every rank
+        >>> torch.testing.assert_close(model(x), full(x))
+    """
+    if plan is None:
+        styles = ", ".join(map(repr, SHORTHANDS.values()))
+        misplaced = " (the second positional argument is the group)" if isinstance(group, Mapping) else ""
+        raise TypeError(
+            f"{CALL}: pass the plan as plan={{module-name pattern: style}}{misplaced}, with the styles {styles} or "
+            f"their shorthands {', '.join(map(repr, SHORTHANDS))}; to shard every linear layer with no plan, use the "
+            f"torch.fx form, shard_linears_fx(model, group, layers=..., style=...)."
+        )
     group_ = resolve_group(CALL, group)
-    placements = resolve_plan(model, plan, group_.size)
+    assignments = resolve_plan(model, plan, group_.size)
     entries = Entries()
-    heads = _head_counts(model, placements, group_)
-    for p in placements:
-        _replace(model, p, _layer(model.get_submodule(p.path), p, group_, entries))
+    heads = _head_counts(model, assignments, group_)
+    for a in assignments:
+        _replace(model, a.path, a.style._apply(a.module, group_, a.path, entries))
     for owner, counts in heads.items():
         for attr, value in counts.items():
             setattr(owner, attr, value)
@@ -66,101 +110,79 @@ def shard_by_plan(model: nn.Module, group: Any, plan: Mapping[str, str], check_i
     return model
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Placement]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, Any], size: int) -> List[Assignment]:
     """Every module ``plan`` shards, after every check; raises ``ValueError`` naming the pattern or the path."""
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"{CALL}: plan must be a non-empty mapping of module-name patterns to styles, got {plan!r}.")
     modules = dict(model.named_modules())
-    found: Dict[str, Placement] = {}
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(
-                f"{CALL}: plan pattern {pattern!r} has unknown style {style!r}; expected one of {', '.join(STYLES)}."
-            )
+    found: Dict[str, Assignment] = {}
+    for pattern, given in plan.items():
+        style = resolve_style(given, pattern)
         paths = [path for path in modules if fnmatch.fnmatchcase(path, pattern)]
         if not paths:
             raise ValueError(f"{CALL}: plan pattern {pattern!r} matches no module of {type(model).__name__}.")
         for path in paths:
-            _check_module(path, modules[path], style, pattern)
+            style._check(path, modules[path], pattern)
             other = found.get(path)
             if other is not None and other.style != style:
                 raise ValueError(
-                    f"{CALL}: module {path!r} is matched by plan pattern {other.pattern!r} as {other.style!r} and by "
-                    f"{pattern!r} as {style!r}; a module takes one style."
+                    f"{CALL}: module {path!r} is matched by plan pattern {other.pattern!r} as {other.style.name!r} "
+                    f"and by {pattern!r} as {style.name!r}; a module takes one style."
                 )
-            found.setdefault(path, Placement(path, style, pattern))
-    placements = list(found.values())
-    _check_tied(model, placements)
-    _check_heads(modules, placements, size)
-    return placements
+            found.setdefault(path, Assignment(path, modules[path], style, pattern))
+    assignments = list(found.values())
+    _check_tied(model, assignments)
+    _check_heads(modules, assignments, size)
+    return assignments
 
 
-def _check_module(path: str, module: nn.Module, style: str, pattern: str) -> None:
-    kind = STYLES[style]
-    if not isinstance(module, kind):
-        raise ValueError(
-            f"{CALL}: plan pattern {pattern!r} gives style {style!r} to module {path!r}, a {type(module).__name__}; "
-            f"{style!r} shards an nn.{kind.__name__}."
-        )
-    if type(module).forward is not kind.forward:  # a subclass that computes something else (LoRA, quantized, ...)
-        raise ValueError(
-            f"{CALL}: plan pattern {pattern!r} gives style {style!r} to module {path!r}, a {type(module).__name__} "
-            f"with its own forward; {style!r} replaces a plain nn.{kind.__name__}."
-        )
-    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
-        raise ValueError(
-            f"{CALL}: embedding {path!r} uses max_norm or scale_grad_by_freq, which look at every id of the batch "
-            f"against the whole table; a vocabulary-split table cannot keep them."
-        )
-
-
-def _check_tied(model: nn.Module, placements: List[Placement]) -> None:
+def _check_tied(model: nn.Module, assignments: List[Assignment]) -> None:
     """A sharded parameter that another module also holds (tied weights) would be split under one name only."""
     owners: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
-    for pl in placements:
-        for name, p in model.get_submodule(pl.path).named_parameters(prefix=pl.path):
+    for a in assignments:
+        for name, p in a.module.named_parameters(prefix=a.path):
             if len(owners[id(p)]) > 1:
                 raise ValueError(
-                    f"{CALL}: parameter {name!r} of module {pl.path!r} is tied to {owners[id(p)]}; untie it (for "
+                    f"{CALL}: parameter {name!r} of module {a.path!r} is tied to {owners[id(p)]}; untie it (for "
                     f"transformers models, tie_word_embeddings=False) or leave the module out of the plan."
                 )
 
 
-def _check_heads(modules: Dict[str, nn.Module], placements: List[Placement], size: int) -> None:
+def _check_heads(modules: Dict[str, nn.Module], assignments: List[Assignment], size: int) -> None:
     """A Linear inside an attention module (one with an int ``head_dim``) must leave every rank whole heads.
 
     ``torch.tensor_split`` sizes of ``heads * head_dim`` features are all multiples of ``head_dim`` only when the
     split is even, so the heads divide evenly too, and the ratio of query to key/value heads is kept on every rank.
     """
-    for p in placements:
-        if STYLES[p.style] is not nn.Linear:
+    for a in assignments:
+        split = a.style._head_features(a.module)
+        if split is None:
             continue
-        parent = modules[p.path.rpartition(".")[0]]
+        parent = modules[a.path.rpartition(".")[0]]
         head_dim = getattr(parent, "head_dim", None)
         if not isinstance(head_dim, int) or head_dim <= 0:
             continue
-        linear = modules[p.path]
-        features = linear.in_features if p.style == ROWWISE else linear.out_features
-        sizes = split_sizes(features, size)
+        features, side = split
+        sizes = tensor_split_sizes(features, size)
         if features % head_dim == 0 and any(s % head_dim for s in sizes):
             raise ValueError(
-                f"{CALL}: plan pattern {p.pattern!r} splits attention projection {p.path!r} ({features} "
-                f"{'input' if p.style == ROWWISE else 'output'} features = {features // head_dim} heads of "
+                f"{CALL}: plan pattern {a.pattern!r} splits attention projection {a.path!r} ({features} "
+                f"{side} features = {features // head_dim} heads of "
                 f"{head_dim}) over {size} ranks as {list(sizes)} features, leaving a rank a partial head; use a group "
                 f"size that divides the number of heads."
             )
 
 
-def _head_counts(model: nn.Module, placements: List[Placement], group: Group) -> Dict[nn.Module, Dict[str, int]]:
+def _head_counts(model: nn.Module, assignments: List[Assignment], group: Group) -> Dict[nn.Module, Dict[str, int]]:
     """This rank's head counts for attention modules that keep them as attributes (read before any replacement).
 
     transformers' ``LlamaAttention`` keeps none: it reshapes with ``-1`` and reads only ``head_dim`` and
     ``num_key_value_groups``, which an even split by whole heads leaves unchanged.
     """
     counts: Dict[nn.Module, Dict[str, int]] = {}
-    sharded = {p.path for p in placements if p.style in (COLWISE, ROWWISE)}
+    sharded = {a.path for a in assignments if a.style.splits_heads}
     for path, module in model.named_modules():
         head_dim = getattr(module, "head_dim", None)
         children = {f"{path}.{name}" if path else name for name, _ in module.named_children()}
@@ -171,16 +193,8 @@ def _head_counts(model: nn.Module, placements: List[Placement], group: Group) ->
     return counts
 
 
-def _layer(module: nn.Module, p: Placement, group: Group, entries: Entries) -> nn.Module:
-    if p.style == ROWWISE:
-        return RowParallelLinear(module, group, p.path)
-    if p.style == VOCAB:
-        return VocabParallelEmbedding(module, group, p.path)
-    return ColumnParallelLinear(module, group, p.path, entries, gather=p.style == COLWISE_GATHER)
-
-
-def _replace(model: nn.Module, p: Placement, layer: nn.Module) -> None:
-    owner, _, name = p.path.rpartition(".")
+def _replace(model: nn.Module, path: str, layer: nn.Module) -> None:
+    owner, _, name = path.rpartition(".")
     setattr(model.get_submodule(owner), name, layer)
 
 

@@ -17,25 +17,27 @@ from ..wire.exchange import JoinSpec, join_values
 from ..wire.group import Group
 from ..wire.protocol import Link
 from ..wire.roles import Rows
-from .layers import CALL, PARALLEL_LAYERS, Shard
+from .layers import CALL, PARALLEL_LAYERS, Slice
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_parameters"]
 
 
-def sharded_parameters(model: nn.Module) -> Dict[str, Shard]:
-    """How each tensor-parallel parameter of ``model`` is split, by its name in ``model.state_dict()``.
+def sharded_parameters(model: nn.Module) -> Dict[str, Slice]:
+    """How each tensor-parallel parameter of ``model`` is split, by its name in ``model.state_dict()``: a
+    :class:`~colossalai_cmap.tp.layers.Slice` each, whose ``take(full)`` cuts this rank's slice out of a full tensor.
 
     Parameters that every rank holds whole (unsharded modules, a row-parallel layer's bias) are not listed.
 
     Example:
-        >>> shard = sharded_parameters(sharded)["model.layers.0.mlp.up_proj.weight"]
-        >>> torch.testing.assert_close(sharded.get_parameter(name).grad, shard.take(full_model_weight.grad))
+        >>> name = "model.layers.0.mlp.up_proj.weight"
+        >>> piece = sharded_parameters(sharded)[name]
+        >>> torch.testing.assert_close(sharded.get_parameter(name).grad, piece.take(full_model_weight.grad))
     """
-    found: Dict[str, Shard] = {}
+    found: Dict[str, Slice] = {}
     for path, module in model.named_modules():
         if isinstance(module, PARALLEL_LAYERS):
-            for name, shard in module.shards().items():
-                found[f"{path}.{name}" if path else name] = shard
+            for name, piece in module.slices().items():
+                found[f"{path}.{name}" if path else name] = piece
     return found
 
 
@@ -57,13 +59,13 @@ def full_state_dict(model: nn.Module, dst: int = -1) -> Optional[Dict[str, torch
         return state
     if not (isinstance(dst, int) and -1 <= dst < group.size):
         raise ValueError(f"full_state_dict: dst must be -1 or a group rank below {group.size}, got {dst!r}.")
-    shards = sharded_parameters(model)
+    slices = sharded_parameters(model)
     batches: Dict[Tuple[Tuple[int, ...], torch.device], List[str]] = {}
-    for name, shard in shards.items():  # one exchange per split and device: Join's rows share their counts
-        batches.setdefault((shard.sizes, state[name].device), []).append(name)
+    for name, piece in slices.items():  # one exchange per split and device: Join's rows share their counts
+        batches.setdefault((piece.sizes, state[name].device), []).append(name)
     with torch.no_grad():
         for (sizes, device), names in batches.items():
-            roles = tuple(Rows(shards[n].dim, sizes) for n in names)
+            roles = tuple(Rows(slices[n].dim, sizes) for n in names)
             spec = JoinSpec(
                 Link(group, device, "full_state_dict", default_timeout()), roles, "the full state dict", dst=dst
             )
@@ -89,16 +91,16 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], st
         ValueError: an entry of a sharded parameter does not have the unsharded shape.
     """
     local = dict(state)
-    for name, shard in sharded_parameters(model).items():
+    for name, piece in sharded_parameters(model).items():
         if name not in local:
             continue
         full = local[name]
-        if tuple(full.shape) != shard.full_shape:
+        if tuple(full.shape) != piece.full_shape:
             raise ValueError(
                 f"load_full_state_dict: {name!r} has shape {tuple(full.shape)}, but the sharded parameter is a slice "
-                f"of shape {shard.full_shape}; pass the unsharded state dict."
+                f"of shape {piece.full_shape}; pass the unsharded state dict."
             )
-        local[name] = shard.take(full)
+        local[name] = piece.take(full)
     return model.load_state_dict(local, strict=strict)
 
 

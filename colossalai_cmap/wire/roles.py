@@ -37,6 +37,11 @@ class Rows(NamedTuple):
         return Rows(self.dim + 1, self.sizes)
 
 
+def tensor_split_sizes(n: int, parts: int) -> Tuple[int, ...]:
+    """The sizes ``torch.tensor_split`` gives ``n`` items in ``parts``: the first ``n % parts`` one larger."""
+    return tuple(n // parts + (1 if r < n % parts else 0) for r in range(parts))
+
+
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
 Role = Union[Rows, str]
 

@@ -1,4 +1,4 @@
-"""shard_model and replicated outputs, on real gloo worlds of 2, 3 and 4.
+"""shard_linears_fx (the torch.fx form) and replicated outputs, on real gloo worlds of 2, 3 and 4.
 
 The oracle is the unsharded model, run in the same process on the same inputs: the sharded forward must match it,
 and so must the gradients (a sharded weight's gradient is the matching ``torch.tensor_split`` slice).
@@ -13,7 +13,7 @@ from torch import nn
 from torch.fx.proxy import TraceError
 
 import colossalai_cmap as cm
-from colossalai_cmap import psum, shard_model
+from colossalai_cmap import psum, shard_linears_fx
 
 DEADLINE = 60  # seconds per distributed check (the harness kills the world past it)
 pytestmark = pytest.mark.timeout(120)
@@ -123,7 +123,7 @@ def check_seed_scenario():
     model = nn.Linear(64, 24)
     x = torch.rand(100, 64)
     expected = model(x)
-    sharded = shard_model(model)
+    sharded = shard_linears_fx(model)
     assert torch.allclose(sharded(x), expected, atol=1e-05)
     rank, size = _rank_size()
     cols = torch.arange(64).tensor_split(size)[rank].numel()
@@ -141,14 +141,14 @@ def check_uneven(style):
     for fin, fout in ((7, 5), (size - 1 or 1, size + 1), (1, 1)):
         torch.manual_seed(fin * 10 + fout)
         model = nn.Linear(fin, fout)
-        sharded = shard_model(model, style=style)
+        sharded = shard_linears_fx(model, style=style)
         rename = {"weight_shard.weight": "weight", "weight_shard.bias": "bias"}  # the root Linear's F.linear call
         for B in (1, 3, size + 1, 0):
             _parity(model, sharded, randn(B, fin, seed=B), style, f"Linear({fin}, {fout}) {style} B={B}", rename)
             done += 1
     torch.manual_seed(3)
     model = Functional(9, 6)
-    sharded = shard_model(model, style=style)
+    sharded = shard_linears_fx(model, style=style)
     names = {n for n, _ in sharded.named_parameters()}
     assert names == {"w_shard.weight", "w_shard.bias", "head.weight"}, names
     assert not hasattr(sharded, "w") and not hasattr(sharded, "b")
@@ -160,13 +160,13 @@ def check_uneven(style):
 def check_mlp(style, batch_sizes):
     rank, size = _rank_size()
     model = mlp(10, 13, 7, seed=5)
-    sharded = shard_model(model, style=style)
+    sharded = shard_linears_fx(model, style=style)
     for B in batch_sizes:
         _parity(model, sharded, randn(B, 10, seed=20 + B), style, f"MLP {style} B={B}")
     full, mine = _param_bytes(model), _param_bytes(sharded)
     assert mine < full or size == 1
     # only the listed layers are sharded
-    partial = shard_model(model, layers=["2"], style=style)
+    partial = shard_linears_fx(model, layers=["2"], style=style)
     assert isinstance(partial.get_submodule("0"), nn.Linear)
     assert type(partial.get_submodule("2")).__name__ == "ShardedLinear"
     _parity(model, partial, randn(4, 10, seed=40), style, f"MLP {style} layers=['2']")
@@ -267,15 +267,15 @@ def test_zero_byte_outputs_uneven(worlds):
 def test_single_process(style):
     """Without torch.distributed the whole weight is this process's shard, and the result is unchanged."""
     model = mlp(6, 5, 4, seed=1)
-    _parity(model, shard_model(model, style=style), randn(3, 6, seed=2), style, f"single {style}")
+    _parity(model, shard_linears_fx(model, style=style), randn(3, 6, seed=2), style, f"single {style}")
 
 
 def test_untraceable_model_names_the_call():
     with pytest.raises(TraceError) as info:
-        shard_model(Outer())
+        shard_linears_fx(Outer())
     text = str(info.value)
     assert "torch.fx cannot trace Outer" in text
-    assert "at the call `if h.sum() > 0:" in text and "test_shard_model.py" in text
+    assert "at the call `if h.sum() > 0:" in text and "test_tp_fx.py" in text
     assert "'block' (Branchy)" in text
     assert "control flow" in text
 
@@ -283,11 +283,11 @@ def test_untraceable_model_names_the_call():
 def test_bad_arguments():
     model = mlp(4, 4, 4, seed=0)
     with pytest.raises(ValueError, match="unknown style='diag'"):
-        shard_model(model, style="diag")
+        shard_linears_fx(model, style="diag")
     with pytest.raises(ValueError, match=r"layers \['fc9'\] are not shardable linear layers.*found: \['0', '2', '4'\]"):
-        shard_model(model, layers=["fc9"])
+        shard_linears_fx(model, layers=["fc9"])
     with pytest.raises(ValueError, match="parameter 'fc.weight' is also used outside the linear call"):
-        shard_model(Tied())
+        shard_linears_fx(Tied())
     with pytest.raises(ValueError, match="it belongs to module 'fc', which the model also calls"):
-        shard_model(CalledAndFunctional(), layers=["fc.weight"])
-    assert isinstance(shard_model(Tied(), layers=[]).fc, nn.Linear)
+        shard_linears_fx(CalledAndFunctional(), layers=["fc.weight"])
+    assert isinstance(shard_linears_fx(Tied(), layers=[]).fc, nn.Linear)

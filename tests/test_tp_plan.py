@@ -35,10 +35,10 @@ pytestmark = pytest.mark.timeout(300)
 
 def assert_grads(sharded: nn.Module, full: nn.Module, what: str) -> None:
     """Every parameter's gradient: a sharded one equals its slice of the full gradient, the others all of it."""
-    shards, ref = cm.sharded_parameters(sharded), dict(full.named_parameters())
+    slices, ref = cm.sharded_parameters(sharded), dict(full.named_parameters())
     assert set(dict(sharded.named_parameters())) == set(ref)
     for name, p in sharded.named_parameters():
-        expected = shards[name].take(ref[name].grad) if name in shards else ref[name].grad
+        expected = slices[name].take(ref[name].grad) if name in slices else ref[name].grad
         torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"{what}: grad of {name}: {m}")
 
 
@@ -74,9 +74,9 @@ def check_llama():
         torch.testing.assert_close(tp.last, ref.last, **TOL, msg=lambda m: f"AdamW step {step}: loss: {m}")
     # The parameters: within what five AdamW updates can move an entry whose tiny gradient rounds differently.
     drift = dict(rtol=TOL["rtol"], atol=TOL["atol"] + adam_drift_bound(1e-3, (0.9, 0.999), 5))
-    shards, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
     for name, p in tp.named_parameters():
-        expected = shards[name].take(full[name]) if name in shards else full[name]
+        expected = slices[name].take(full[name]) if name in slices else full[name]
         torch.testing.assert_close(p, expected, **drift, msg=lambda m: f"after 5 AdamW steps: {name}: {m}")
     return param_bytes(tp), param_bytes(ref)
 
@@ -168,6 +168,32 @@ def uneven_model(seed: int) -> nn.Module:
 
 MLP_PLAN = {"0": "colwise", "2": "rowwise"}
 UNEVEN_PLAN = {**MLP_PLAN, "3.[qkv]": "colwise", "3.o": "rowwise"}
+ALL_STYLES_PLAN = {
+    "0": "vocab",
+    "1": "colwise",
+    "3": "rowwise",
+    "4.[qkv]": "colwise",
+    "4.o": "rowwise",
+    "5": "colwise_gather",
+}
+
+
+def all_styles_model(seed: int) -> nn.Module:
+    """Every style: a vocabulary of 13 (a padding row), an MLP 12 -> 13 -> 12, 6 heads of 2, a gathered head."""
+    torch.manual_seed(seed)
+    layers = [nn.Embedding(13, 12, padding_idx=6), nn.Linear(12, 13), nn.GELU(), nn.Linear(13, 12)]
+    return nn.Sequential(*layers, HeadsAttention(6, 2), nn.Linear(12, 7))
+
+
+def as_objects(plan: dict) -> dict:
+    """The same plan with the style objects in place of their shorthand strings."""
+    objects = {
+        "colwise": cm.Colwise(),
+        "rowwise": cm.Rowwise(),
+        "colwise_gather": cm.ColwiseGather(),
+        "vocab": cm.Vocab(),
+    }
+    return {pattern: objects[style] for pattern, style in plan.items()}
 
 
 def check_uneven_mlp():
@@ -186,9 +212,35 @@ def check_uneven_mlp():
     got, ref = vocab(ids), table(ids)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
     (got * randn(2, 5, 6, seed=2)).sum().backward(), (ref * randn(2, 5, 6, seed=2)).sum().backward()
-    shard = cm.sharded_parameters(vocab)["0.weight"]
-    torch.testing.assert_close(vocab[0].weight.grad, shard.take(table.weight.grad), **TOL)
+    piece = cm.sharded_parameters(vocab)["0.weight"]
+    torch.testing.assert_close(vocab[0].weight.grad, piece.take(table.weight.grad), **TOL)
     return param_bytes(sharded)
+
+
+def check_styles_match_shorthands():
+    """A plan of style objects and the same plan of strings: the same layers, bits, gradients and collectives.
+
+    Each model gets a fresh group, so that both start from the same payload size (it adapts per group).
+    """
+    P, ids = dist.get_world_size(), torch.tensor([[0, 4, 5, 6, 12], [6, 9, 1, 12, 3]])
+    runs = []
+    for plan in (ALL_STYLES_PLAN, as_objects(ALL_STYLES_PLAN)):
+        model = cm.shard_model(all_styles_model(4), group=dist.new_group(list(range(P))), plan=plan)
+        outs, logs = [], []
+        for step in range(3):
+            with cm.record_collectives() as fwd:
+                out = model(ids)
+            with cm.record_collectives() as bwd:
+                (out.sin() * randn(*out.shape, seed=step)).sum().backward()
+            outs.append(out.detach())
+            logs.append((fwd.entries, bwd.entries))
+        runs.append((repr(model), outs, {n: p.grad for n, p in model.named_parameters()}, logs))
+    (text, outs, grads, logs), (text_o, outs_o, grads_o, logs_o) = runs
+    assert "style=ColwiseGather()" in text and text == text_o
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_o))
+    assert grads.keys() == grads_o.keys() and all(torch.equal(g, grads_o[n]) for n, g in grads.items())
+    assert logs == logs_o and logs[-1][0] and logs[-1][1]
+    return [len(fwd) + len(bwd) for fwd, bwd in logs]
 
 
 def check_large_activation_counts():
@@ -215,7 +267,7 @@ def check_inputs_differ():
     with pytest.raises(cm.CmapError, match=r"check_inputs=True: the inputs of Sequential differ across the ranks"):
         model(x + rank)
     model(x)  # the group is still in step
-    traced = cm.shard_model(nn.Linear(12, 5), check_inputs=True)  # the torch.fx form: cmap's own input check
+    traced = cm.shard_linears_fx(nn.Linear(12, 5), check_inputs=True)  # the torch.fx form: cmap's own input check
     traced(x)
     with pytest.raises(cm.CmapError, match="in_dims=None inputs"):
         traced(x + rank)
@@ -230,8 +282,14 @@ def plan_errors():
         ({"1": "colwise"}, r"gives style 'colwise' to module '1', a GELU; 'colwise' shards an nn.Linear"),
         ({"0": "vocab"}, r"gives style 'vocab' to module '0', a Linear; 'vocab' shards an nn.Embedding"),
         ({"0": "colwise", "[0]": "rowwise"}, r"module '0' is matched by plan pattern '0' as 'colwise' and by '\[0\]'"),
+        ({"1": cm.Colwise()}, r"plan pattern '1' gives style 'colwise' to module '1', a GELU; 'colwise' shards an nn"),
+        ({"3.q": cm.Vocab()}, r"gives style 'vocab' to module '3.q', a Linear; 'vocab' shards an nn.Embedding"),
+        ({"3": cm.ColwiseGather()}, r"style 'colwise_gather' to module '3', a HeadsAttention; 'colwise_gather' shards"),
+        ({"[02]": cm.Rowwise(), "2": "colwise"}, r"module '2' is matched by plan pattern '\[02\]' as 'rowwise' and by"),
+        ({"0": cm.Colwise}, r"unknown style <class .*Colwise'>; .* or a style object: Colwise\(\), Rowwise\(\)"),
         ({}, r"plan must be a non-empty mapping"),
         ({"3.[qk]": "colwise", "3.o": "rowwise"}, None),  # fine at TP 3: one whole head per rank
+        ({"0": cm.Colwise(), "[0]": "colwise"}, None),  # one style, as an object and by its shorthand
     ]
     messages = []
     for plan, pattern in cases:
@@ -256,8 +314,14 @@ def plan_errors():
         cm.shard_model(nn.Sequential(nn.Embedding(12, 4, max_norm=1.0)), plan={"0": "vocab"})
     with pytest.raises(ValueError, match=r"module '0', a Custom with its own forward; 'colwise' replaces a plain"):
         cm.shard_model(nn.Sequential(type("Custom", (nn.Linear,), {"forward": torch.sin})(2, 2)), plan={"0": "colwise"})
-    with pytest.raises(ValueError, match="plan= replaces layers= and style="):
-        cm.shard_model(uneven_model(2), plan={"0": "colwise"}, style="row")
+    no_plan = r"pass the plan as plan=\{module-name pattern: style\}.* use the torch.fx form, shard_linears_fx\(model"
+    for call in (lambda m: cm.shard_model(m), lambda m: cm.shard_model(m, MLP_PLAN)):  # no plan=; a plan as group
+        model = uneven_model(2)
+        with pytest.raises(TypeError, match=no_plan) as info:
+            call(model)
+        assert all(type(m) in (nn.Linear, nn.GELU, nn.Sequential, HeadsAttention) for m in model.modules())
+        messages.append(str(info.value))
+    assert "(the second positional argument is the group)" in messages[-1]
     return messages
 
 
@@ -321,6 +385,12 @@ def test_uneven_mlp_and_heads_at_tp3(worlds):
 def test_plan_errors_on_every_rank(worlds):
     messages = worlds(3).run(plan_errors, deadline=DEADLINE)
     assert messages[0] == messages[1] == messages[2] and all(m.startswith("shard_model: ") for m in messages[0])
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_style_objects_match_shorthands(worlds, P):
+    counts = worlds(P).run(check_styles_match_shorthands, deadline=DEADLINE)
+    assert len(set(map(tuple, counts))) == 1  # every rank made the same collectives
 
 
 def test_large_activation_counts(worlds):
