@@ -34,8 +34,8 @@ parity: install-test
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) benchmarks/run.py
-	$(PY) benchmarks/compile.py
+	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.compile
 
 lint: install-test
 	$(PY) -m black --check -l 120 colossalai_cmap tests examples benchmarks setup.py

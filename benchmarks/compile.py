@@ -1,6 +1,6 @@
 """torch.compile and cmap side by side: the three ways to combine them, timed in one run on a gloo world.
 
-    python benchmarks/compile.py [--world 2] [--backend aot_eager] [--batch 64]
+    python -m benchmarks.compile [--world 2] [--backend aot_eager] [--batch 64] [--quick]
 
 The function is a per-example MLP whose hidden activations are normalised over the whole global batch (``pmean``
 of the mean and of the variance: two collectives per call), with a backward. Variants, interleaved in every
@@ -14,27 +14,25 @@ repetition:
 
 It prints the median time per call (max over ranks) and each variant's ratio to its eager reference, and the first
 call's time (the compile). With ``aot_eager`` (the CPU default here) the graph runs the same ops, so the ratios
-show what the orchestration costs, not what a code generator would gain.
+show what the orchestration costs, not what a code generator would gain. ``--quick`` is a smoke test (3
+repetitions of 2 calls).
 """
 
 import argparse
-import os
-import socket
 import statistics
-import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import colossalai_cmap as cm  # noqa: E402
+import colossalai_cmap as cm
+from benchmarks import world
 
 
 def make_f(w1: torch.Tensor, w2: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-example MLP whose hidden activations are normalised over the global batch (two ``pmean``)."""
+
     def f(x: torch.Tensor) -> torch.Tensor:
         h = x @ w1
         mean = cm.pmean(h, "i")
@@ -45,6 +43,7 @@ def make_f(w1: torch.Tensor, w2: torch.Tensor) -> Callable[[torch.Tensor], torch
 
 
 def _timed(fn: Callable[[], None], inner: int) -> float:
+    """Seconds per call of ``inner`` calls after a barrier, the slowest rank's."""
     dist.barrier()
     start = time.perf_counter()
     for _ in range(inner):
@@ -54,10 +53,9 @@ def _timed(fn: Callable[[], None], inner: int) -> float:
     return elapsed.item()
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def measure(args: argparse.Namespace) -> None:
+    """Every rank: time the variants, interleaved; rank 0 prints the table."""
+    rank, size = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     w1, w2 = torch.randn(32, 64, generator=g) / 6, torch.randn(64, 8, generator=g) / 8
     x = torch.randn(args.batch, 32, generator=g).requires_grad_()
@@ -94,7 +92,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             name = names[(rep + k) % len(names)]
             times[name].append(_timed(step(variants[name]), args.inner))
     if rank == 0:
-        print(f"world {world}, batch {args.batch}, backend {args.backend}, {args.reps} repetitions of {args.inner}")
+        print(f"world {size}, batch {args.batch}, backend {args.backend}, {args.reps} repetitions of {args.inner}")
         print(f"{'variant':<22}{'median us':>12}{'range us':>20}{'ratio':>8}{'first call ms':>16}")
         for name in names:
             med = statistics.median(times[name]) * 1e6
@@ -102,23 +100,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             ref = reference.get(name)
             ratio = med / (statistics.median(times[ref]) * 1e6) if ref else 1.0
             print(f"{name:<22}{med:>12.0f}{f'{lo:.0f}-{hi:.0f}':>20}{ratio:>8.2f}{first[name] * 1e3:>16.0f}")
-    dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Parse the command line and run :func:`measure` on a fresh gloo world."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile", description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--backend", default="aot_eager")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--inner", type=int, default=20)
-    args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compile workers per rank
-    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world, join=True)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 3 repetitions of 2 calls")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps, args.inner = 3, 2
+    # no pool of compile workers per rank; torch's default process-group timeout (compiling can take minutes)
+    world.spawn(measure, args.world, (args,), timeout_s=None, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
 if __name__ == "__main__":

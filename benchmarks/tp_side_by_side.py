@@ -1,8 +1,9 @@
 """Tensor parallelism side by side on one small transformers Llama: shard_model's plan, torch's ``parallelize_module``
 (DTensor ``ColwiseParallel`` / ``RowwiseParallel``) and Colossal-AI's shardformer, against the unsharded model.
 
-    python benchmarks/tp_side_by_side.py            # TP 2 and 4 on gloo (CPU), 127.0.0.1
-    python benchmarks/tp_side_by_side.py --tp 2 --steps 20
+    python -m benchmarks.tp_side_by_side            # TP 2 and 4 on gloo (CPU), 127.0.0.1
+    python -m benchmarks.tp_side_by_side --tp 2 --steps 20
+    python -m benchmarks.tp_side_by_side --quick    # smoke test: TP 2, 2 timed steps
 
 Each variant is built from the same seed on every rank, runs the same token ids, and is measured in the same
 process: the largest difference of its logits, loss and gradients from the unsharded model's (a sharded gradient
@@ -16,21 +17,22 @@ script only; nothing in the package is patched).
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from tensor_parallel_llama import BATCH, PLAN, SEQ, VOCAB, llama, token_ids  # noqa: E402  the example's model
+from benchmarks import world
+from benchmarks.paths import load_example
+
+_example = load_example("tensor_parallel_llama")  # the example's model, plan and inputs
+BATCH, PLAN, SEQ, VOCAB = _example.BATCH, _example.PLAN, _example.SEQ, _example.VOCAB
+llama, token_ids = _example.llama, _example.token_ids
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> Any:
@@ -260,43 +262,27 @@ def unsharded_ms(steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def worker(rank: int, P: int, port: int, steps: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(P))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(P), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import colossalai
-
-    colossalai.launch(rank=rank, world_size=P, host="127.0.0.1", port=port, local_rank=rank, verbose=False)
+def measure(P: int, steps: int) -> Dict[str, Any]:
+    """Every rank: run each variant; rank 0 also times the unsharded model in its own process alone."""
     results = {name: run_variant(name, P, steps) for name in VARIANTS}
-    if rank == 0:
+    if dist.get_rank() == 0:
         results["unsharded (1 process)"] = {"step_ms": unsharded_ms(steps)}
-        out.put(results)
-    dist.barrier()
+    return results
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Parse the command line; for each TP size, run :func:`measure` on a fresh world and print its table."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tp_side_by_side", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
-    ctx = mp.get_context("spawn")
+    parser.add_argument("--quick", action="store_true", help="smoke test: TP 2 only, 2 timed steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tp, args.steps = [2], 2
     everything = {}
     for P in args.tp:
-        out = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, P, port, args.steps, out)) for r in range(P)]
-        for p in procs:
-            p.start()
-        everything[P] = out.get(timeout=900)
-        for p in procs:
-            p.join(timeout=60)
+        everything[P] = world.spawn(measure, P, (P, args.steps), launch="colossalai")[0]
         report(P, everything[P])
     if args.json:
         with open(args.json, "w") as f:

@@ -9,11 +9,12 @@ a hard deadline: on expiry the world is killed (and rebuilt on next use) and the
 import importlib
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
+
+from benchmarks.world import LOCALHOST, free_port, rank_env  # noqa: F401  (free_port: also the tests' import)
 
 DEFAULT_DEADLINE = float(os.environ.get("CMAP_TEST_DEADLINE", "90"))
 # Starting a world imports torch and colossalai in every process: slow when the machine is loaded.
@@ -34,30 +35,15 @@ class WorldTimeout(AssertionError):
     """A check did not finish on every rank before the deadline; the world was killed."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(rank: int, world_size: int, port: int, conn: Connection, env: Dict[str, str]) -> None:
     os.environ.update(env)
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.update(rank_env(rank, world_size, port))
     import torch
 
     torch.set_num_threads(1)
     import colossalai
 
-    colossalai.launch(rank=rank, world_size=world_size, host="127.0.0.1", port=port, local_rank=rank, verbose=False)
+    colossalai.launch(rank=rank, world_size=world_size, host=LOCALHOST, port=port, local_rank=rank, verbose=False)
     conn.send(("ready", None))
     while True:
         try:

@@ -1,0 +1,73 @@
+"""What every rank of one world runs: the chosen cases' timings, then the overhead profiles, then the memory checks.
+
+``run_world`` is the target that ``run.py`` spawns in each world (see ``world.spawn``).
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.attribution import profile_case
+from benchmarks.cases import CASES
+from benchmarks.measure import mmap_large_allocations
+from benchmarks.memory import bench_chunk, bench_memory, bench_zero_copy
+from benchmarks.timing import bench_time
+
+SECTIONS = ("timing", "memory", "zero_copy", "chunk", "profile")  # the lists of results.json, filled per world
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the suite measures (the same for every world).
+
+    Attributes:
+        cases: the case names.
+        p1_cases: the cases also run in a world of one process.
+        reps_scale: scales every case's repetitions.
+        min_reps: the fewest repetitions per case.
+        quick: the smoke test's profile lengths (``Case.profile_calls``).
+        profile: profile where cmap's overhead goes.
+        memory: run the memory checks (worlds of P >= 2).
+    """
+
+    cases: Tuple[str, ...]
+    p1_cases: Tuple[str, ...]
+    reps_scale: float = 1.0
+    min_reps: int = 10
+    quick: bool = False
+    profile: bool = True
+    memory: bool = True
+
+
+def run_world(config: Config) -> Dict[str, Any]:
+    """Run the suite on this rank; rank 0 returns the results (one list per :data:`SECTIONS` entry)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    names = config.cases if world > 1 else [n for n in config.cases if n in config.p1_cases]
+    cases = [c for c in CASES if c.name in names]  # in the order of CASES
+    results: Dict[str, Any] = {key: [] for key in SECTIONS}
+    for case in cases:
+        t0 = time.time()
+        r = bench_time(case, config.reps_scale, config.min_reps)
+        if rank == 0:
+            results["timing"].append(r)
+            print(f"  [P={world}] {case.name:7s} timed in {time.time() - t0:5.1f} s", flush=True)
+    if config.profile:
+        for case in cases:
+            if case.profile_calls is not None:
+                r = profile_case(case, calls=case.profile_calls[1 if config.quick else 0])
+                if rank == 0:
+                    results["profile"].append(r)
+    if config.memory and world > 1:
+        mmap_large_allocations()
+        for case in cases:
+            if case.memory:
+                results["memory"] += bench_memory(case)
+        results["zero_copy"].append(bench_zero_copy())
+        results["chunk"] += bench_chunk()
+        if rank == 0:
+            print(f"  [P={world}] memory checks done", flush=True)
+    return results if rank == 0 else {}
