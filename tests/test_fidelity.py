@@ -167,3 +167,150 @@ def check_requires_grad_as_vmap():
 @pytest.mark.parametrize("P", [1, 3])
 def test_requires_grad_as_vmap(worlds, P):
     assert worlds(P).run(check_requires_grad_as_vmap) == [True] * P
+
+
+# ------------------------------------------------------------------------------- what backward may touch
+def check_dst_rank_refuses_every_grad():
+    """dst=r: the refusal is the same for every tensor that requires grad, however func reached it (an argument, a
+    closure, a keyword); no rank writes a ``.grad`` alone."""
+    rank = dist.get_rank()
+    W, x = randn(3, 2, seed=41).requires_grad_(), randn(6, 3, seed=42)
+    calls = [
+        lambda: cm.cmap(lambda v: v @ W, dst=0)(x),
+        lambda: cm.cmap(lambda v: (v @ W, W), dst=0, out_dims=(0, None))(x),
+        lambda: cm.cmap(lambda v, w=None: v @ w, dst=0)(x, w=W),
+    ]
+    for call in calls:
+        out = call()
+        if rank != 0:
+            assert out is None
+            continue
+        first = out[0] if isinstance(out, tuple) else out
+        with pytest.raises(RuntimeError, match="is not differentiable; use dst=-1"):
+            first.sum().backward()
+        if isinstance(out, tuple):
+            with pytest.raises(RuntimeError, match="is not differentiable"):
+                out[1].sum().backward()
+    assert W.grad is None
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_dst_rank_refuses_every_grad(worlds, P):
+    assert worlds(P).run(check_dst_rank_refuses_every_grad) == [True] * P
+
+
+# ----------------------------------------------------------------------------------- vmap's own behaviours
+def check_vmap_words():
+    """Every argument error vmap raises, cmap raises with vmap's own sentence in it (plus cmap's context)."""
+    x = torch.arange(4.0).view(4, 1)
+    cases = [
+        (lambda: cm.cmap(lambda v: v, chunk_size=0)(x), "vmap: chunk_size should be None or greater than 0."),
+        (lambda: cm.cmap(lambda: 1)(), "got no inputs"),
+        (
+            lambda: cm.cmap(lambda a, b: a + b)(torch.ones(3, 2), torch.ones(4, 2)),
+            "Expected all tensors to have the same size in the mapped dimension",
+        ),
+        (
+            lambda: cm.cmap(lambda a: a, in_dims=2)(torch.ones(3, 2)),
+            "Got in_dim=2 for some input, but that input is a Tensor of dimensionality 2",
+        ),
+        (
+            lambda: cm.cmap(lambda a, b: a, in_dims=(0, 0))(torch.ones(3, 2), 3),
+            "Got in_dim=0 for an input but the input is of type <class 'int'>",
+        ),
+    ]
+    for call, sentence in cases:
+        with pytest.raises(ValueError) as found:
+            call()
+        assert sentence in str(found.value), (sentence, str(found.value))
+        with pytest.raises(ValueError) as theirs:  # the oracle: vmap's message holds the same sentence
+            _vmap_twin(sentence)
+        assert sentence in str(theirs.value)
+    return True
+
+
+def _vmap_twin(sentence: str) -> None:
+    """The same mistake made with torch.vmap."""
+    x = torch.arange(4.0).view(4, 1)
+    if "chunk_size" in sentence:
+        torch.vmap(lambda v: v, chunk_size=0)(x)
+    elif "no inputs" in sentence:
+        torch.vmap(lambda: 1)()
+    elif "same size" in sentence:
+        torch.vmap(lambda a, b: a + b)(torch.ones(3, 2), torch.ones(4, 2))
+    elif "for some input" in sentence:
+        torch.vmap(lambda a: a, in_dims=2)(torch.ones(3, 2))
+    else:
+        torch.vmap(lambda a, b: a, in_dims=(0, 0))(torch.ones(3, 2), 3)
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_vmap_words(worlds, P):
+    assert worlds(P).run(check_vmap_words) == [True] * P
+
+
+def check_in_place_result_is_the_input(B):
+    """func changes its mapped input in place and returns it: as vmap, the result is the caller's tensor itself,
+    every row updated, on every rank that receives output."""
+    x = randn(B, 3, seed=51)
+    expected = x.sin()
+    for dst in (-1, 0):
+        y = x.clone()
+        out = cm.cmap(lambda t: t.sin_(), dst=dst)(y)
+        assert torch.equal(y, expected)
+        if dst == -1 or dist.get_rank() == 0:
+            assert out is y
+        else:
+            assert out is None
+    ref = x.clone()
+    assert torch.vmap(lambda t: t.sin_())(ref) is ref
+    return True
+
+
+@pytest.mark.parametrize("P", WORLDS)
+def test_in_place_result_is_the_input(worlds, P):
+    assert worlds(P).run(check_in_place_result_is_the_input, P + 1) == [True] * P
+
+
+def check_dst_out_of_range():
+    """dst and src are checked against the group size at every P, a world of one included."""
+    size = dist.get_world_size()
+    with pytest.raises(ValueError, match=f"dst={size} is not valid for a group of size {size}"):
+        cm.cmap(torch.sin, dst=size)(torch.ones(3))
+    with pytest.raises(ValueError, match=f"src={size} is not valid for a group of size {size}"):
+        cm.cmap(torch.sin, src=size)(torch.ones(3))
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_dst_out_of_range(worlds, P):
+    assert worlds(P).run(check_dst_out_of_range) == [True] * P
+
+
+# ------------------------------------------------------------------------------------------ checkpointing
+def check_checkpoint_around_cmap(B):
+    """A cmap call inside a torch.utils.checkpoint region (non-reentrant): checkpoint's early-stop signal passes
+    through cmap as through vmap, on every rank, and the gradients are vmap's."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, w = randn(B, 4, seed=61), randn(4, seed=62)
+
+    def region(xx, ww, fn):
+        return fn(lambda r, u: (r * u).sin().cos(), in_dims=(0, None))(xx, ww).exp()
+
+    grads = []
+    for fn in (torch.vmap, cm.cmap):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        checkpoint(region, xx, ww, fn, use_reentrant=False).sum().backward()
+        grads.append((xx.grad, ww.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1], atol=B * 1e-6, rtol=1e-5)
+    again = cm.cmap(torch.sin)(x)  # the group is still in step
+    assert torch.equal(again, x.sin())
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_checkpoint_around_cmap(worlds, P):
+    assert worlds(P).run(check_checkpoint_around_cmap, 5) == [True] * P

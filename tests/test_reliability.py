@@ -57,7 +57,11 @@ def check_bad_arguments():
         (lambda: cm.cmap(_dot, in_dims=(0, 5))(x, x), ValueError, "cmap(_dot, in_dims=(0, 5)): argument 1 ('y')"),
         (lambda: cm.cmap(torch.dot, in_dims=(0,))(x, x), ValueError, "in_dims is not compatible"),
         (lambda: cm.cmap(lambda a, n: a * n, in_dims=(0, 0))(x, 3), ValueError, "argument 1 ('n')"),
-        (lambda: cm.cmap(torch.dot)(x, y), ValueError, "different sizes"),
+        (
+            lambda: cm.cmap(torch.dot)(x, y),
+            ValueError,
+            "Expected all tensors to have the same size in the mapped dimension",
+        ),
         (lambda: cm.cmap(lambda t: t["a"], in_dims=({"a": 2},))({"a": x}), ValueError, "argument 0 ('t')['a']"),
         (lambda: cm.cmap(torch.sin, dst=size)(x), ValueError, f"dst={size} is not valid"),
         (lambda: cm.cmap(torch.sin, src=size + 1)(x), ValueError, f"src={size + 1} is not valid"),

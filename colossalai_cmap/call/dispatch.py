@@ -14,7 +14,7 @@ The path (docs/design.md has the picture):
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .. import faults, stats
 from ..axis.frame import AxisFrame, axis_scope
@@ -30,7 +30,7 @@ from .options import check_placement
 from .plan import FastPath, Planned, key_of, make_plan
 from .rank import Failed, Outputs, inside, run_rank
 from .site import CallSite, LastCall
-from .specs import flatten, flatten_args
+from .specs import flatten, flatten_args, unflatten
 
 
 def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -83,21 +83,27 @@ def _plan(
 def _run_and_conclude(
     site: CallSite, planned: Union[Planned, Failed], link: Link, hint: Any, leaves: Sequence[Any]
 ) -> Tuple[Union[Outputs, Failed], Any]:
-    """This rank's part and the exit. With ``dst=r`` or ``src=r`` the output is not differentiable: no graph is
-    built, and backward through the output raises a clear error (no collective is involved, so nothing hangs)."""
+    """This rank's part and the exit. With ``dst=r`` or ``src=r`` the output is not differentiable: every output
+    that depends on a tensor that requires grad (an argument, a keyword, a parameter or a closure: however func
+    reached it) is cut from its graph and raises a clear error in backward, where no collective is involved, so
+    nothing hangs and no rank writes a ``.grad`` alone."""
     opts = site.options
     if isinstance(planned, Failed):
         return planned, exit.conclude(opts, None, planned, None, link)
-    if not opts.refuses_grad or not torch.is_grad_enabled():
-        result = run_rank(site, planned, link, hint)
-        return result, exit.conclude(opts, planned.plan, result, planned, link)
-    with torch.no_grad():
-        result = run_rank(site, planned, link, hint)
-        out = exit.conclude(opts, planned.plan, result, planned, link)
-    if out is None or not _any_requires_grad(leaves, planned.kwargs, site.func):
+    result = run_rank(site, planned, link, hint)
+    out = exit.conclude(opts, planned.plan, result, planned, link)
+    if out is None or not opts.refuses_grad or not torch.is_grad_enabled():
         return result, out
-    message = _not_differentiable(opts)
-    return result, tree_map(lambda v: not_differentiable(v, message), out)
+    return result, _refuse_grad(site, out, result.flat, leaves, planned.kwargs)
+
+
+def _refuse_grad(site: CallSite, out: Any, mine: Sequence[Any], leaves: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+    """``out`` with every leaf whose value on this rank (``mine``) required grad, or every leaf if an argument
+    does, marked to raise the not-differentiable error in backward."""
+    message, every = _not_differentiable(site.options), _any_requires_grad(leaves, kwargs, site.func)
+    flat, spec = flatten(out)
+    marked = [not_differentiable(v, message) if every or requires_grad(m) else v for v, m in zip(flat, mine)]
+    return unflatten(marked, spec)
 
 
 def _not_differentiable(opts: Any) -> str:
@@ -134,12 +140,19 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
     """
     opts = site.options
     try:
+        check_placement(opts.call, "dst", opts.dst, group.size, (-1, "local"))  # as at every P
+        if isinstance(opts.src, int):
+            check_placement(opts.call, "src", opts.src, group.size, ())
         if faults.ACTIVE:
             faults.check("args", group)
             faults.check("func", group)
         if opts.mode == "vmap" and opts.axis_name is None and opts.chunk_size is None:
-            return site.vmapped()(*args, **kwargs)
-        return _local_shard(site, args, kwargs)
+            out = site.vmapped()(*args, **kwargs)
+        else:
+            out = _local_shard(site, args, kwargs)
+        if opts.refuses_grad and torch.is_grad_enabled():  # as on a group of any size
+            return _refuse_grad(site, out, flatten(out)[0], tree_flatten(args)[0], kwargs)
+        return out
     except Exception as exc:
         if group.pg is None or group.size > 1:
             raise

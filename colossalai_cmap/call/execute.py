@@ -60,7 +60,8 @@ def run_shard(
         first = 0 if frame.dummy else frame.offset
         indices = torch.arange(first, first + shard.rows, dtype=torch.int64, device=frame.device)
     if opts.mode == "vmap":
-        if vmapped is not None and frame is None and (shard.rows or opts.chunk_size is None):
+        plain = shard.rows or opts.chunk_size is None
+        if vmapped is not None and frame is None and plain and not opts.places_outputs:
             return vmapped(*shard.args(), **kwargs)  # the common case: the cmap's own torch.vmap wrapper
         return _vmap(opts, func, shard, kwargs, frame, indices)
     if opts.mode == "batched":
@@ -101,19 +102,60 @@ def _empty_loop(opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, A
 def _vmap(
     opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any], frame: Optional[AxisFrame], indices: Any
 ) -> Any:
+    """``torch.vmap`` on the shard. Where ``out_dims`` holds a None or an int other than 0, vmap returns every output
+    at dim 0 and the outputs are placed here: torch 2.5.1's vmap misplaces a batch-independent output at another
+    int out_dim, and refuses an out_dims=None output that is batched at an outer level only (a psum over an inner
+    cmap's axis that varies over an outer one). An output batched at this level stays refused, in vmap's words."""
     chunk = opts.chunk_size if shard.rows else None  # torch.vmap's chunking fails on an empty batch
-    if frame is None:
+    place = opts.places_outputs and shard.rows > 0
+    if frame is None and not place:
         mapped = torch.vmap(func, opts.in_dims, opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
         return mapped(*shard.args(), **kwargs)
 
-    def indexed(index: torch.Tensor, *a: Any, **k: Any) -> Any:
-        frame.index, frame.level = index, torch._C._functorch.maybe_current_level()
-        return func(*a, **k)
+    def indexed(index: Optional[torch.Tensor], *a: Any, **k: Any) -> Any:
+        if frame is not None:
+            frame.index, frame.level = index, torch._C._functorch.maybe_current_level()
+        out = func(*a, **k)
+        if place:
+            _refuse_batched_none(opts, out)
+        return out
 
     args = shard.args()
-    dims = (0, *(opts.in_dims if isinstance(opts.in_dims, tuple) else (opts.in_dims,) * len(args)))
-    mapped = torch.vmap(indexed, dims, opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
-    return mapped(indices, *args, **kwargs)
+    dims = (
+        0 if frame is not None else None,
+        *(opts.in_dims if isinstance(opts.in_dims, tuple) else (opts.in_dims,) * len(args)),
+    )
+    mapped = torch.vmap(indexed, dims, 0 if place else opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
+    out = mapped(indices, *args, **kwargs)
+    return _place(opts, out) if place else out
+
+
+def _refuse_batched_none(opts: Options, out: Any) -> None:
+    """Inside vmap: an out_dims=None output must not depend on this map's examples."""
+    flat, spec = tree_flatten(out)
+    level = torch._C._functorch.maybe_current_level()
+    for i, (v, dim) in enumerate(zip(flat, flatten_out_dims(opts.call, opts.out_dims, spec, len(flat)))):
+        if dim is None and isinstance(v, torch.Tensor) and torch._C._functorch.maybe_get_level(v) == level:
+            name = opts.call.split("(", 1)[-1].split(",", 1)[0]
+            raise ValueError(
+                f"{opts.call}: `{name}` can not return a BatchedTensor when out_dim is None (output {i} depends on the "
+                f"example; give it an int out_dim, or reduce it over the axis first, e.g. with psum)."
+            )
+
+
+def _place(opts: Options, out: Any) -> Any:
+    """Outputs that vmap returned at dim 0: each at its out_dim, or for out_dims=None its one copy."""
+    flat, spec = tree_flatten(out)
+    dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
+    placed = []
+    for i, (v, dim) in enumerate(zip(flat, dims)):
+        if not isinstance(v, torch.Tensor):
+            placed.append(v)
+        elif dim is None:
+            placed.append(v.select(0, 0))
+        else:
+            placed.append(v.movedim(0, normalise_out_dim(opts.call, dim, v.dim() - 1, i)))
+    return tree_unflatten(placed, spec)
 
 
 def _chunks(shard: Shard, size: int) -> Iterator[Shard]:

@@ -50,6 +50,9 @@ def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: 
     flat = list(out.flat)
     for i, value in zip(tensors, got):
         flat[i] = value
+    for i, j in out.returned if mask and opts.src is None else ():
+        if mask >> plan.mapped.index(j) & 1:  # func changed its input in place and returned it: vmap returns x itself
+            flat[i] = inputs.leaves[j]
     return unflatten(flat, out.spec)
 
 

@@ -1,6 +1,7 @@
 """A cmap's options, checked once when the cmap is made; the checks that need a group run per call."""
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .specs import call_name, check_in_dims_type
@@ -32,6 +33,11 @@ class Options:
         """Whether the results are gathered (so shares follow ``torch.chunk``'s split, which gathers without a copy)."""
         return self.dst != "local"
 
+    @cached_property
+    def places_outputs(self) -> bool:
+        """Whether ``out_dims`` holds a None or an int other than 0 (then cmap places vmap's outputs itself)."""
+        return _places(self.out_dims)
+
     @property
     def refuses_grad(self) -> bool:
         """Whether the output is not differentiable: with ``dst=r`` only one rank holds it (no backward could meet on
@@ -44,6 +50,14 @@ class Options:
         ``dst="local"``), so backward meets on every rank, and a value every rank holds whole gets its total
         derivative on every rank."""
         return not self.refuses_grad
+
+
+def _places(out_dims: Any) -> bool:
+    if isinstance(out_dims, (tuple, list)):
+        return any(_places(d) for d in out_dims)
+    if isinstance(out_dims, dict):
+        return any(_places(d) for d in out_dims.values())
+    return out_dims != 0
 
 
 def make_options(func: Callable, **kwargs: Any) -> Options:
@@ -59,7 +73,7 @@ def make_options(func: Callable, **kwargs: Any) -> Options:
         )
     size = opts.chunk_size
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise ValueError(f"{call}: chunk_size should be None or a positive int, got {size!r}.")
+        raise ValueError(f"{call}: vmap: chunk_size should be None or greater than 0. (got {size!r})")
     check_placement(call, "dst", opts.dst, None, (-1, "local"))
     check_placement(call, "src", opts.src, None, (None, "local"))
     if opts.axis_name is not None and not isinstance(opts.axis_name, str):

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import TreeSpec
+from torch.utils.checkpoint import _StopRecomputationError
 
 from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
@@ -46,6 +47,7 @@ class Outputs(NamedTuple):
     graph_sig: int  # the closure edges of its autograd graph (0: none)
     mutated: int  # bit k: func changed the k-th mapped input in place
     captures: Optional[bool] = None  # closure-captured tensors met (None: not looked for)
+    returned: Tuple[Tuple[int, int], ...] = ()  # (output leaf, mapped leaf): func returned its input, changed in place
 
 
 class Failed(NamedTuple):
@@ -55,6 +57,10 @@ class Failed(NamedTuple):
     failure: Optional[RankFailure]
     cause: Optional[BaseException]
 
+
+# Exceptions torch uses for control flow: they pass through cmap as they pass through torch.vmap. Checkpoint's early
+# stop is raised at the same point of the recomputation on every rank (every rank builds the same graph).
+_CONTROL_FLOW = (_StopRecomputationError,)
 
 SPLITTING: List[Tuple[int, ...]] = []  # the ranks of each cmap now running its shard with P > 1, outermost first
 
@@ -97,6 +103,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         layout = layout_of(opts, flat, spec, hint)
         if opts.mode == "batched":
             _check_rows(opts, flat, layout, shard.rows)
+        returned = _returned_inputs(opts, flat, shard, plan) if versions else ()
         if extra:
             flat = [
                 v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v
@@ -106,9 +113,12 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))
-        return Outputs(flat, spec, layout, empty, graph_sig, _mutated(versions, inputs.leaves, plan), captures)
+        mutated = _mutated(versions, inputs.leaves, plan)
+        return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, returned)
     except Exception as exc:  # every rank learns of it in the status round
         owner.running = False
+        if isinstance(exc, _CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
+            raise
         return Failed(group.failure(exc), exc)
 
 
@@ -237,6 +247,21 @@ def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, s
         if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or v.grad_fn._sequence_nr() < start):
             flat[i] = v.view_as(v)
     return closures.watch(flat, owner, start, link)
+
+
+def _returned_inputs(opts: Options, flat: Sequence[Any], shard: Shard, plan: CallPlan) -> Tuple[Tuple[int, int], ...]:
+    """The outputs that are func's mapped inputs themselves (``lambda t: t.sin_()``), found on the tensors func was
+    given (a stand-in example too), so that the exit can return the caller's tensor, as vmap does."""
+    found = []
+    for i, v in enumerate(flat):
+        if not isinstance(v, torch.Tensor) or v.requires_grad:
+            continue
+        for j in plan.mapped:
+            given = shard.leaves[j]
+            if v.data_ptr() == given.data_ptr() and v.shape == given.shape and v.stride() == given.stride():
+                found.append((i, j))
+                break
+    return tuple(found)
 
 
 def _versions(opts: Options, plan: CallPlan, leaves: Sequence[Any]) -> Optional[List[int]]:

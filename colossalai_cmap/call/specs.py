@@ -111,7 +111,8 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
         )
     if not args:
         raise ValueError(
-            f"{call}: got no positional inputs; cmap, like vmap, maps over at least one positional Tensor."
+            f"{call}: got no inputs. Maybe you forgot to add inputs, or you are trying to vmap over a function with "
+            f"no inputs. The latter is unsupported. (cmap, like vmap, maps over at least one positional Tensor.)"
         )
     leaves, spec = flatten(args)
     dims = (
@@ -141,14 +142,14 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
             raise ValueError(f"{call}: {where(i)}: in_dim must be an int or None, got {dim!r} ({type(dim).__name__}).")
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(
-                f"{call}: {where(i)}: got in_dim={dim} for an input of type {type(leaf).__name__}; cmap, like vmap, "
-                f"can only map over Tensors. Use None in in_dims for non-Tensor arguments."
+                f"{call}: {where(i)}: Got in_dim={dim} for an input but the input is of type {type(leaf)}. We cannot "
+                f"vmap over non-Tensor arguments, please use None as the respective in_dim"
             )
         ndim = leaf.dim()
         if not -ndim <= dim < ndim:
             raise ValueError(
-                f"{call}: {where(i)}: in_dim={dim} is out of range for a Tensor of dimension {ndim} "
-                f"(shape {tuple(leaf.shape)}); expected -{ndim} <= in_dim < {ndim}."
+                f"{call}: {where(i)}: Got in_dim={dim} for some input, but that input is a Tensor of dimensionality "
+                f"{ndim} so expected in_dim to satisfy -{ndim} <= in_dim < {ndim} (shape {tuple(leaf.shape)})."
             )
         dim = dim % ndim
         normalised.append(dim)
@@ -157,7 +158,10 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
         raise ValueError(f"{call}: at least one Tensor argument must be mapped over; all in_dims are None.")
     if len({s for s, _ in sizes}) != 1:
         listing = ", ".join(f"{where(i)}: {size}" for size, i in sizes)
-        raise ValueError(f"{call}: mapped inputs have different sizes along their mapped dims: {listing}.")
+        raise ValueError(
+            f"{call}: Expected all tensors to have the same size in the mapped dimension, got sizes "
+            f"{[size for size, _ in sizes]} for the mapped dimension ({listing})."
+        )
     return FlatArgs(leaves, normalised, spec, sizes[0][0])
 
 
