@@ -149,6 +149,20 @@ def check_nested_mesh_axes(B: int, C: int) -> bool:
     return True
 
 
+def check_cmap_under_vmap() -> bool:
+    """torch.vmap(cmap(f)) with dst=-1 and dst="local" gives vmap(vmap(f)) (all of it, or this rank's rows); with
+    dst=r it raises on every rank (docs/colossalai.md, "Known limits"), and the group stays usable."""
+    x = _batch(2 * 3, 2).view(2, 3, 2)  # an outer vmap over 2, cmap over 3 examples
+    want = torch.vmap(torch.vmap(_f))(x)
+    assert_same(torch.vmap(cm.cmap(_f))(x), want, False, "dst=-1")
+    start, rows = _rows(3, dist.get_world_size(), dist.get_rank())
+    assert_same(torch.vmap(cm.cmap(_f, dst="local"))(x), want.narrow(1, start, rows), False, "dst=local")
+    with pytest.raises(cm.CmapError, match="vmap"):
+        torch.vmap(cm.cmap(_f, dst=0))(x)
+    assert_same(cm.cmap(_f)(x[0]), want[0], False, "after the error")
+    return True
+
+
 # ----------------------------------------------------------------------------------------------- booster plugins
 def _plugins(world: int) -> Dict[str, Any]:
     """Every booster plugin that constructs on CPU with gloo, in a few configurations that fit ``world``."""
@@ -319,6 +333,10 @@ def test_mesh_other_axes_run_independent_cmaps(worlds):
 @pytest.mark.parametrize("B,C", [(5, 3), (2, 7), (1, 1)])
 def test_nested_cmaps_over_two_axes_equal_one_over_both(worlds, B, C):
     assert worlds(4).run(check_nested_mesh_axes, B, C) == [True] * 4
+
+
+def test_cmap_under_torch_vmap(worlds):
+    assert worlds(2).run(check_cmap_under_vmap) == [True, True]
 
 
 @pytest.mark.parametrize("P", [2, 4])
