@@ -1,4 +1,4 @@
-"""The seed's second example: ``cmap(model)`` runs an ``nn.Module`` per example, spread over the ranks.
+"""An ``nn.Module`` as func: ``cmap(model)`` runs the model per example, spread over the ranks.
 
 Run with ``colossalai run --nproc_per_node 2 examples/model.py``.
 """
@@ -11,7 +11,7 @@ from torch import nn
 
 
 class Model(nn.Module):
-    """The seed's model: Linear(128, 128) then ReLU."""
+    """Linear(128, 128) then ReLU."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The second seed on cmap: a ``Linear(64, 24)`` sharded by its input features across the group.
+"""The motivating example on cmap: a ``Linear(64, 24)`` sharded by its input features across the group.
 
     colossalai run --nproc_per_node 4 examples/sharded_linear.py
     colossalai run --nproc_per_node 3 examples/sharded_linear.py    # 64 features do not divide by 3
@@ -9,16 +9,16 @@ runs in "batched" mode over those features, each rank multiplies the same column
 ``psum`` adds the partial products over the whole axis: one value every rank shares, returned once
 (``out_dims=None``). Part 2 lets ``shard_model`` find the layer with torch.fx and do the same rewrite.
 
-Part 3 is the seed in its own terms: every rank has its own model and its own input (one example per rank, as the
-seed seeds each rank differently), and the work is split by input features. One ``all_to_all`` shards the weights
-once; in each forward, an ``all_to_all`` hands rank r feature chunk r of every rank's input, each rank multiplies
-that chunk by the same chunk of every rank's weight, and ``psum`` adds the chunks: rank q's row of the sum is rank
-q's whole product (the seed's ``all_reduce`` then ``narrow``; ``psum_scatter`` does both at once). Features that do
-not divide by the world size are padded with zero features, which add nothing.
+Part 3 gives every rank its own model and its own input (one example per rank: each rank seeds its generator
+differently), and splits the work by input features. One ``all_to_all`` shards the weights once; in each forward,
+an ``all_to_all`` hands rank r feature chunk r of every rank's input, each rank multiplies that chunk by the same
+chunk of every rank's weight, and ``psum`` adds the chunks: rank q's row of the sum is rank q's whole product (an
+``all_reduce``, then a ``narrow`` to this rank's row; ``psum_scatter`` does both at once). Features that do not
+divide by the world size are padded with zero features, which add nothing.
 
-Unlike the seed, nothing needs ``batch_size``, the features need not divide by the world size, and each rank holds
-only its slice of the weight. Every rank builds the same model and input (the seed gave each rank its own; a
-tensor-parallel layer computes one model's output together).
+Written with cmap, nothing needs ``batch_size``, the features need not divide by the world size, and each rank
+holds only its slice of the weight. Parts 1 and 2 build the same model and input on every rank (a tensor-parallel
+layer computes one model's output together); part 3 gives each rank its own.
 """
 
 import colossalai
@@ -73,7 +73,7 @@ def feature_chunks(t: torch.Tensor, world_size: int) -> torch.Tensor:
     return F.pad(t, (0, chunk * world_size - t.shape[-1])).unflatten(-1, (world_size, chunk))
 
 
-def seed_forward(weight_chunks: torch.Tensor, input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def own_model_forward(weight_chunks: torch.Tensor, input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """One rank's example: ``weight_chunks`` (out, P, chunk) holds feature chunk r of every rank's weight."""
     P = cm.axis_size("rank")
     mine = cm.all_to_all(feature_chunks(input, P), "rank", 1, 1)  # (batch, P, chunk): chunk r of each rank's input
@@ -82,8 +82,8 @@ def seed_forward(weight_chunks: torch.Tensor, input: torch.Tensor, bias: torch.T
     return total.index_select(0, cm.axis_index("rank").reshape(1))[0] + bias  # this rank's own row
 
 
-def seed_in_its_own_terms(rank: int, world_size: int) -> None:
-    torch.manual_seed(rank)  # as in the seed: different weights and inputs on each rank
+def each_rank_its_own_model(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)  # different weights and inputs on each rank
     model = torch.nn.Linear(64, 24)
     input = torch.rand(100, 64)
     result_without_sharding = model(input)
@@ -94,7 +94,7 @@ def seed_in_its_own_terms(rank: int, world_size: int) -> None:
     weight = model.weight.detach().requires_grad_()
     shard = cm.cmap(lambda w: cm.all_to_all(feature_chunks(w, cm.axis_size("rank")), "rank", 1, 1), **per_rank)
     weight_chunks = shard(weight.unsqueeze(0))  # (1, out, P, chunk): feature chunk `rank` of every rank's weight
-    forward = cm.cmap(seed_forward, **per_rank)
+    forward = cm.cmap(own_model_forward, **per_rank)
     result = forward(weight_chunks, input.unsqueeze(0), model.bias.unsqueeze(0))[0]
     assert torch.allclose(result, result_without_sharding, atol=atol)
 
@@ -110,7 +110,7 @@ def seed_in_its_own_terms(rank: int, world_size: int) -> None:
 
     result = cm.cmap(scattered, **per_rank)(weight_chunks.detach(), input.unsqueeze(0))[0] + model.bias
     assert torch.allclose(result, result_without_sharding, atol=atol)
-    print_with_rank(rank, "the seed's all_to_all + all_reduce, as one cmap: PASSED")
+    print_with_rank(rank, "each rank's own Linear, split by input features with all_to_all + psum: PASSED")
 
 
 def main() -> bool:
@@ -157,7 +157,7 @@ def main() -> bool:
     )
     print_with_rank(rank, "PASSED")
 
-    seed_in_its_own_terms(rank, world_size)
+    each_rank_its_own_model(rank, world_size)
     return True
 
 

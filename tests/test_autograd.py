@@ -126,7 +126,7 @@ def check_dst_rank_not_differentiable(B):
 
 
 def check_function_transforms(B):
-    """torch.func.grad / jacrev inside func, the seed's vjp Jacobian, no_grad and double backward."""
+    """torch.func.grad / jacrev inside func, a Jacobian from vector-Jacobian products, no_grad, double backward."""
     params = {"w": randn(3, 4, seed=11), "b": randn(3, seed=12)}
     xs, ys = randn(B, 4, seed=13), randn(B, 3, seed=14)
 
@@ -144,7 +144,7 @@ def check_function_transforms(B):
     jac = torch.func.jacrev(lambda x: x.sin() * x.sum())
     assert_same(cm.cmap(jac)(xs), torch.vmap(jac)(xs), False, "jacrev")
 
-    # the seed's vectorised vjp: rows of the Jacobian of f(x) = x ** 2
+    # vectorised vjp (as in examples/vjp_jacobian.py): rows of the Jacobian of f(x) = x ** 2
     n = max(B, 1)
     x = randn(n, seed=15).requires_grad_()
     y = x**2

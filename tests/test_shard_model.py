@@ -121,7 +121,7 @@ def _parity(model: nn.Module, sharded: nn.Module, x: torch.Tensor, style: str, w
 
 
 # ---------------------------------------------------------------------------------------- distributed checks
-def check_seed_scenario():
+def check_motivating_example():
     """The motivating example: Linear(64, 24) sharded by input features, batch 100, in float32; returns this rank's
     parameter bytes. Each output is a sum of 65 terms (64 products and the bias) that the ranks add in partial sums:
     it may move by sum_tolerance's bound, about 2e-5 here (a fixed atol of 1e-5 holds only by luck of the rounding)."""
@@ -239,8 +239,8 @@ def check_empty_rows(B):
 
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("P", [2, 3, 4])
-def test_seed_scenario(worlds, P):
-    got = worlds(P).run(check_seed_scenario, deadline=DEADLINE)
+def test_motivating_example(worlds, P):
+    got = worlds(P).run(check_motivating_example, deadline=DEADLINE)
     cols = [c.numel() for c in torch.arange(64).tensor_split(P)]
     assert got == [4 * (24 * c + 24) for c in cols]
 
