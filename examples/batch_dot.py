@@ -1,4 +1,4 @@
-"""The seed's first example: ``cmap(torch.dot)`` over 64 pairs of vectors, checked against ``torch.vmap``.
+"""Batched dot products: ``cmap(torch.dot)`` over 64 pairs of vectors, checked against ``torch.vmap``.
 
 Run with ``colossalai run --nproc_per_node 2 examples/batch_dot.py``.
 """

@@ -3,7 +3,10 @@
 ``cmap(torch.func.grad(loss_fn), in_dims=(None, 0, 0))(params, xs, ys)`` computes one gradient per example: the
 parameters are shared (``None``), the examples and labels are mapped (``0``). Each rank computes the gradients of
 its share of the batch, and every rank receives all of them, so every rank then clips, sums and adds the same noise
-and takes the same step with no further communication. The result is checked against single-process ``torch.vmap``.
+and takes the same step with no further communication. The result is checked against single-process ``torch.vmap``,
+in float64: vmap runs each layer as one matmul over the rows it gets, which BLAS may block otherwise for a rank's
+share, and the update sums the examples in another order; in float32 those roundings can exceed float32's default
+tolerance, in float64 they stay far under float64's.
 
 Run with ``colossalai run --nproc_per_node 2 examples/per_sample_grads.py``.
 """
@@ -42,10 +45,10 @@ def main(batch: int = 37, clip: float = 3.0, noise_multiplier: float = 1.1, lr: 
         colossalai.launch_from_torch(verbose=False)
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same model, data and noise on every rank
-    model = MLP()
+    model = MLP().double()
     # torch.func transforms take the parameters as an explicit argument; detached, as in the torch.func tutorials.
     params = {k: v.detach() for k, v in model.named_parameters()}
-    xs, ys = torch.randn(batch, 10), torch.randint(0, 4, (batch,))
+    xs, ys = torch.randn(batch, 10, dtype=torch.float64), torch.randint(0, 4, (batch,))
 
     def loss_fn(params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = functional_call(model, params, (x.unsqueeze(0),))  # one example as a batch of one
@@ -67,7 +70,7 @@ def main(batch: int = 37, clip: float = 3.0, noise_multiplier: float = 1.1, lr: 
     for name in params:
         torch.testing.assert_close(clipped[name], clipped_ref[name], msg=lambda m: f"clipped {name}: {m}")
 
-    noise = {k: noise_multiplier * clip * torch.randn(v.shape) for k, v in params.items()}
+    noise = {k: noise_multiplier * clip * torch.randn(v.shape, dtype=v.dtype) for k, v in params.items()}
     update = dp_sgd_gradient(per_example, clip, noise, batch)
     update_ref = dp_sgd_gradient(expected, clip, noise, batch)
     new_params = {k: params[k] - lr * update[k] for k in params}

@@ -1,7 +1,9 @@
 """Softmax over the batch axis: each example's weight is exp(score) divided by the sum over the global batch.
 
 ``pmax`` keeps it numerically stable, ``psum`` normalises, and ``all_gather``/``axis_index`` show where each
-example sits in the global batch.
+example sits in the global batch. The scores are float64: the normalising sum adds the examples in another order
+(per rank, then over the ranks) than ``torch.softmax``, and the gradient sums them again; in float32 that can move
+the gradient by more than float32's default tolerance, in float64 by far less than float64's.
 
 Run: ``colossalai run --nproc_per_node 2 examples/softmax_over_batch.py``
 """
@@ -31,14 +33,14 @@ def main(batch: int = 23) -> bool:
 
         colossalai.launch_from_torch(verbose=False)
     rank = dist.get_rank()
-    scores = torch.randn(batch, generator=torch.Generator().manual_seed(1)) * 4
+    scores = torch.randn(batch, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 4
 
     s = scores.clone().requires_grad_()
     got = cm.cmap(batch_softmax, axis_name="b")(s)
-    (got * torch.arange(batch)).sum().backward()
+    (got * torch.arange(batch, dtype=got.dtype)).sum().backward()
     ref = scores.clone().requires_grad_()
     expected = torch.softmax(ref, dim=0)
-    (expected * torch.arange(batch)).sum().backward()
+    (expected * torch.arange(batch, dtype=expected.dtype)).sum().backward()
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(s.grad, ref.grad)
 

@@ -1,4 +1,4 @@
-"""The seed's fourth example: a Jacobian from vector-Jacobian products, one row of ``I_N`` per example.
+"""A Jacobian from vector-Jacobian products, one row of ``I_N`` per example.
 
 ``get_vjp`` closes over ``x`` and ``y = f(x)`` and calls ``torch.autograd.grad(y, x, v, retain_graph=True)``.
 That exact form works under ``torch.vmap`` (torch batches the ``v`` through the autograd engine), so cmap takes it

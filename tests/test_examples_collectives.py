@@ -22,6 +22,6 @@ def test_collective_examples(worlds, P, name):
 
 
 @pytest.mark.parametrize("P", [4, 3])
-def test_sharded_linear_seed(worlds, P):
-    """The second seed, whole: features 64 divide by 4 and not by 3."""
+def test_sharded_linear(worlds, P):
+    """The motivating example, all three parts: its 64 features divide by 4 and not by 3."""
     assert worlds(P).run(run_example, "sharded_linear") == [True] * P

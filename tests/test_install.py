@@ -33,35 +33,30 @@ def test_from_colossalai_import_cmap_in_a_clean_interpreter():
 
 
 def test_start_up_hook_is_cheap():
-    """What the .pth line runs imports two tiny modules (no torch, no colossalai, no typing) in well under 10 ms."""
+    """What the .pth line runs at every interpreter start imports the package's three small modules and nothing else
+    (no torch, no colossalai, no typing). That list, not a timing, is the check: a time limit would measure the
+    machine and its load as much as the hook."""
     code = (
-        "import sys, time\n"
+        "import sys\n"
         f"sys.path.insert(0, {ROOT!r})\n"
         "before = set(sys.modules)\n"
-        "start = time.perf_counter()\n"
         "import colossalai_cmap.integration.register\n"
-        "elapsed = time.perf_counter() - start\n"
-        "print(elapsed, sorted(set(sys.modules) - before))\n"
+        "print(sorted(set(sys.modules) - before))\n"
     )
-    costs = []
-    for _ in range(5):
-        result = _python(code, "-I", "-S")
-        assert result.returncode == 0, result.stderr
-        elapsed, new = result.stdout.split(" ", 1)
-        # importlib.machinery (and what it pulls in) is already loaded in a normal start-up; -S starts without it
-        allowed = {
-            "colossalai_cmap",
-            "colossalai_cmap.integration",
-            "colossalai_cmap.integration.register",
-            "importlib",
-            "importlib._bootstrap",
-            "importlib._bootstrap_external",
-            "importlib.machinery",
-            "warnings",
-        }
-        assert set(eval(new)) <= allowed, new
-        costs.append(float(elapsed))
-    assert min(costs) < 0.010, f"hook cost {costs} s"
+    result = _python(code, "-I", "-S")
+    assert result.returncode == 0, result.stderr
+    # importlib.machinery (and what it pulls in) is already loaded in a normal start-up; -S starts without it
+    allowed = {
+        "colossalai_cmap",
+        "colossalai_cmap.integration",
+        "colossalai_cmap.integration.register",
+        "importlib",
+        "importlib._bootstrap",
+        "importlib._bootstrap_external",
+        "importlib.machinery",
+        "warnings",
+    }
+    assert set(eval(result.stdout)) <= allowed, result.stdout
 
 
 def test_wheel_installs_the_hook(tmp_path):
