@@ -102,60 +102,73 @@ def _empty_loop(opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, A
 def _vmap(
     opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any], frame: Optional[AxisFrame], indices: Any
 ) -> Any:
-    """``torch.vmap`` on the shard. Where ``out_dims`` holds a None or an int other than 0, vmap returns every output
-    at dim 0 and the outputs are placed here: torch 2.5.1's vmap misplaces a batch-independent output at another
-    int out_dim, and refuses an out_dims=None output that is batched at an outer level only (a psum over an inner
-    cmap's axis that varies over an outer one). An output batched at this level stays refused, in vmap's words."""
+    """``torch.vmap`` on the shard. Where ``out_dims`` holds a None or an int other than 0, vmap returns every tensor
+    output at dim 0 and the outputs are placed here: torch 2.5.1's vmap misplaces a batch-independent output at
+    another int out_dim, and refuses an out_dims=None output that is batched at an outer level only (a psum over an
+    inner cmap's axis that varies over an outer one). An output batched at this level stays refused, in vmap's
+    words."""
     chunk = opts.chunk_size if shard.rows else None  # torch.vmap's chunking fails on an empty batch
     place = opts.places_outputs and shard.rows > 0
     if frame is None and not place:
         mapped = torch.vmap(func, opts.in_dims, opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
         return mapped(*shard.args(), **kwargs)
+    seen: Dict[str, Any] = {}  # with placing: the outputs' structure and their non-tensor leaves
 
     def indexed(index: Optional[torch.Tensor], *a: Any, **k: Any) -> Any:
         if frame is not None:
             frame.index, frame.level = index, torch._C._functorch.maybe_current_level()
         out = func(*a, **k)
-        if place:
-            _refuse_batched_none(opts, out)
-        return out
+        if not place:
+            return out
+        flat, seen["spec"] = tree_flatten(out)
+        seen["dims"] = flatten_out_dims(opts.call, opts.out_dims, seen["spec"], len(flat))
+        seen["flat"] = flat
+        _refuse_batched_none(opts, flat, seen["dims"])
+        return [v for v in flat if isinstance(v, torch.Tensor)]
 
     args = shard.args()
-    dims = (
-        0 if frame is not None else None,
-        *(opts.in_dims if isinstance(opts.in_dims, tuple) else (opts.in_dims,) * len(args)),
-    )
+    in_dims = opts.in_dims if isinstance(opts.in_dims, tuple) else (opts.in_dims,) * len(args)
+    dims = (0 if frame is not None else None, *in_dims)
     mapped = torch.vmap(indexed, dims, 0 if place else opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
     out = mapped(indices, *args, **kwargs)
-    return _place(opts, out) if place else out
+    return _place(opts, out, seen) if place else out
 
 
-def _refuse_batched_none(opts: Options, out: Any) -> None:
+def _refuse_batched_none(opts: Options, flat: Sequence[Any], dims: Sequence[Any]) -> None:
     """Inside vmap: an out_dims=None output must not depend on this map's examples."""
-    flat, spec = tree_flatten(out)
     level = torch._C._functorch.maybe_current_level()
-    for i, (v, dim) in enumerate(zip(flat, flatten_out_dims(opts.call, opts.out_dims, spec, len(flat)))):
+    for i, (v, dim) in enumerate(zip(flat, dims)):
         if dim is None and isinstance(v, torch.Tensor) and torch._C._functorch.maybe_get_level(v) == level:
-            name = opts.call.split("(", 1)[-1].split(",", 1)[0]
             raise ValueError(
-                f"{opts.call}: `{name}` can not return a BatchedTensor when out_dim is None (output {i} depends on the "
-                f"example; give it an int out_dim, or reduce it over the axis first, e.g. with psum)."
+                f"{opts.call}: `{_name(opts)}` can not return a BatchedTensor when out_dim is None (output {i} "
+                f"depends on the example; give it an int out_dim, or reduce it over the axis first, e.g. with psum)."
+            )
+        if dim is not None and not isinstance(v, torch.Tensor):
+            raise ValueError(
+                f"{opts.call}: `{_name(opts)}` must only return Tensors, got type {type(v)}. Did you mean to set "
+                f"out_dims= to None for output {i}?"
             )
 
 
-def _place(opts: Options, out: Any) -> Any:
-    """Outputs that vmap returned at dim 0: each at its out_dim, or for out_dims=None its one copy."""
-    flat, spec = tree_flatten(out)
-    dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
+def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any]) -> Any:
+    """The outputs, from the tensors vmap returned at dim 0: each at its out_dim, or for out_dims=None its one copy;
+    non-tensor leaves as func returned them."""
+    found = iter(tensors)
     placed = []
-    for i, (v, dim) in enumerate(zip(flat, dims)):
+    for i, (v, dim) in enumerate(zip(seen["flat"], seen["dims"])):
         if not isinstance(v, torch.Tensor):
             placed.append(v)
-        elif dim is None:
-            placed.append(v.select(0, 0))
-        else:
-            placed.append(v.movedim(0, normalise_out_dim(opts.call, dim, v.dim() - 1, i)))
-    return tree_unflatten(placed, spec)
+            continue
+        t = next(found)
+        placed.append(
+            t.select(0, 0) if dim is None else t.movedim(0, normalise_out_dim(opts.call, dim, t.dim() - 1, i))
+        )
+    return tree_unflatten(placed, seen["spec"])
+
+
+def _name(opts: Options) -> str:
+    """func's name as the call's name shows it."""
+    return opts.call.split("(", 1)[-1].split(",", 1)[0]
 
 
 def _chunks(shard: Shard, size: int) -> Iterator[Shard]:
@@ -190,9 +203,8 @@ def _check_same(opts: Options, i: int, first: Any, others: List[Any]) -> None:
     for other in others:
         same = torch.equal(first, other) if isinstance(first, torch.Tensor) else first == other
         if not same:
-            name = opts.call.split("(", 1)[-1].split(",", 1)[0]
             raise ValueError(
-                f"{opts.call}: `{name}` can not return a BatchedTensor when out_dim is None (output {i} differs "
+                f"{opts.call}: `{_name(opts)}` can not return a BatchedTensor when out_dim is None (output {i} differs "
                 f"between examples; mode={opts.mode!r}). Give it an int out_dim, or make it the same for every example."
             )
 

@@ -254,14 +254,21 @@ def _returned_inputs(opts: Options, flat: Sequence[Any], shard: Shard, plan: Cal
     given (a stand-in example too), so that the exit can return the caller's tensor, as vmap does."""
     found = []
     for i, v in enumerate(flat):
-        if not isinstance(v, torch.Tensor) or v.requires_grad:
+        if not _plain(v) or v.requires_grad:
             continue
         for j in plan.mapped:
             given = shard.leaves[j]
-            if v.data_ptr() == given.data_ptr() and v.shape == given.shape and v.stride() == given.stride():
+            if v is given or _plain(given) and _same_view(v, given):
                 found.append((i, j))
                 break
     return tuple(found)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    except RuntimeError:  # a tensor without storage (a subclass): no alias to return
+        return False
 
 
 def _versions(opts: Options, plan: CallPlan, leaves: Sequence[Any]) -> Optional[List[int]]:
