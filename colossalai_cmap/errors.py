@@ -61,7 +61,10 @@ _DUAL: Dict[str, Type[CmapError]] = {}
 
 
 def _with_builtin(name: str) -> Type[CmapError]:
-    """``CmapError`` that is also the built-in exception ``name`` (plain ``CmapError`` for any other type)."""
+    """``CmapError`` that is also the built-in exception ``name`` (plain ``CmapError`` for any other type). A nested
+    cmap's ``CmapError[ValueError]`` keeps its built-in type through the outer cmap."""
+    if name.startswith("CmapError[") and name.endswith("]"):
+        name = name[len("CmapError[") : -1]
     base = getattr(builtins, name, None)
     if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(CmapError, base):
         return CmapError

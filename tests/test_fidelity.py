@@ -314,3 +314,141 @@ def check_checkpoint_around_cmap(B):
 @pytest.mark.parametrize("P", [2, 3])
 def test_checkpoint_around_cmap(worlds, P):
     assert worlds(P).run(check_checkpoint_around_cmap, 5) == [True] * P
+
+
+def check_checkpoint_inside_func(B):
+    """torch.utils.checkpoint inside func, as jax's remat in the shard_map tutorial's FSDP network (batched mode):
+    the recomputation runs in backward, after the call returned, and its psum still finds its axis."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, w = randn(B, 4, seed=71), randn(4, 4, seed=72)
+
+    def layer(rows, weight):
+        h = torch.tanh(rows @ weight)
+        return h - cm.pmean(h, "i")
+
+    def per_rank(rows, weight):
+        return checkpoint(layer, rows, weight, use_reentrant=False)
+
+    def reference(rows, weight):
+        h = torch.tanh(rows @ weight)
+        return h - h.mean(0)
+
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    reference(xr, wr).pow(2).sum().backward()
+    xc, wc = x.double().requires_grad_(), w.double().requires_grad_()
+    out = cm.cmap(per_rank, in_dims=(0, None), mode="batched", axis_name="i")(xc, wc)
+    torch.testing.assert_close(out, reference(xr, wr).detach())
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(xc.grad, xr.grad)  # float64: a batch mean in another order is far inside the default
+    torch.testing.assert_close(wc.grad, wr.grad)
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_checkpoint_inside_func(worlds, P):
+    assert worlds(P).run(check_checkpoint_inside_func, 5) == [True] * P
+
+
+# ---------------------------------------------------------------------------------------- placing outputs
+def check_batch_independent_out_dim(B):
+    """A batch-independent output at an int out_dim other than 0 (torch 2.5.1's vmap misplaces it): cmap returns
+    it expanded along that dim, as the math says (the same value for every example)."""
+    x, r = randn(B, 2, seed=81), randn(2, 3, seed=82)
+    got = cm.cmap(lambda v: (r * 1, v * 2), out_dims=(1, 0))(x)
+    assert torch.equal(got[0], r.unsqueeze(1).expand(2, B, 3))
+    assert torch.equal(got[1], x * 2)
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_batch_independent_out_dim(worlds, P):
+    assert worlds(P).run(check_batch_independent_out_dim, 3 * P) == [True] * P
+
+
+def check_inner_out_dims_none():
+    """The shard_map tutorial's out_specs=P('x', None), written as nested cmaps on a 2x2 mesh: the inner map's
+    output is reduced over its own axis (psum over "j") but varies over the outer one; out_dims=None returns its one
+    copy, as jax does. An inner output that depends on the inner example is refused in cmap's words."""
+    from colossalai.cluster import ProcessGroupMesh
+
+    mesh = ProcessGroupMesh(2, 2)
+    X = randn(4, 6, 3, seed=91)  # outer axis "i" over dim 0, inner axis "j" over dim 1
+    inner = cm.cmap(lambda v: cm.psum(v, "j"), axis_name="j", group=(mesh, 1), out_dims=None)
+    got = cm.cmap(inner, axis_name="i", group=(mesh, 0))(X)
+    assert got.shape == (4, 3)
+    torch.testing.assert_close(got, X.sum(1), atol=6 * 4 * torch.finfo(torch.float32).eps * 4, rtol=0)
+    bad = cm.cmap(cm.cmap(lambda v: v * 2, axis_name="j", group=(mesh, 1), out_dims=None), group=(mesh, 0))
+    with pytest.raises(ValueError, match="can not return a BatchedTensor when out_dim is None"):
+        bad(X)
+    return True
+
+
+def test_inner_out_dims_none(worlds):
+    assert worlds(4).run(check_inner_out_dims_none) == [True] * 4
+
+
+# --------------------------------------------------------------- jax's shard_map tutorial, written with cmap
+def check_shard_map_tutorial_networks():
+    """The data-parallel, FSDP and tensor-parallel networks of jax's shard_map tutorial, written with cmap in the
+    per-device style (each rank maps one example: its own block, ``src="local"``; the loss is replicated,
+    ``out_dims=None``): values and gradients equal a single-process computation of the global network."""
+    P, rank = dist.get_world_size(), dist.get_rank()
+    X, T = randn(4 * P, 12, seed=101, dtype=torch.float64), randn(4 * P, 2, seed=102, dtype=torch.float64)
+    W1, W2 = randn(12, 4 * P, seed=103, dtype=torch.float64), randn(4 * P, 2, seed=104, dtype=torch.float64)
+    xb, tb = X.tensor_split(P)[rank], T.tensor_split(P)[rank]
+    per_device = dict(src="local", out_dims=None, axis_name="d")
+
+    def global_loss(w1, w2):
+        return ((torch.relu(X @ w1) @ w2 - T) ** 2).mean()
+
+    w1r, w2r = W1.clone().requires_grad_(), W2.clone().requires_grad_()
+    expected = global_loss(w1r, w2r)
+    expected.backward()
+
+    # data parallel: params replicated (unmapped), batch sharded, loss = pmean of the local means
+    def dp_loss(w1, w2, x, t):
+        return cm.pmean(((torch.relu(x @ w1) @ w2 - t) ** 2).mean(), "d")
+
+    w1, w2 = W1.clone().requires_grad_(), W2.clone().requires_grad_()
+    loss = cm.cmap(dp_loss, in_dims=(None, None, 0, 0), **per_device)(w1, w2, xb[None], tb[None])
+    torch.testing.assert_close(loss, expected.detach())
+    loss.backward()
+    torch.testing.assert_close(w1.grad, w1r.grad)
+    torch.testing.assert_close(w2.grad, w2r.grad)
+
+    # FSDP: each rank holds a block of rows of W1 and W2, all-gathered (tiled) before use; batch sharded
+    def fsdp_loss(w1_block, w2_block, x, t):
+        w1_full = cm.all_gather(w1_block, "d", axis=0, tiled=True)
+        w2_full = cm.all_gather(w2_block, "d", axis=0, tiled=True)
+        return cm.pmean(((torch.relu(x @ w1_full) @ w2_full - t) ** 2).mean(), "d")
+
+    w1b, w2b = W1.tensor_split(P)[rank].clone().requires_grad_(), W2.tensor_split(P)[rank].clone().requires_grad_()
+    loss = cm.cmap(fsdp_loss, **per_device)(w1b[None], w2b[None], xb[None], tb[None])
+    torch.testing.assert_close(loss, expected.detach())
+    loss.backward()
+    torch.testing.assert_close(w1b.grad, w1r.grad.tensor_split(P)[rank])
+    torch.testing.assert_close(w2b.grad, w2r.grad.tensor_split(P)[rank])
+
+    # tensor parallel: W1 split by columns, W2 by rows, the input replicated; the partial products psum'd
+    def tp_loss(w1_cols, w2_rows, x, t):
+        return ((cm.psum(torch.relu(x @ w1_cols) @ w2_rows, "d") - t) ** 2).mean()
+
+    w1c = W1.tensor_split(P, dim=1)[rank].clone().requires_grad_()
+    w2r_ = W2.tensor_split(P)[rank].clone().requires_grad_()
+    x_all = X.clone().requires_grad_()
+    loss = cm.cmap(tp_loss, in_dims=(0, 0, None, None), **per_device)(w1c[None], w2r_[None], x_all, T)
+    torch.testing.assert_close(loss, expected.detach())
+    loss.backward()
+    torch.testing.assert_close(w1c.grad, w1r.grad.tensor_split(P, dim=1)[rank])
+    torch.testing.assert_close(w2r_.grad, w2r.grad.tensor_split(P)[rank])
+    xr = X.clone().requires_grad_()
+    global_loss_x = ((torch.relu(xr @ W1) @ W2 - T) ** 2).mean()
+    global_loss_x.backward()
+    torch.testing.assert_close(x_all.grad, xr.grad)  # the replicated input: the sum over every rank's block
+    return True
+
+
+@pytest.mark.parametrize("P", WORLDS)
+def test_shard_map_tutorial_networks(worlds, P):
+    assert worlds(P).run(check_shard_map_tutorial_networks) == [True] * P

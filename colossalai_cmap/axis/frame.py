@@ -42,6 +42,9 @@ class AxisFrame:
 
 
 _FRAMES: Dict[str, List[AxisFrame]] = {}
+# The frame of the last map that finished, per name: a backward that recomputes part of func (torch.utils.checkpoint
+# inside func, as jax's remat) runs after the call returned, and its collectives must still find their axis.
+_FINISHED: Dict[str, AxisFrame] = {}
 
 
 @contextlib.contextmanager
@@ -54,13 +57,16 @@ def axis_scope(name: Optional[str], frame: Optional[AxisFrame]) -> Iterator[None
     try:
         yield
     finally:
-        stack.pop()
+        _FINISHED[name] = stack.pop()
         if not stack:
             del _FRAMES[name]
 
 
 def lookup(name: str, op: str) -> AxisFrame:
+    """The innermost active frame of ``name``; inside a backward, the last finished one (its recomputation)."""
     stack = _FRAMES.get(name)
+    if not stack and name in _FINISHED and torch._C._current_graph_task_id() >= 0:
+        return _FINISHED[name]
     if not stack:
         active = sorted(_FRAMES)
         hint = f"active axis names: {active}" if active else "no cmap with an axis_name is running"
