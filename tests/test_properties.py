@@ -142,3 +142,123 @@ def test_random_transforms_around_cmap(worlds, scenario):
     around torch.vmap, values and the gradient of a closure-captured tensor."""
     P, B, transforms, nested = scenario
     assert worlds(P).run(check_composition, B, transforms, nested) == [True] * P
+
+
+# ------------------------------------------------------------------------------------------- whole calls
+C = torch.linspace(-1, 1, 3, dtype=torch.float64)  # captured by "closure"; a copy that requires grad per call
+
+
+def _library(c: torch.Tensor) -> dict:
+    """Per-example functions, each (x: [2, 3] example, w: [3]) -> outputs."""
+    return {
+        "affine": lambda x, w: (x * w).sin() + 1,
+        "two": lambda x, w: ((x * w).sum(-1), x.cos()),
+        "closure": lambda x, w: (x * c).tanh() * w,
+        "matmul": lambda x, w: x @ w,
+    }
+
+
+def check_whole_call(name, B, src, dst, mode, chunk, grads):
+    """One drawn call on every rank against single-process torch.vmap: values, and with ``grads`` the gradients of
+    the inputs, the unmapped weight and a closure-captured tensor."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(B * 31 + len(name))
+    x0, w0 = torch.randn(B, 2, 3, generator=gen, dtype=torch.float64), torch.randn(
+        3, generator=gen, dtype=torch.float64
+    )
+    grads = grads and src in (None, "local") and dst in (-1, "local")
+    rows = [len(t) for t in torch.arange(B).tensor_split(size)] if "local" in (src, dst) else None
+
+    def run(mapper, x, w, c, **opts):
+        f = _library(c)[name]
+        func = torch.vmap(f, in_dims=(0, None)) if mapper is cm.cmap and opts.get("mode") == "batched" else f
+        return mapper(func, in_dims=(0, None), **opts)(x, w)
+
+    def leaves(out):
+        return [out] if isinstance(out, torch.Tensor) else list(out)
+
+    def loss(out):
+        return sum((t * t.new_tensor(1.5)).sin().sum() for t in leaves(out))
+
+    xr, wr, cr = x0.clone().requires_grad_(grads), w0.clone().requires_grad_(grads), C.clone().requires_grad_(grads)
+    expected = run(torch.vmap, xr, wr, cr)
+    start = sum(rows[:rank]) if rows else 0
+    mine = slice(start, start + rows[rank]) if rows else slice(0, B)
+    x = x0[mine] if src == "local" else x0
+    xc, wc, cc = x.clone().requires_grad_(grads), w0.clone().requires_grad_(grads), C.clone().requires_grad_(grads)
+    args_x = xc if not (isinstance(src, int) and rank != src) else None
+    out = run(cm.cmap, args_x, wc, cc, src=src, dst=dst, mode=mode, chunk_size=chunk)
+    if dst not in (-1, "local", rank):
+        assert out is None
+        return "none"
+    want = [t[mine] if dst == "local" else t for t in leaves(expected)]
+    for got, exp in zip(leaves(out), want):
+        torch.testing.assert_close(got, exp.detach())  # float64: at most a dot of 3 in another kernel, far inside
+    if not grads:
+        return "values"
+    loss(expected).backward()
+    loss(out).backward()
+    x_grad = xr.grad[mine] if src == "local" else xr.grad
+    torch.testing.assert_close(xc.grad, x_grad)
+    torch.testing.assert_close(wc.grad, wr.grad)  # float64 sums over at most 40 examples in another order
+    if name == "closure":
+        torch.testing.assert_close(cc.grad, cr.grad)
+    return "grads"
+
+
+@st.composite
+def whole_calls(draw):
+    P = draw(st.integers(1, 4))
+    B = draw(st.integers(0, 12))
+    name = draw(st.sampled_from(["affine", "two", "closure", "matmul"]))
+    src = draw(st.sampled_from([None, "local", 0]))
+    dst = draw(st.sampled_from([-1, "local", 0]))
+    mode = draw(st.sampled_from(["vmap", "batched", "loop"]))
+    chunk = draw(st.sampled_from([None, 1, 3]))
+    grads = draw(st.booleans())
+    return P, name, B, src, dst, mode, chunk, grads
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(whole_calls())
+def test_random_whole_calls(worlds, scenario):
+    """Random whole calls (function, B, src, dst, mode, chunk_size, gradients) equal single-process torch.vmap on
+    every rank: values, and the gradients of mapped, unmapped and closure-captured tensors."""
+    P, name, B, src, dst, mode, chunk, grads = scenario
+    results = worlds(P).run(check_whole_call, name, B, src, dst, mode, chunk, grads)
+    assert sum(r != "none" for r in results) == (1 if dst == 0 else P), results
+
+
+def check_random_call(B, randomness, mode, dst):
+    """randomness="same": every example on every rank draws the same numbers; "different": no two examples do."""
+    x = torch.zeros(B, 3, dtype=torch.float64)
+    f = lambda v: v + torch.rand(3, dtype=torch.float64)  # noqa: E731
+    func = torch.vmap(f, randomness=randomness) if mode == "batched" else f
+    out = cm.cmap(func, randomness=randomness, mode=mode, dst=dst)(x)
+    if out is None:
+        return "none"
+    if dst == "local":  # compare across ranks: every rank's rows, gathered by hand
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, out)
+        out = torch.cat(parts)
+    distinct = torch.unique(out, dim=0).shape[0] if B else 0
+    assert distinct == (min(B, 1) if randomness == "same" else B), (randomness, mode, out)
+    return "checked"
+
+
+@st.composite
+def random_calls(draw):
+    return (
+        draw(st.integers(1, 4)),
+        draw(st.integers(0, 9)),
+        draw(st.sampled_from(["same", "different"])),
+        draw(st.sampled_from(["vmap", "batched", "loop"])),
+        draw(st.sampled_from([-1, "local", 0])),
+    )
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(random_calls())
+def test_random_draws_follow_randomness(worlds, scenario):
+    P, B, randomness, mode, dst = scenario
+    assert "checked" in worlds(P).run(check_random_call, B, randomness, mode, dst)
