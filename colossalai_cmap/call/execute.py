@@ -75,7 +75,8 @@ def run_shard(
     if shard.rows == 0:
         out = _empty_loop(opts, func, shard, kwargs)
     elif frame is not None:
-        out = _loop_threads(opts, func, shard, kwargs, frame, indices, thread_modes)
+        frame.index = indices
+        out = _loop_threads(opts, func, shard, kwargs, frame, thread_modes=thread_modes)
     else:
         results = []
         for i in range(shard.rows):
@@ -215,14 +216,14 @@ def _loop_threads(
     shard: Shard,
     kwargs: Dict[str, Any],
     frame: AxisFrame,
-    indices: torch.Tensor,
+    *,
     thread_modes: Sequence[Any],
 ) -> Any:
     """Loop mode with collectives: one thread per example, taking turns, so that a collective can wait for every
     example. Each thread enters ``thread_modes``: the call's (the closure interceptor, and the marker of the nodes
     it makes, whose sequence numbers are the thread's own and so cannot tell that they were made during the call)."""
     barrier = frame.loop = LoopBarrier(shard.rows, same_rng=opts.randomness == "same")
-    frame.index = indices
+    indices = frame.index
     results: List[Any] = [None] * shard.rows
     errors: List[BaseException] = []
     grad = torch.is_grad_enabled()

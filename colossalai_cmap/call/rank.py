@@ -93,9 +93,13 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         intercept = _interceptor(site, owner, start, link)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(site, shard, entered.kwargs, frame, seed, link, _thread_modes(owner, intercept))
+                out = _call_func(
+                    site, shard, entered.kwargs, frame, seed, link, thread_modes=_thread_modes(owner, intercept)
+                )
         else:
-            out = _call_func(site, shard, entered.kwargs, frame, seed, link, _thread_modes(owner, intercept))
+            out = _call_func(
+                site, shard, entered.kwargs, frame, seed, link, thread_modes=_thread_modes(owner, intercept)
+            )
         owner.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
@@ -147,6 +151,7 @@ def _call_func(
     frame: Any,
     seed: Optional[int],
     link: Link,
+    *,
     thread_modes: Tuple[Any, ...],
 ) -> Any:
     opts = site.options

@@ -101,6 +101,19 @@ def check_in_dims_type(call: str, in_dims: Any) -> None:
     )
 
 
+def _leaf_dims(call: str, in_dims: Any, count: int, spec: TreeSpec) -> List[Any]:
+    """``in_dims`` broadcast to the ``count`` leaves of the args (it may be a pytree prefix, as vmap takes)."""
+    if in_dims is None or isinstance(in_dims, int):
+        return [in_dims] * count
+    dims = _broadcast_to_and_flatten(in_dims, spec)
+    if dims is None:
+        raise ValueError(
+            f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has structure "
+            f"{tree_flatten(in_dims)[1]} but inputs has structure {spec}."
+        )
+    return dims
+
+
 def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str) -> FlatArgs:
     """Flatten ``args`` and match ``in_dims`` to its leaves, raising vmap's errors with pytree paths."""
     check_in_dims_type(call, in_dims)
@@ -115,16 +128,7 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
             f"no inputs. The latter is unsupported. (cmap, like vmap, maps over at least one positional Tensor.)"
         )
     leaves, spec = flatten(args)
-    dims = (
-        [in_dims] * len(leaves)
-        if in_dims is None or isinstance(in_dims, int)
-        else _broadcast_to_and_flatten(in_dims, spec)
-    )
-    if dims is None:
-        raise ValueError(
-            f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has structure "
-            f"{tree_flatten(in_dims)[1]} but inputs has structure {spec}."
-        )
+    dims = _leaf_dims(call, in_dims, len(leaves), spec)
     normalised: List[Dim] = []
     sizes: List[Tuple[int, int]] = []
     paths: List[str] = []

@@ -99,7 +99,7 @@ class Colwise(ParallelStyle):
         return ColumnParallelLinear(module, group, path, entries, self)
 
 
-class ColwiseGather(ParallelStyle):
+class ColwiseGather(Colwise):
     """An ``nn.Linear`` split by output features, its output gathered (shorthand ``"colwise_gather"``).
 
     Each rank holds what :class:`Colwise` holds. The input is replicated, and so is the output: every rank's output
@@ -110,14 +110,8 @@ class ColwiseGather(ParallelStyle):
     """
 
     name = "colwise_gather"
-    module_type = nn.Linear
+    splits_heads = False
     gathers = True
-
-    def _head_features(self, module: nn.Module) -> Optional[Tuple[int, str]]:
-        return module.out_features, "output"
-
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
-        return ColumnParallelLinear(module, group, path, entries, self)
 
 
 class Rowwise(ParallelStyle):
