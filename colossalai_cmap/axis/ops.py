@@ -48,7 +48,7 @@ def _local_reduce(op: str, rows: torch.Tensor) -> torch.Tensor:
 def reduce_rows(frame: AxisFrame, rows: torch.Tensor, name: str, op: str) -> torch.Tensor:
     """This run's rows (dim 0) reduced over every example of the axis.
 
-    A sum is ``Scatter(Join(.))``: per-rank partial sums joined into the global sum, which every rank then uses as its
+    A sum is ``Split(Join(.))``: per-rank partial sums joined into the global sum, which every rank then uses as its
     own value, so its backward sums the cotangents over the group too. An empty shard's stand-in contributes nothing,
     through its graph (zero rows), so that backward still meets on every rank.
     """

@@ -6,7 +6,7 @@ each catching what the one before leaves:
 
 1. Modules func names directly are reparametrized with their parameters through the call's entry (:mod:`module_params`).
 2. :class:`Interceptor`, a ``TorchFunctionMode``, routes every other tensor that requires grad and was made before
-   the call through a ``Scatter`` at its first use. The local graph then saves the routed value, so double backward
+   the call through a ``Split`` at its first use. The local graph then saves the routed value, so double backward
    through the cmap sees the sum too. It runs only where it can matter: when func's closures, globals or partial
    arguments hold such a tensor, or when an earlier call of this cmap found one by the walk below.
 3. :func:`watch` walks the outputs' local graph after the shard has run, at every autograd level (an outer

@@ -1,7 +1,7 @@
-"""A call's entry: this rank's share of the arguments, and the one ``Scatter`` that tensors needing a gradient pass.
+"""A call's entry: this rank's share of the arguments, and the one ``Split`` that tensors needing a gradient pass.
 
 Mapped inputs are cut with ``narrow`` (views, no copy). With ``dst=-1``, every tensor that requires grad enters
-through one ``Scatter`` tagged with the call, whose backward is one ``Join`` for all of them: the rows of mapped
+through one ``Split`` tagged with the call, whose backward is one ``Join`` for all of them: the rows of mapped
 inputs are gathered, the gradients of unmapped inputs, keyword tensors and the parameters of the modules func uses
 (:mod:`module_params`) are summed over the group. The tag is where the closure walk (:mod:`closures`) stops.
 """

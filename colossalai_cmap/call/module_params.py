@@ -3,7 +3,7 @@
 A module's parameters are closure-captured tensors like any other, and :mod:`closures` would sum their gradients
 one autograd node at a time. A module that func names directly (func itself, the instance of a bound method, a
 closure cell, a ``functools.partial`` argument, or a global that func's code reads) is found here instead: its
-parameters that require grad go through the call's entry ``Scatter`` with the arguments, and func runs with the
+parameters that require grad go through the call's entry ``Split`` with the arguments, and func runs with the
 module reparametrized to those values (as ``torch.func.functional_call`` does), so one ``Join`` in backward sums
 every parameter's gradient. Anything not found here is still caught by the closure walk.
 """

@@ -3,7 +3,7 @@
 Everything here runs inside one ``try``: an exception becomes a :class:`Failed` outcome, which the exit reports in
 the status round, so every rank raises together. The steps:
 
-1. The entry. With ``dst=-1``, tensors that require grad enter through one ``Scatter`` tagged with the call (its
+1. The entry. With ``dst=-1``, tensors that require grad enter through one ``Split`` tagged with the call (its
    backward sums their gradients over the group); the others are cut with ``narrow``. Both are views.
 2. An empty shard (B < P) runs one stand-in example instead, so that it knows the outputs' layout, takes part in
    collectives inside func (contributing nothing), and builds the same autograd graph as its peers.

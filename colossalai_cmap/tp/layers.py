@@ -5,7 +5,7 @@ output.
 
 Megatron's two conjugate operators are roles of the primitives (:mod:`roles`):
 
-- *f*, entering the tensor-parallel region: ``Scatter(COPY)``, the identity forward, the sum over the group
+- *f*, entering the tensor-parallel region: ``Split(COPY)``, the identity forward, the sum over the group
   backward. A column-parallel layer applies it to its replicated input.
 - *g*, leaving it: ``Join(COPY)``, the sum over the group forward, the identity backward. A row-parallel layer and
   the vocabulary-parallel embedding apply it to their partial results.
@@ -54,7 +54,7 @@ class Slice(NamedTuple):
 
 
 class Entries:
-    """The replicated inputs that entered the tensor-parallel region (``Scatter(COPY)``), shared by the column-
+    """The replicated inputs that entered the tensor-parallel region (``Split(COPY)``), shared by the column-
     parallel layers of one sharded model, so that layers reading the same tensor make one backward sum.
 
     An entry is reused only for the very same tensor object, unchanged (its version counter), under the same grad

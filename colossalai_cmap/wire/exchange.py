@@ -1,5 +1,5 @@
-"""The plain (not differentiable) sides of the two primitives: ``scatter`` (no communication) and ``join`` (one round
-of the status protocol, and a data phase for what does not fit it), with their records.
+"""The plain (not differentiable) sides of the two primitives, with their records: ``split_values`` (no
+communication) and ``join_values`` (one round of the status protocol, and a data phase for what does not fit it).
 
 :mod:`primitives` wraps them as autograd Functions; when no tensor needs a derivative and no function transform is
 active, the call path uses these directly.

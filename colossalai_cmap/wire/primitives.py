@@ -1,4 +1,4 @@
-"""The two communication primitives, ``Scatter`` and ``Join``, as autograd Functions that compose with functorch.
+"""The two communication primitives, ``Split`` and ``Join``, as autograd Functions that compose with functorch.
 
 Each is a ``torch.autograd.Function`` in the ``setup_context`` style, with ``backward``, ``jvp`` and ``vmap`` rules,
 so that torch's autograd and torch.func handle everything around them: closures, higher-order gradients,
@@ -6,8 +6,9 @@ so that torch's autograd and torch.func handle everything around them: closures,
 is the other (:mod:`roles` has the transpose of every role), built from ``apply`` calls, so double backward works.
 ``Join`` moves data in one round (:mod:`protocol`), and a second collective only for what does not fit.
 
-When no tensor needs a derivative and no function transform is active, the plain :func:`join` and :func:`scatter`
-run without the Function machinery.
+:func:`join` and :func:`split` are what the layers above call: the Functions where a derivative or a function
+transform needs them, else the plain ``join_values`` and ``split_values`` (:mod:`.exchange`), without the Function
+machinery.
 """
 
 from typing import Any, Callable, Optional, Sequence, Tuple
@@ -16,7 +17,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .exchange import JoinSpec, SplitSpec, join_values, local_transpose, split_values
-from .roles import join_transpose, scatter_transpose, shifted
+from .roles import join_transpose, split_transpose, shifted
 
 
 # --------------------------------------------------------------------------------------- differentiable versions
@@ -137,7 +138,7 @@ class Split(torch.autograd.Function):
         spec, picked = ctx.spec, _wanted(ctx, grads)
         if spec.owner is not None and spec.owner.running:  # a gradient taken inside func: per example, here
             return _spread(picked, [local_transpose(spec, spec.roles[i], grads[i]) for i in picked], len(grads))
-        roles = tuple(scatter_transpose(spec.roles[i]) for i in picked)
+        roles = tuple(split_transpose(spec.roles[i]) for i in picked)
         out = Join.apply(JoinSpec(spec.link, roles), *[grads[i] for i in picked]) if picked else ()
         return _spread(picked, out, len(grads))
 

@@ -1,12 +1,12 @@
-"""What each tensor of a :class:`~colossalai_cmap.primitives.Scatter` or ``Join`` is, and the transpose of each.
+"""What each tensor of a :class:`~colossalai_cmap.wire.primitives.Split` or ``Join`` is, and the transpose of each.
 
 Every rank holds its own copy of each value. A *global* value (a caller's tensor under ``src=None``, a closure, a
 result on every rank) is the same on every rank; a *per-rank* value is this rank's own (its rows, its partial sums).
-``Scatter`` turns global values into per-rank ones, with no communication; ``Join`` turns per-rank values into
+``Split`` turns global values into per-rank ones, with no communication; ``Join`` turns per-rank values into
 global ones, with one exchange. Role by role, each is the other's transpose, so backward of one is the other:
 
 =========  =====================================  ==========================================
-role       Scatter (global -> per rank)           Join (per rank -> global)
+role       Split (global -> per rank)           Join (per rank -> global)
 =========  =====================================  ==========================================
 Rows       this rank's rows (``narrow``)          every rank's rows, in order (all-gather)
 COPY       the value itself                       the sum over ranks
@@ -45,8 +45,8 @@ def tensor_split_sizes(n: int, parts: int) -> Tuple[int, ...]:
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
 Role = Union[Rows, str]
 
-_JOIN_TO_SCATTER = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST}
-_SCATTER_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST}
+_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST}
+_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST}
 
 
 def is_rows(role: Role) -> bool:
@@ -54,16 +54,16 @@ def is_rows(role: Role) -> bool:
 
 
 def join_transpose(role: Role) -> Role:
-    """The Scatter role whose result is this Join role's transpose (its backward)."""
+    """The Split role whose result is this Join role's transpose (its backward)."""
     if is_rows(role):
         return role
-    if role not in _JOIN_TO_SCATTER:
+    if role not in _JOIN_TO_SPLIT:
         raise RuntimeError(f"a {role} over ranks is not differentiable; detach its input or use a sum.")
-    return _JOIN_TO_SCATTER[role]
+    return _JOIN_TO_SPLIT[role]
 
 
-def scatter_transpose(role: Role) -> Role:
-    return role if is_rows(role) else _SCATTER_TO_JOIN[role]
+def split_transpose(role: Role) -> Role:
+    return role if is_rows(role) else _SPLIT_TO_JOIN[role]
 
 
 def shifted(roles: Sequence[Role], batched: Sequence[bool]) -> Tuple[Role, ...]:
