@@ -149,7 +149,7 @@ def check_loop_mode_follows_vmap():
     return True
 
 
-@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("P", WORLDS)
 def test_loop_mode_follows_vmap(worlds, P):
     assert worlds(P).run(check_loop_mode_follows_vmap) == [True] * P
 
@@ -164,7 +164,7 @@ def check_requires_grad_as_vmap():
     return True
 
 
-@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("P", WORLDS)
 def test_requires_grad_as_vmap(worlds, P):
     assert worlds(P).run(check_requires_grad_as_vmap) == [True] * P
 
@@ -195,7 +195,7 @@ def check_dst_rank_refuses_every_grad():
     return True
 
 
-@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("P", WORLDS)
 def test_dst_rank_refuses_every_grad(worlds, P):
     assert worlds(P).run(check_dst_rank_refuses_every_grad) == [True] * P
 
@@ -245,7 +245,7 @@ def _vmap_twin(sentence: str) -> None:
         torch.vmap(lambda a, b: a, in_dims=(0, 0))(torch.ones(3, 2), 3)
 
 
-@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("P", WORLDS)
 def test_vmap_words(worlds, P):
     assert worlds(P).run(check_vmap_words) == [True] * P
 
@@ -283,7 +283,7 @@ def check_dst_out_of_range():
     return True
 
 
-@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("P", WORLDS)
 def test_dst_out_of_range(worlds, P):
     assert worlds(P).run(check_dst_out_of_range) == [True] * P
 
@@ -311,7 +311,7 @@ def check_checkpoint_around_cmap(B):
     return True
 
 
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", WORLDS)
 def test_checkpoint_around_cmap(worlds, P):
     assert worlds(P).run(check_checkpoint_around_cmap, 5) == [True] * P
 
@@ -345,7 +345,7 @@ def check_checkpoint_inside_func(B):
     return True
 
 
-@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("P", WORLDS)
 def test_checkpoint_inside_func(worlds, P):
     assert worlds(P).run(check_checkpoint_inside_func, 5) == [True] * P
 
@@ -361,7 +361,7 @@ def check_batch_independent_out_dim(B):
     return True
 
 
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", WORLDS)
 def test_batch_independent_out_dim(worlds, P):
     assert worlds(P).run(check_batch_independent_out_dim, 3 * P) == [True] * P
 
