@@ -276,7 +276,9 @@ def check_inputs_differ():
     with pytest.raises(cm.CmapError, match=r"check_inputs=True: the inputs of Sequential differ across the ranks"):
         model(x + rank)
     model(x)  # the group is still in step
-    traced = cm.shard_linears_fx(nn.Linear(12, 5).double(), check_inputs=True)  # the torch.fx form: cmap's own input check
+    traced = cm.shard_linears_fx(
+        nn.Linear(12, 5).double(), check_inputs=True
+    )  # the torch.fx form: cmap's own input check
     traced(x)
     with pytest.raises(cm.CmapError, match="in_dims=None inputs"):
         traced(x + rank)

@@ -146,7 +146,7 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
         if faults.ACTIVE:
             faults.check("args", group)
             faults.check("func", group)
-        if opts.mode == "vmap" and opts.axis_name is None and opts.chunk_size is None:
+        if opts.mode == "vmap" and opts.axis_name is None and opts.chunk_size is None and not opts.places_outputs:
             out = site.vmapped()(*args, **kwargs)
         else:
             out = _local_shard(site, args, kwargs)

@@ -17,7 +17,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .exchange import JoinSpec, SplitSpec, join_values, local_transpose, split_values
-from .roles import join_transpose, split_transpose, shifted
+from .roles import join_transpose, shifted, split_transpose
 
 
 # --------------------------------------------------------------------------------------- differentiable versions
