@@ -76,6 +76,8 @@ def _plan(
 
             return plan_from_src(opts, site.func, args, kwargs, link)
         return Planned(make_plan(opts, site.func, group, args, kwargs), list(leaves), kwargs)
+    except CmapError:  # a wait failed (the source's broadcast or scatter): the group is out of step, no more rounds
+        raise
     except Exception as exc:
         return Failed(group.failure(exc), exc)
 
