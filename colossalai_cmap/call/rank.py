@@ -91,15 +91,12 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         if faults.ACTIVE:
             faults.check("func", group)
         intercept = _interceptor(site, owner, start, link)
+        modes = _thread_modes(opts, owner, intercept)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(
-                    site, shard, entered.kwargs, frame, seed, link, thread_modes=_thread_modes(owner, intercept)
-                )
+                out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes)
         else:
-            out = _call_func(
-                site, shard, entered.kwargs, frame, seed, link, thread_modes=_thread_modes(owner, intercept)
-            )
+            out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes)
         owner.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
@@ -126,10 +123,10 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         return Failed(group.failure(exc), exc)
 
 
-def _thread_modes(owner: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
-    """What loop mode's example threads run under (modes are per thread): the interceptor, and the marker of the
-    autograd nodes they make."""
-    if not tracking():
+def _thread_modes(opts: Options, owner: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
+    """What loop mode's example threads (a loop with collectives) run under, since modes are per thread: the
+    interceptor, and the marker of the autograd nodes they make."""
+    if opts.mode != "loop" or opts.axis_name is None or not tracking():
         return ()
     return (closures.MadeHere(owner),) + ((intercept,) if intercept is not None else ())
 
