@@ -1,7 +1,8 @@
 """colossalai-cmap: ``jax.pmap`` for PyTorch on Colossal-AI.
 
 ``cmap(f)`` splits a batch across the processes of a ``torch.distributed`` group, runs ``torch.vmap(f)`` on each
-process's share, and gathers the results. Importing this package is cheap: torch is imported on first use of a
+process's share, and gathers the results; ``shard_map(f, mesh, in_specs, out_specs)`` runs ``f`` once per rank of a
+named mesh on its blocks, as ``jax.shard_map`` does. Importing this package is cheap: torch is imported on first use of a
 public name.
 """
 
@@ -22,6 +23,9 @@ _LAZY = {
     "ppermute": "axis.collectives",
     "axis_index": "axis.collectives",
     "axis_size": "axis.collectives",
+    "shard_map": "shard.api",
+    "P": "shard.specs",
+    "Mesh": "shard.mesh",
     "shard_model": "tp.plan",
     "shard_linears_fx": "tp.fx",
     "ParallelStyle": "tp.styles",

@@ -3,7 +3,8 @@
 
 The axis runs over every example of the global batch (the ones mapped on this rank and those on the other ranks),
 as a jax axis runs over devices: ``axis_size("i")`` is the global batch size B and ``axis_index("i")`` an example's
-global index. Every op is a reduction or a gather over the axis (:mod:`axes`), composed with local tensor ops, so
+global index. Inside ``shard_map`` the same ops run over the mesh's named axes, as in jax's shard_map: the axis
+runs over the ranks of one mesh dimension, ``axis_size`` is its size and ``axis_index`` this rank's coordinate. Every op is a reduction or a gather over the axis (:mod:`axes`), composed with local tensor ops, so
 each is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside
 func, in every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of
 names, as in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
@@ -127,8 +128,9 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int
 
 
 def axis_index(axis_name: AxisName) -> torch.Tensor:
-    """The global index of the current example along the axis (an int64 scalar tensor per example); for a tuple of
-    names, the index in the axes taken together, the first one major."""
+    """The global index of the current example along the axis (an int64 scalar tensor per example), or inside
+    ``shard_map`` this rank's coordinate along the mesh axis; for a tuple of names, the index in the axes taken
+    together, the first one major."""
     index = None
     for name in _names(axis_name):
         mine = axes.index(name)
@@ -137,7 +139,8 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
 
 
 def axis_size(axis_name: AxisName) -> int:
-    """The global batch size B along the axis (not the number of ranks); for a tuple of names, the product."""
+    """The global batch size B along a cmap axis (not the number of ranks), or the size of a ``shard_map`` mesh
+    axis; for a tuple of names, the product."""
     size = 1
     for name in _names(axis_name):
         size *= lookup(name, "axis_size").size

@@ -12,14 +12,17 @@ from ..wire.protocol import Link
 
 @dataclass
 class AxisFrame:
-    """One active ``axis_name``: where its collectives go, the global batch size, and this rank's rows in it.
+    """One active ``axis_name``: where its collectives go, the axis's size, and this rank's rows in it.
+
+    A cmap axis runs over the examples of the global batch; a ``shard_map`` mesh axis (mode "rank") over the ranks
+    of one mesh dimension, each holding one row: its own block.
 
     Attributes:
         link: the group (None when the map runs in this process alone), device, call name and timeout.
-        size: the global batch size B.
-        offset: the first global index of this rank's rows.
-        sizes: every rank's row count.
-        mode: the cmap's mode.
+        size: the global batch size B, or the mesh dimension's size.
+        offset: the first global index of this rank's rows (its mesh coordinate).
+        sizes: every rank's row count (all 1 along a mesh axis).
+        mode: the cmap's mode, or "rank" for a mesh axis.
         dummy: the shard is empty, and its one stand-in example contributes nothing to collectives.
         index: each example's global index, set while func runs (``axis_index``).
         level: the functorch level of this map's ``torch.vmap`` (mode "vmap"), set while func runs.
@@ -69,6 +72,9 @@ def lookup(name: str, op: str) -> AxisFrame:
         return _FINISHED[name]
     if not stack:
         active = sorted(_FRAMES)
-        hint = f"active axis names: {active}" if active else "no cmap with an axis_name is running"
-        raise NameError(f"{op}(..., {name!r}): unbound axis name {name!r}; {hint}. Pass axis_name={name!r} to cmap.")
+        hint = f"active axis names: {active}" if active else "no cmap with an axis_name or shard_map is running"
+        raise NameError(
+            f"{op}(..., {name!r}): unbound axis name {name!r}; {hint}. Pass axis_name={name!r} to cmap, or use a "
+            f"shard_map whose mesh has an axis named {name!r}."
+        )
     return stack[-1]

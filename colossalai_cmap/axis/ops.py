@@ -7,7 +7,8 @@ any other vmap level (a cmap nested inside, an outer ``torch.vmap``, or the axis
 inner one) the level's dim rides along as a leading data dim, and the op goes on to the level of its axis. Its
 backward and forward-mode rules are jax's transposes, written with the same ops, so ``torch.func.grad`` inside
 func, double backward and function transforms compose. In "batched" mode func sees the batch as dim 0, and in
-"loop" mode the examples run in threads that meet at a barrier (:class:`LoopBarrier`).
+"loop" mode the examples run in threads that meet at a barrier (:class:`LoopBarrier`). Along a ``shard_map`` mesh
+axis ("rank" mode) each rank is one member of the axis, and func's plain tensor is its one row.
 
 Under ``torch.compile`` the exchange is a functional collective instead (traceable with ``fullgraph=True``), whose
 backward is made of functional collectives too: differentiable once inside a compiled function.
@@ -143,6 +144,8 @@ def apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
     frame = lookup(name, _NAMES[op])
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{_NAMES[op]}(x, {name!r}): x must be a Tensor, got {type(x).__name__}.")
+    if frame.mode == "rank":  # a shard_map axis: this rank is one member of it, and func holds its own value
+        return physical(frame, x.unsqueeze(0), name, op)
     if frame.mode == "batched":
         out = physical(frame, x, name, op)
         return out.unsqueeze(0).expand(x.shape[0], *out.shape)

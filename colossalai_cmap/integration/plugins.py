@@ -91,3 +91,16 @@ def plugin_group(call: str, obj: Any) -> dist.ProcessGroup:
         f"{call}: group={type(plugin).__name__} is not a supported booster plugin; cmap knows the data-parallel "
         f"group of {supported} (and their subclasses). Pass its data-parallel ProcessGroup as group= instead."
     )
+
+
+def plugin_mesh(obj: Any) -> Any:
+    """``(ProcessGroupMesh, axis names)`` of a colossalai ``Booster`` or booster plugin that has a mesh (the hybrid
+    and Gemini plugins), for ``shard_map``; None for any other object."""
+    plugin = getattr(obj, "plugin", obj) if "Booster" in _names(obj) else obj
+    names = _names(plugin)
+    if "HybridParallelPlugin" in names or "MoeHybridParallelPlugin" in names:
+        axes = {plugin.dp_axis: "dp", plugin.pp_axis: "pp", plugin.tp_axis: "tp", plugin.sp_axis: "sp"}
+        return plugin.pg_mesh, tuple(axes[i] for i in range(len(axes)))
+    if "GeminiPlugin" in names:
+        return plugin.pg_mesh, ("zero", "dp", "tp")  # gemini_plugin's ZERO_AXIS, DP_AXIS, TP_AXIS
+    return None

@@ -1,0 +1,79 @@
+"""Global values to this rank's blocks and back, one mesh axis at a time, with the two wire primitives.
+
+Cutting a block is a ``Split`` per axis (this rank's rows along a split axis; along an axis the spec leaves out, the
+value itself): no communication. Its transpose, in backward, is a ``Join`` per axis in the reverse order: the
+block's gradients summed over the replicated axes, then gathered along the split ones, so each global input's
+``.grad`` is the whole gradient, on every rank.
+
+Assembling is a ``Join`` per axis: along an axis the spec leaves out, the value at coordinate 0 of that axis (jax
+reads a replicated output from one device too); then every block, gathered along the split axes. Its transpose is a
+``Split``: this rank's block of the output's cotangent, at coordinate 0 of the replicated axes and zeros elsewhere.
+Every rank holds the global output, and its cotangent counts once over the mesh: this is jax's transposition with
+``check_vma=False``, where ``psum`` transposes to ``psum``.
+"""
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join_values
+from ..wire.primitives import join, split
+from ..wire.protocol import Kind, Link
+from ..wire.roles import Rows
+from .specs import Placement, Step
+
+
+def cut(
+    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], view: Any, owner: CallTag
+) -> List[Any]:
+    """Each global value's block on this rank (the owner tags the entry, as a cmap call's)."""
+    steps = [
+        p.cut_steps(v.shape, view.sizes, view.coords) if isinstance(v, torch.Tensor) else []
+        for v, p in zip(values, places)
+    ]
+    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, owner), xs))
+
+
+def assemble(
+    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], view: Any, whole: Link, what: str
+) -> list:
+    """Each block assembled into its global value, on every rank. Blocks of a split dim need not be equal, so every
+    rank's block lengths along split dims travel first, in one small round over the whole mesh."""
+    length = _lengths(values, places, view, whole)
+    steps = [
+        p.assemble_steps(view.sizes, view.coords, length(i)) if isinstance(v, torch.Tensor) else []
+        for i, (v, p) in enumerate(zip(values, places))
+    ]
+    return _run(list(values), steps, lambda axis, roles, xs: join(JoinSpec(links[axis], roles, what, Kind.SYNC), xs))
+
+
+def _lengths(values: Sequence[Any], places: Sequence[Placement], view: Any, whole: Link) -> Any:
+    """``length(i)(coords, d)``: leaf ``i``'s block length along dim ``d`` on the rank at ``coords``."""
+    keys = [(i, d) for i, (v, p) in enumerate(zip(values, places)) if isinstance(v, torch.Tensor) for d, _ in p.split]
+    table: List[List[int]] = []
+    if keys:
+        spec = JoinSpec(whole, (Rows(0, (1,) * whole.group.size),), "the outputs' block lengths", Kind.SYNC)
+        with torch._C._DisableFuncTorch():  # plain ints, whatever function transform is around the call
+            mine = torch.tensor([[values[i].shape[d] for i, d in keys]], dtype=torch.int64, device=whole.device)
+            (found,) = join_values(spec, [mine])
+            table = found.tolist()
+    column = {key: k for k, key in enumerate(keys)}
+
+    def length(i: int) -> Any:
+        return lambda coords, d: table[view.whole_rank(coords)][column[(i, d)]]
+
+    return length
+
+
+def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:
+    """Every leaf's steps, in order per leaf: one primitive per axis for all leaves whose next step is on it."""
+    pending = [list(s) for s in steps]
+    while any(pending):
+        axis = next(s[0].axis for s in pending if s)
+        picked = [i for i, s in enumerate(pending) if s and s[0].axis == axis]
+        roles = tuple(pending[i][0].role for i in picked)
+        out = apply(axis, roles, [values[i] for i in picked])
+        for i, v in zip(picked, out):
+            values[i] = v
+            pending[i].pop(0)
+    return values

@@ -1,0 +1,146 @@
+"""The mesh a ``shard_map`` runs over: its axis names and sizes, this rank's coordinates, and a group per axis.
+
+Accepted: a torch ``DeviceMesh`` with ``mesh_dim_names`` (the ecosystem's named mesh), :class:`Mesh` (colossalai's
+``ProcessGroupMesh`` with a name per axis), and a colossalai ``Booster`` or booster plugin that has a mesh. The
+groups come from the mesh itself (it creates and caches them); the one group over the whole mesh, where the exit
+round runs, is the world when the mesh covers it.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..integration.plugins import plugin_mesh
+from ..wire.group import Group, group_of
+
+
+class Mesh:
+    """colossalai's ``ProcessGroupMesh`` with a name per axis, for ``shard_map``.
+
+    Example:
+        >>> from colossalai.cluster import ProcessGroupMesh
+        >>> mesh = cm.Mesh(ProcessGroupMesh(2, 2), ("x", "y"))
+    """
+
+    def __init__(self, pg_mesh: Any, names: Sequence[str]) -> None:
+        names = tuple(names)
+        shape = tuple(pg_mesh.shape)
+        if len(names) != len(shape) or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"Mesh: names {names!r} must be {len(shape)} distinct strings, one per mesh axis.")
+        self.pg_mesh, self.axis_names, self.shape = pg_mesh, names, dict(zip(names, shape))
+
+    def __repr__(self) -> str:
+        return f"Mesh({', '.join(f'{n}={s}' for n, s in self.shape.items())})"
+
+
+@dataclass(frozen=True)
+class MeshView:
+    """A mesh as one rank sees it.
+
+    Attributes:
+        names: the axis names, in mesh order.
+        sizes: each axis's size.
+        coords: this rank's coordinate along each axis (empty off the mesh).
+        axes: each axis's group: the ranks that differ from this one along that axis only.
+        whole: the group of every rank of the mesh (None off the mesh).
+        grid: the global rank at each coordinate, in row-major order.
+    """
+
+    names: Tuple[str, ...]
+    sizes: Dict[str, int]
+    coords: Dict[str, int]
+    axes: Dict[str, Group]
+    whole: Optional[Group]
+    grid: Tuple[int, ...]
+
+    @property
+    def member(self) -> bool:
+        return self.whole is not None
+
+    def whole_rank(self, coords: Dict[str, int]) -> int:
+        """The rank in the whole mesh's group of the rank at ``coords``."""
+        flat = 0
+        for n in self.names:
+            flat = flat * self.sizes[n] + coords[n]
+        return self.whole.ranks.index(self.grid[flat])
+
+    def describe(self) -> str:
+        return f"a mesh of shape {tuple(self.sizes.values())} with axis names {self.names}"
+
+
+_VIEWS: Dict[int, Tuple[Any, MeshView]] = {}  # id(mesh) -> (mesh, view): the mesh kept alive, so ids are not reused
+_WHOLE: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def resolve_mesh(call: str, mesh: Any) -> MeshView:
+    """This rank's view of ``mesh``, made on first use (collectively, on the mesh's ranks) and kept."""
+    found = _VIEWS.get(id(mesh))
+    if found is not None and found[0] is mesh:
+        return found[1]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{call}: shard_map needs torch.distributed initialised (colossalai.launch_from_torch()).")
+    with torch._C._DisableFuncTorch():  # the mesh's own tensors, read on the host, even under torch.func transforms
+        view = _resolve(call, mesh)
+    _VIEWS[id(mesh)] = (mesh, view)
+    return view
+
+
+def _resolve(call: str, mesh: Any) -> MeshView:
+    if isinstance(mesh, Mesh):
+        return _from_pg_mesh(mesh.pg_mesh, mesh.axis_names)
+    if type(mesh).__name__ == "DeviceMesh":
+        return _from_device_mesh(call, mesh)
+    found = plugin_mesh(mesh)
+    if found is not None:
+        return _from_pg_mesh(*found)
+    raise TypeError(
+        f"{call}: mesh={mesh!r} is not supported; expected a torch DeviceMesh with mesh_dim_names, "
+        f"colossalai_cmap.Mesh(ProcessGroupMesh, names), or a colossalai Booster or HybridParallel/Gemini plugin."
+    )
+
+
+def _from_device_mesh(call: str, mesh: Any) -> MeshView:
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(
+            f"{call}: the DeviceMesh has no mesh_dim_names; shard_map's specs name its axes, so create it with "
+            f"init_device_mesh(device_type, shape, mesh_dim_names=(...))."
+        )
+    sizes = dict(zip(names, mesh.mesh.shape))
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not on the mesh: it takes no part
+        return MeshView(tuple(names), sizes, {}, {}, None, ())
+    axes = {n: group_of(mesh.get_group(n)) for n in names}
+    grid = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return MeshView(tuple(names), sizes, dict(zip(names, coordinate)), axes, _whole(axes, tuple(sorted(grid))), grid)
+
+
+def _from_pg_mesh(pg_mesh: Any, names: Sequence[str]) -> MeshView:
+    shape = tuple(int(s) for s in pg_mesh.shape)
+    coords = tuple(int(c) for c in pg_mesh.coordinate())
+    axes = {n: group_of(pg_mesh.get_group_along_axis(i)) for i, n in enumerate(names)}
+    if len(names) == 1:
+        whole = next(iter(axes.values()))
+    else:
+        whole = group_of(pg_mesh.get_group_along_axis(list(range(len(names)))))
+    grid = tuple(range(math.prod(shape)))  # a ProcessGroupMesh spans the world, its ranks in row-major order
+    return MeshView(tuple(names), dict(zip(names, shape)), dict(zip(names, coords)), axes, whole, grid)
+
+
+def _whole(axes: Dict[str, Group], ranks: Tuple[int, ...]) -> Group:
+    """The group of the whole mesh: its one axis's group, the world, or a group made once on the mesh's ranks."""
+    if len(axes) == 1:
+        return next(iter(axes.values()))
+    if len(ranks) == dist.get_world_size():
+        return group_of(dist.group.WORLD)
+    pg = _WHOLE.get(ranks)
+    if pg is None:  # only the mesh's ranks take part in making it
+        pg = _WHOLE[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return group_of(pg)
+
+
+def mesh_size(view: MeshView) -> int:
+    return math.prod(view.sizes.values())
