@@ -11,9 +11,14 @@ parallel, FSDP with remat, tensor parallel, FSDP + TP and the SPMD pipeline (GPi
 
 Changes from the tutorial, the same on both sides: 4 devices instead of 8 (a mesh of 8 becomes 4, (4, 2) becomes
 (2, 2), the pipeline has 4 stages of one layer and microbatches of 4); ``mesh=`` passed to each ``shard_map`` instead
-of ``jax.set_mesh`` and ``device_put`` (no global state in the test process); in_specs written out where the
-tutorial infers them from explicit shardings; no ``print``; the networks in float64 (see below). The port's only
+of ``jax.set_mesh`` (no global state in the test process), with ``Auto`` axes where the tutorial places its inputs
+with ``device_put`` on explicit ones (which has no counterpart in the port); in_specs written out where the tutorial
+infers them from explicit shardings; no ``print``; the networks in float64 (see below); the pipeline's stacking of
+the inner layers' params inside the example, so that its gradient is w.r.t. the tutorial's params. The port's only
 helpers are ``make_mesh``, ``set_at``/``add_at`` (jax's ``x.at[i].set/add``) and ``remat``.
+
+Where the port does not give jax's numbers because of a bug in ``cm.shard_map``, the test stays in, marked as a strict
+xfail naming the bug (``KNOWN_BUGS``), next to the smallest case of that bug (the ``bug_*`` examples).
 
 Tolerances, derived, never fitted:
 
@@ -36,8 +41,11 @@ Tolerances, derived, never fitted:
 ``test_line_table`` counts them.
 """
 
+import ast
+import functools
 import inspect
 import os
+import textwrap
 from functools import partial
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -46,6 +54,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from cases import F64, gamma  # noqa: E402
+from harness import RankFailed  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
@@ -61,9 +70,9 @@ else:
     lax = pytest.importorskip("jax.lax")
     Auto = jax.sharding.AxisType.Auto
 
-# example: (code lines of jax_<example>, code lines of cm_<example>)
+# example: (code lines of jax_<example>, of cm_<example>), blank lines, comments and docstrings left out
 LINES = {
-    "matmul_basic": (10, 10),
+    "matmul_basic": (9, 9),
     "specs_f1": (7, 7),
     "specs_f2": (7, 7),
     "specs_f3": (6, 6),
@@ -77,20 +86,21 @@ LINES = {
     "all_gather_f5": (7, 7),
     "psum_scatter_f6": (7, 7),
     "ppermute_f7": (8, 8),
-    "ppermute_psum_scatter_f8": (18, 18),
+    "ppermute_psum_scatter_f8": (17, 17),
     "all_to_all_f9": (7, 7),
     "matmul_allgather": (9, 9),
-    "matmul_allgather_overlapped": (18, 18),
-    "matmul_allgather_overlapped_bidi": (31, 31),
+    "matmul_allgather_overlapped": (17, 17),
+    "matmul_allgather_overlapped_bidi": (26, 26),
     "matmul_psumscatter": (9, 9),
-    "matmul_psumscatter_overlapped": (18, 18),
-    "matmul_psumscatter_overlapped_bidi": (23, 23),
-    "predict, loss (the model)": (10, 10),
+    "matmul_psumscatter_overlapped": (16, 16),
+    "matmul_psumscatter_overlapped_bidi": (21, 21),
+    "predict, loss (the model)": (9, 9),
     "dp": (9, 9),
     "fsdp": (17, 17),
-    "tp": (18, 18),
-    "fsdp_tp": (20, 20),
-    "pp": (51, 51),
+    "tp": (20, 20),
+    "fsdp_tp": (18, 18),
+    "pp": (48, 48),
+    "the port's helpers": (0, 15),  # make_mesh, set_at, add_at, remat
 }
 
 
@@ -594,6 +604,26 @@ def jax_pp(params, batch, fill=np.nan):
     params_stacked = jnp.stack(Ws), jnp.stack(bs)
     params_ = first_params, params_stacked, last_params
     return loss_pp(params_, batch)
+
+
+# ------------------------------------------------------------------------- the smallest cases of cm.shard_map's bugs
+def jax_bug_uneven_outputs(a, b):
+    mesh = jax.make_mesh((4,), ("i",), (Auto,))
+    f = jax.shard_map(lambda a, b: (a, b), mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    return f(a, b)
+
+
+def jax_bug_uneven_inputs(a, b):
+    mesh = jax.make_mesh((4,), ("i",), (Auto,))
+    f = jax.shard_map(
+        lambda a, b: jax.lax.psum(a.sum() + b.sum(), "i"), mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P()
+    )
+    return f(a, b)
+
+
+def jax_bug_closure_returned(x):
+    mesh = jax.make_mesh((4,), ("i",), (Auto,))
+    return jax.shard_map(lambda: x, mesh=mesh, in_specs=(), out_specs=jax.P("i"))()
 
 
 # ================================================================================= cm.shard_map: the port, per rank
@@ -1112,6 +1142,24 @@ def cm_pp(params, batch, fill=torch.nan):
     return loss_pp(params_, batch)
 
 
+# ------------------------------------------------------------------------- the smallest cases of cm.shard_map's bugs
+def cm_bug_uneven_outputs(a, b):
+    mesh = make_mesh((4,), ("i",))
+    f = shard_map(lambda a, b: (a, b), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    return f(a, b)
+
+
+def cm_bug_uneven_inputs(a, b):
+    mesh = make_mesh((4,), ("i",))
+    f = shard_map(lambda a, b: cm.psum(a.sum() + b.sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    return f(a, b)
+
+
+def cm_bug_closure_returned(x):
+    mesh = make_mesh((4,), ("i",))
+    return shard_map(lambda: x, mesh=mesh, in_specs=(), out_specs=P("i"))()
+
+
 # ====================================================================================================== running
 def run_jax(example, args, cotangents=None, **kwargs):
     """jax_<example>(*args): its outputs' leaves, and with ``cotangents`` (one per output leaf) the vjp's gradient
@@ -1199,10 +1247,42 @@ EXACT = {  # example: the tutorial's inputs (integers)
     "ppermute_f7": (np.arange(8),),
     "ppermute_psum_scatter_f8": (TUTORIAL_16,),
     "all_to_all_f9": (TUTORIAL_16,),
+    # not the tutorial's: the smallest cases of the bugs below
+    "bug_uneven_outputs": (np.arange(8), np.arange(4)),
+    "bug_uneven_inputs": (np.arange(8), np.arange(4)),
+    "bug_closure_returned": (np.array([3]),),
+}
+
+# cm.shard_map's bugs (not the port's) that these examples show; strict, so a fix fails them until the mark goes.
+UNEVEN = (
+    "cm.shard_map bug: leaves whose blocks along one mesh axis differ in length share one Split/Join (shard/blocks.py"
+    " _run groups leaves by axis only; the wire route takes the first leaf's row count for all): outputs come out"
+    " wrong or raise, gradients raise. Smallest: bug_uneven_outputs, bug_uneven_inputs."
+)
+CLOSURE = (
+    "cm.shard_map bug: f returning a tensor it closes over, as is (not an op of it), gives that tensor's gradient as"
+    " this rank's block's cotangent only, not summed over the mesh (differs per rank). Smallest: bug_closure_returned."
+)
+KNOWN_BUGS = {
+    "specs_untile": CLOSURE,
+    "bug_closure_returned": CLOSURE,
+    "bug_uneven_outputs": UNEVEN,
+    "bug_uneven_inputs": UNEVEN,
+    "fsdp": UNEVEN,  # W and b are split along dim 0, of 784 or 128 and of 128 or 8 rows
+    "tp": UNEVEN,
+    "fsdp_tp": UNEVEN,
+    "pp": UNEVEN,
+    "pp zero fill": UNEVEN,
 }
 
 
-@pytest.mark.parametrize("example", list(EXACT))
+def marked(names, **xfail):
+    """The names, each known bug's marked as a strict xfail."""
+    mark = lambda n: pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[n], **xfail)  # noqa: E731
+    return [pytest.param(n, marks=mark(n)) if n in KNOWN_BUGS else n for n in names]
+
+
+@pytest.mark.parametrize("example", marked(EXACT))
 def test_exact(worlds, example):
     """The tutorial's integers (int64 tensors in the port), and the vjp of the same numbers in float32 with integer
     cotangents: all exact, so jax's float32 values are the integers' values too."""
@@ -1242,12 +1322,20 @@ def test_collective_matmul(worlds, example):
     compare(got, want, lambda kind, k: (eps_bound[kind, k], 0.0), example)
 
 
+@functools.lru_cache(maxsize=None)
 def tutorial_model():
     """The tutorial's params and batch (jax.random, float32), as float64 numpy arrays."""
     layer_sizes = [784, 128, 128, 128, 128, 128, 8]
     batch_size = 32
     params, batch = init(jax.random.key(0), layer_sizes, batch_size)
     return jax.tree.map(lambda a: np.asarray(a, dtype=np.float64), (params, batch))
+
+
+@functools.lru_cache(maxsize=None)
+def reference_loss_and_grad():
+    """The reference model's loss and gradient (the tutorial's ``loss``, unsharded), in float64."""
+    with jax.enable_x64(True):
+        return run_jax("loss", tutorial_model(), [np.float64(1.0)])
 
 
 NETWORKS = {  # test id: (example, kwargs)
@@ -1260,14 +1348,14 @@ NETWORKS = {  # test id: (example, kwargs)
 }
 
 
-@pytest.mark.parametrize("name", list(NETWORKS))
+@pytest.mark.parametrize("name", marked(NETWORKS, raises=RankFailed))
 def test_network(worlds, name):
     """The loss, and its gradient w.r.t. params and batch, in float64 within cases.F64 (see the module docstring)."""
     example, kwargs = NETWORKS[name]
     params, batch = tutorial_model()
     with jax.enable_x64(True):
         want = run_jax(example, (params, batch), [np.float64(1.0)], **kwargs)
-        reference = run_jax("loss", (params, batch), [np.float64(1.0)])
+    reference = reference_loss_and_grad()
     tol = (F64["atol"], F64["rtol"])
     np.testing.assert_allclose(want[0][0], reference[0][0], **F64, err_msg=f"{name}: jax against the reference")
     if not (example == "pp" and "fill" not in kwargs):  # the tutorial's NaN-filled pipeline has NaN gradients
@@ -1302,19 +1390,28 @@ def test_f64_premise():
     assert max(n for n, _ in sums) <= 1000 and max(s for _, s in sums) <= 1000, sums
 
 
-def code_lines(fn):
-    """Lines of fn's source that hold code: blank and comment-only lines left out."""
-    lines = (line.strip() for line in inspect.getsource(fn).splitlines())
-    return sum(1 for line in lines if line and not line.startswith("#"))
+def code_lines(*fns):
+    """Lines of the functions' sources that hold code: blank lines, comment lines and docstrings left out."""
+    total = 0
+    for fn in fns:
+        source = textwrap.dedent(inspect.getsource(fn))
+        defs = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
+        docs = [
+            d.body[0] for d in defs if isinstance(d.body[0], ast.Expr) and isinstance(d.body[0].value, ast.Constant)
+        ]
+        skip = {k for doc in docs for k in range(doc.lineno, doc.end_lineno + 1)}
+        lines = enumerate(source.splitlines(), 1)
+        total += sum(1 for k, line in lines if k not in skip and line.strip() and not line.strip().startswith("#"))
+    return total
 
 
 def test_line_table():
     """``LINES`` is what the examples' sources count."""
-    counted = {}
+    counted = {
+        "predict, loss (the model)": (code_lines(jax_predict, jax_loss), code_lines(cm_predict, cm_loss)),
+        "the port's helpers": (0, code_lines(make_mesh, set_at, add_at, remat)),
+    }
     for name in LINES:
-        if name == "predict, loss (the model)":
-            pairs = ((jax_predict, jax_loss), (cm_predict, cm_loss))
-            counted[name] = tuple(code_lines(predict) + code_lines(loss) for predict, loss in pairs)
-        else:
+        if name not in counted:
             counted[name] = (code_lines(globals()["jax_" + name]), code_lines(globals()["cm_" + name]))
     assert counted == LINES
