@@ -86,10 +86,14 @@ def psum_scatter(
     x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
 ) -> torch.Tensor:
     """The sum over the axis, scattered: example ``i`` gets the sum's ``i``-th slice along ``scatter_dimension``
-    (whose size must be B), or with ``tiled`` its ``i``-th of B equal chunks. The transpose of :func:`all_gather`."""
+    (whose size must be B), or with ``tiled`` its ``i``-th of B equal chunks. The transpose of :func:`all_gather`.
+    Over one axis name it is a reduce-scatter: each rank receives only its examples' chunks."""
     shape = _example_shape(axis_name, x)
     d = _dim(scatter_dimension, len(shape), "psum_scatter", "scatter_dimension")
     chunk = _chunk("psum_scatter", shape[d], axis_size(axis_name), tiled, "scatter_dimension")
+    if _native(axis_name):
+        out = axes.apply(x, _names(axis_name)[0], "scatter", d)
+        return out if tiled else out.squeeze(d + _lead(axis_name))
     total = psum(x, axis_name)
     return _per_example(axis_name, lambda t, i: _slice(t, d, i, chunk, tiled), total, axis_index(axis_name))
 
@@ -99,11 +103,24 @@ def all_to_all(
 ) -> torch.Tensor:
     """Example ``i`` gets every example's ``i``-th slice of ``split_axis`` (whose size must be B), stacked in global
     order along a new dim ``concat_axis``; with ``tiled``, the ``i``-th of B equal chunks, concatenated along the
-    existing ``concat_axis``. Its transpose is itself with the axes swapped."""
+    existing ``concat_axis``. Its transpose is itself with the axes swapped. Over one axis name it is an
+    all-to-all: each chunk travels once, to the rank of the example that gets it."""
     shape = _example_shape(axis_name, x)
     s = _dim(split_axis, len(shape), "all_to_all", "split_axis")
     c = _dim(concat_axis, len(shape), "all_to_all", "concat_axis")
-    chunk = _chunk("all_to_all", shape[s], axis_size(axis_name), tiled, "split_axis")
+    B = axis_size(axis_name)
+    chunk = _chunk("all_to_all", shape[s], B, tiled, "split_axis")
+    if _native(axis_name):
+        front = _per_example(axis_name, lambda v: v.movedim(s, 0), x)  # the chunks to send along dim 0
+        got = axes.apply(front, _names(axis_name)[0], "a2a", 0)  # (B sources * chunk, ...) per example
+
+        def arrange(z: torch.Tensor) -> torch.Tensor:
+            parts = z.unflatten(0, (B, chunk))  # [source, chunk, the other dims]
+            if not tiled:
+                return parts.squeeze(1).movedim(0, c)
+            return parts.movedim(1, s + 1).movedim(0, c).flatten(c, c + 1)
+
+        return _per_example(axis_name, arrange, got)
     everyone = all_gather(x, axis_name)  # per example: (B, *shape)
 
     def piece(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -115,8 +132,12 @@ def all_to_all(
 
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
     """Example ``dst`` gets example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``; examples that no pair names
-    as a destination get zeros. Its transpose is the inverse permutation."""
-    table = torch.tensor(_sources(perm, axis_size(axis_name)), dtype=torch.int64, device=x.device)
+    as a destination get zeros. Its transpose is the inverse permutation. Over one axis name only the pairs' values
+    move, each once."""
+    sources = _sources(perm, axis_size(axis_name))
+    if _native(axis_name):
+        return axes.apply(x, _names(axis_name)[0], "permute", tuple(sources))
+    table = torch.tensor(sources, dtype=torch.int64, device=x.device)
     everyone = all_gather(x, axis_name)
 
     def pick(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -148,6 +169,21 @@ def axis_size(axis_name: AxisName) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
+def _native(axis_name: AxisName) -> bool:
+    """Whether the per-example ops take their native collective: over one axis name, eagerly, in a mode where each
+    run holds its rows (vmap, batched, or a shard_map axis). Otherwise they are a psum or an all_gather and a
+    selection (loop mode, tuple names, inside torch.compile)."""
+    names = _names(axis_name)
+    if len(names) != 1 or torch.compiler.is_compiling():
+        return False
+    return lookup(names[0], "collective").mode in ("vmap", "batched", "rank")
+
+
+def _lead(axis_name: AxisName) -> int:
+    """Dims before an example's own: the rows in batched mode."""
+    return 1 if _batched_mode(axis_name) else 0
+
+
 def _batched_mode(axis_name: AxisName) -> bool:
     return lookup(_names(axis_name)[0], "collective").mode == "batched"
 
