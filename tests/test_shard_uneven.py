@@ -63,6 +63,23 @@ def reshard_rows_to_columns(rows: int, cols: int) -> Tuple[torch.Tensor, torch.T
     return x.detach(), out.detach(), x.grad
 
 
+def blocks_of_two_lengths(n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """A batch split by rows (2 per rank) and a weight by its 10 columns, along one axis, with a replicated bias:
+    blocks of different lengths cut and assembled together. Each (value, gradient) should be (k * x, k * cotangent).
+    """
+    mesh = _mesh((n,), ("i",))
+    xs = [
+        randn(*shape, seed=3 + k, dtype=DOUBLE).requires_grad_() for k, shape in enumerate([(2 * n, 3), (3, 10), (3,)])
+    ]
+    f = cm.shard_map(
+        lambda a, w, b: (a * 2, w * 3, b * 4), mesh, (P("i"), P(None, "i"), P()), (P("i"), P(None, "i"), P())
+    )
+    outs = f(*xs)
+    cotangents = [randn(*x.shape, seed=13 + k, dtype=DOUBLE) for k, x in enumerate(xs)]
+    sum((o * c).sum() for o, c in zip(outs, cotangents)).backward()
+    return [(o.detach(), x.grad) for o, x in zip(outs, xs)]
+
+
 # ---------------------------------------------------------------------------------------- the global oracle
 def reference(op: str, blocks: List[torch.Tensor], kwargs: Dict[str, int], member: Sequence[int]) -> Any:
     """Each rank's output and its block's gradient, in one process; ``member[q]`` is rank q's index in the axis."""
@@ -127,6 +144,17 @@ def test_all_to_all_chunks_are_shard_map_blocks(worlds, n):
     for x, out, grad in worlds(n).run(reshard_rows_to_columns, 2 * n, 10):
         assert_same(out, x, what="resharded value")
         assert_same(grad, randn(2 * n, 10, seed=2, dtype=DOUBLE), what="resharded gradient")
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_blocks_of_different_lengths_along_one_axis(worlds, n):
+    """A batch's row blocks and a weight's column blocks ride one axis (the example's shard_map Linear): each
+    exchange carries one length per rank, so they travel apart, forward and backward."""
+    for rank_result in worlds(n).run(blocks_of_two_lengths, n):
+        for k, (out, grad) in enumerate(rank_result):
+            shape = [(2 * n, 3), (3, 10), (3,)][k]
+            assert_same(out, (k + 2) * randn(*shape, seed=3 + k, dtype=DOUBLE), what=f"leaf {k} value")
+            assert_same(grad, (k + 2) * randn(*shape, seed=13 + k, dtype=DOUBLE), what=f"leaf {k} gradient")
 
 
 def test_cmap_axes_keep_jax_division():
