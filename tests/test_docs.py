@@ -12,7 +12,7 @@ from typing import List, Tuple
 import pytest
 
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
-DOCS = ["api.md", "guide.md", "collectives.md"]
+DOCS = ["api.md", "guide.md", "collectives.md", "shard_map.md"]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 

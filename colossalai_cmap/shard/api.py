@@ -128,7 +128,15 @@ class ShardMapped:
         functools.update_wrapper(self, f, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _outside_graph(self, args, kwargs)
         return _run(self, args, kwargs)
+
+
+@torch._disable_dynamo
+def _outside_graph(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``torch.compile(shard_map(f))``: the orchestration runs eagerly, as a graph break, as a cmap's does."""
+    return _run(site, args, kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ one call

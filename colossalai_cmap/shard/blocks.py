@@ -52,10 +52,11 @@ def _lengths(values: Sequence[Any], places: Sequence[Placement], view: Any, whol
     keys = [(i, d) for i, (v, p) in enumerate(zip(values, places)) if isinstance(v, torch.Tensor) for d, _ in p.split]
     table: List[List[int]] = []
     if keys:
-        mine = torch.tensor([[values[i].shape[d] for i, d in keys]], dtype=torch.int64, device=whole.device)
         spec = JoinSpec(whole, (Rows(0, (1,) * whole.group.size),), "the outputs' block lengths", Kind.SYNC)
-        (found,) = join_values(spec, [mine])
-        table = found.tolist()
+        with torch._C._DisableFuncTorch():  # plain ints, whatever function transform is around the call
+            mine = torch.tensor([[values[i].shape[d] for i, d in keys]], dtype=torch.int64, device=whole.device)
+            (found,) = join_values(spec, [mine])
+            table = found.tolist()
     column = {key: k for k, key in enumerate(keys)}
 
     def length(i: int) -> Any:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from ..integration.plugins import plugin_mesh
@@ -81,7 +82,8 @@ def resolve_mesh(call: str, mesh: Any) -> MeshView:
         return found[1]
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{call}: shard_map needs torch.distributed initialised (colossalai.launch_from_torch()).")
-    view = _resolve(call, mesh)
+    with torch._C._DisableFuncTorch():  # the mesh's own tensors, read on the host, even under torch.func transforms
+        view = _resolve(call, mesh)
     _VIEWS[id(mesh)] = (mesh, view)
     return view
 

@@ -1,0 +1,415 @@
+"""Checks that run inside the worker processes for the shard_map tests: each compares shard_map's values and
+gradients with a single-process reference that computes the same global function, in float64 (cases.F64)."""
+
+from functools import partial
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+import torch.distributed as dist
+from cases import F64, assert_same
+
+import colossalai_cmap as cm
+from colossalai_cmap import P, shard_map
+
+_MESHES: Dict[Any, Any] = {}
+
+
+def mesh(shape: Tuple[int, ...], names: Tuple[str, ...]) -> Any:
+    """A DeviceMesh made once per process (making one makes process groups, collectively)."""
+    key = ("device", shape, names)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def pg_mesh(shape: Tuple[int, ...], names: Tuple[str, ...]) -> Any:
+    key = ("pg", shape, names)
+    if key not in _MESHES:
+        from colossalai.cluster import ProcessGroupMesh
+
+        _MESHES[key] = cm.Mesh(ProcessGroupMesh(*shape), names)
+    return _MESHES[key]
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def values_and_grads(fn: Callable, *xs: torch.Tensor, seed: int = 99) -> Tuple[Any, Any]:
+    """``fn(*xs)`` and the gradients of ``(sin(fn(*xs)) * W).sum()`` with respect to ``xs``, a fixed random W."""
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
+    y = fn(*xs)
+    differentiable = [x for x in xs if x.requires_grad]
+    if not y.requires_grad:
+        return y.detach(), None
+    w = randn(*y.shape, seed=seed)
+    grads = torch.autograd.grad((torch.sin(y) * w).sum(), differentiable, allow_unused=True)
+    return y.detach(), [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, differentiable)]
+
+
+def compare(what: str, got: Tuple[Any, Any], want: Tuple[Any, Any]) -> None:
+    assert_same(got[0], want[0], F64, f"{what}: values")
+    if want[1] is not None:
+        assert got[1] is not None, f"{what}: no gradient"
+        for k, (g, e) in enumerate(zip(got[1], want[1])):
+            assert_same(g, e, F64, f"{what}: gradient {k}")
+
+
+# --------------------------------------------------------------------------- every collective, 1-D and tuple axes
+def collective_cases(n: int, ax: Any) -> Dict[str, Tuple[Callable, Any, Any, Tuple[torch.Tensor, ...], Callable]]:
+    """name -> (f, in_specs, out_specs, global inputs, reference of the global function), for an axis (or tuple of
+    axes) ``ax`` of ``n`` ranks. The references are written from the meaning of each op over blocks."""
+    k, m = 3, 2
+    x = randn(n * k, m, seed=n)
+    sq = randn(n, n * k, m, seed=n + 1)
+    wide = randn(n * k, n * m, seed=n + 2)
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n, k, *t.shape[1:])
+
+    return {
+        "psum": (lambda b: cm.psum(b, ax), P(ax), P(), (x,), lambda t: blocks(t).sum(0)),
+        "pmean": (lambda b: cm.pmean(b, ax), P(ax), P(), (x,), lambda t: blocks(t).mean(0)),
+        # not differentiable (as cmap's): values only
+        "pmax": (lambda b: cm.pmax(b.detach(), ax), P(ax), P(), (x,), lambda t: blocks(t.detach()).amax(0)),
+        "pmin": (lambda b: cm.pmin(b.detach(), ax), P(ax), P(), (x,), lambda t: blocks(t.detach()).amin(0)),
+        "all_gather": (lambda b: cm.all_gather(b, ax), P(ax), P(), (x,), blocks),
+        "all_gather tiled": (lambda b: cm.all_gather(b, ax, tiled=True), P(ax), P(), (x,), lambda t: t * 1),
+        "all_gather axis 1 tiled": (
+            lambda b: cm.all_gather(b, ax, axis=1, tiled=True),
+            P(ax),
+            P(),
+            (x,),
+            lambda t: torch.cat(list(blocks(t)), 1),
+        ),
+        "psum_scatter tiled": (
+            lambda b: cm.psum_scatter(b[0], ax, scatter_dimension=0, tiled=True),
+            P(ax),
+            P(ax),
+            (sq,),
+            lambda t: t.sum(0),
+        ),
+        "psum_scatter": (
+            lambda b: cm.psum_scatter(b[0, :n], ax, scatter_dimension=0)[None],
+            P(ax),
+            P(ax),
+            (sq,),
+            lambda t: t[:, :n].sum(0),
+        ),
+        "all_to_all tiled": (
+            lambda b: cm.all_to_all(b, ax, 1, 0, tiled=True),
+            P(ax, None),
+            P(None, ax),
+            (wide,),
+            lambda t: t * 1,
+        ),
+        "ppermute": (
+            lambda b: cm.ppermute(b, ax, [(i, (i + 1) % n) for i in range(n)]),
+            P(ax),
+            P(ax),
+            (x,),
+            lambda t: torch.roll(t, k, 0),
+        ),
+        "axis_index": (
+            lambda b: b * cm.axis_index(ax),
+            P(ax),
+            P(ax),
+            (x,),
+            lambda t: (blocks(t) * torch.arange(n, dtype=t.dtype)[:, None, None]).reshape(t.shape),
+        ),
+        "axis_size": (lambda b: b * cm.axis_size(ax), P(ax), P(ax), (x,), lambda t: t * n),
+        "replicated input": (lambda r: cm.psum(r * 2, ax), P(), P(), (x,), lambda t: t * 2 * n),
+    }
+
+
+def check_collectives(shape: Tuple[int, ...], names: Tuple[str, ...], ax: Any) -> bool:
+    m = mesh(shape, names)
+    n = 1
+    for a in ax if isinstance(ax, tuple) else (ax,):
+        n *= m.size(names.index(a))
+    for name, (f, ins, outs, xs, ref) in collective_cases(n, ax).items():
+        got = values_and_grads(shard_map(f, m, ins, outs), *xs)
+        compare(f"{name} over {ax}", got, values_and_grads(ref, *xs))
+    return True
+
+
+# ------------------------------------------------------------------------------------------- specs and meshes
+def check_matmul_2d(kind: str) -> bool:
+    """jax's first shard_map example: P("x", "y") and P("y", None) blocks, a psum over "y"."""
+    m = mesh((2, 2), ("x", "y")) if kind == "device" else pg_mesh((2, 2), ("x", "y"))
+    a, b = randn(8, 16, seed=1), randn(16, 4, seed=2)
+
+    @partial(shard_map, mesh=m, in_specs=(P("x", "y"), P("y", None)), out_specs=P("x", None))
+    def matmul_basic(a_block: torch.Tensor, b_block: torch.Tensor) -> torch.Tensor:
+        assert a_block.shape == (4, 8) and b_block.shape == (8, 4)
+        return cm.psum(a_block @ b_block, "y")
+
+    compare("matmul_basic", values_and_grads(matmul_basic, a, b), values_and_grads(torch.matmul, a, b))
+    return True
+
+
+def check_uneven_and_tuple_specs() -> bool:
+    """Dims that do not divide (tensor_split blocks), a tuple of axes on one dim, 2-D blocks, pytree specs."""
+    m = mesh((2, 2), ("x", "y"))
+    x = randn(7, 5, seed=3)
+
+    def scaled(b: torch.Tensor) -> torch.Tensor:  # each block times its flat index over ("x", "y")
+        return b * (cm.axis_index(("x", "y")) + 1)
+
+    def ref_tuple(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([blk * (i + 1) for i, blk in enumerate(torch.tensor_split(t, 4, 0))])
+
+    f = shard_map(scaled, m, P(("x", "y")), P(("x", "y")))
+    compare("P(('x', 'y')) uneven", values_and_grads(f, x), values_and_grads(ref_tuple, x))
+
+    def ref_yx(t: torch.Tensor) -> torch.Tensor:  # ("y", "x"): y major, so block j*2+i is on (x=i, y=j)
+        parts = torch.tensor_split(t, 4, 0)
+        return torch.cat([blk * (2 * (j % 2) + j // 2 + 1) for j, blk in enumerate(parts)])
+
+    g = shard_map(scaled, m, P(("y", "x")), P(("y", "x")))
+    compare("P(('y', 'x')) uneven", values_and_grads(g, x), values_and_grads(ref_yx, x))
+
+    def two_d(b: torch.Tensor) -> torch.Tensor:
+        return b * (cm.axis_index("x") * 10 + cm.axis_index("y") + 1)
+
+    def ref_2d(t: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor_split(t, 2, 0)
+        return torch.cat(
+            [
+                torch.cat([c * (i * 10 + j + 1) for j, c in enumerate(torch.tensor_split(r, 2, 1))], 1)
+                for i, r in enumerate(rows)
+            ]
+        )
+
+    h = shard_map(two_d, m, P("x", "y"), P("x", "y"))
+    compare("P('x', 'y') uneven 2-D", values_and_grads(h, x), values_and_grads(ref_2d, x))
+
+    def tree(d: Dict[str, torch.Tensor], s: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"sum": cm.psum(d["a"].sum(0) * s, "x"), "rows": d["b"] * 2}
+
+    t = shard_map(tree, m, ({"a": P("x"), "b": P(None, "y")}, P()), {"sum": P(), "rows": P(None, "y")})
+    a, b, s = randn(4, 3, seed=4), randn(2, 6, seed=5), randn(3, seed=6)
+    got = t({"a": a, "b": b}, s)
+    assert_same(got, {"sum": a.sum(0) * s, "rows": b * 2}, F64, "pytree specs")
+    return True
+
+
+def check_local_io() -> bool:
+    """local=True: the blocks in, the blocks out, per-rank gradients; equal to the global call's blocks."""
+    m = mesh((4,), ("i",))
+    rank = dist.get_rank()
+    x = randn(8, 3, seed=7)
+    f = lambda b: b * cm.psum(b.sum(), "i")  # noqa: E731
+    glob = values_and_grads(shard_map(f, m, P("i"), P("i")), x)
+    mine = x[2 * rank : 2 * rank + 2].detach().clone().requires_grad_()
+    y = shard_map(f, m, P("i"), P("i"), local=True)(mine)
+    assert_same(y.detach(), glob[0][2 * rank : 2 * rank + 2], F64, "local values")
+    w = randn(8, 3, seed=99)[2 * rank : 2 * rank + 2]
+    (torch.sin(y) * w).sum().backward()  # every rank's loss on its own block: together, the global loss
+    assert_same(mine.grad, glob[1][0][2 * rank : 2 * rank + 2], F64, "local gradients")
+    return True
+
+
+# ------------------------------------------------------------------------------------- autograd and transforms
+def check_transforms() -> bool:
+    """torch.func.grad, vjp, jvp around shard_map; double backward through it."""
+    m = mesh((2,), ("i",))
+    x = randn(6, seed=8)
+
+    def f(b: torch.Tensor) -> torch.Tensor:
+        return torch.sin(b) * cm.psum((b * b).sum(), "i")
+
+    sm = shard_map(f, m, P("i"), P("i"))
+
+    def ref(t: torch.Tensor) -> torch.Tensor:
+        return torch.sin(t) * (t * t).sum()
+
+    assert_same(torch.func.grad(lambda t: sm(t).sum())(x), torch.func.grad(lambda t: ref(t).sum())(x), F64, "grad")
+    v = randn(6, seed=9)
+    _, vjp_got = torch.func.vjp(sm, x)
+    _, vjp_want = torch.func.vjp(ref, x)
+    assert_same(vjp_got(v), vjp_want(v), F64, "vjp")
+    assert_same(torch.func.jvp(sm, (x,), (v,)), torch.func.jvp(ref, (x,), (v,)), F64, "jvp")
+    xg = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(sm(xg).sum(), xg, create_graph=True)
+    (gg,) = torch.autograd.grad((g * g).sum(), xg)
+    xr = x.clone().requires_grad_()
+    (h,) = torch.autograd.grad(ref(xr).sum(), xr, create_graph=True)
+    (hh,) = torch.autograd.grad((h * h).sum(), xr)
+    assert_same(gg, hh, F64, "double backward")
+    return True
+
+
+def check_closures_and_training() -> bool:
+    """A model f closes over (its parameters never passed to shard_map) gets the global gradient: data-parallel
+    training with shard_map and AdamW follows the same training in one process."""
+    m = mesh((2, 2), ("x", "y"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    @partial(shard_map, mesh=m, in_specs=(P(("x", "y")), P(("x", "y"))), out_specs=P())
+    def loss_dp(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return cm.pmean(((model(xb) - yb) ** 2).mean(), ("x", "y"))
+
+    for step in range(3):
+        xs, ys = randn(8, 4, seed=10 + step), randn(8, 1, seed=20 + step)
+        for o in (opt, ref_opt):
+            o.zero_grad()
+        loss = loss_dp(xs, ys)
+        loss.backward()
+        want = ((ref(xs) - ys) ** 2).mean()
+        want.backward()
+        assert_same(loss.detach(), want.detach(), F64, f"loss {step}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_same(p.grad, q.grad, F64, f"{name}.grad {step}")
+        opt.step()
+        ref_opt.step()
+    return True
+
+
+def check_checkpoint_inside() -> bool:
+    """jax's remat in the FSDP example: an all_gather inside torch.utils.checkpoint, recomputed in backward after
+    shard_map returned, finds its axis."""
+    m = mesh((4,), ("i",))
+    w, x = randn(8, 3, seed=11), randn(5, 3, seed=12)
+
+    def gathered(wb: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(xb @ cm.all_gather(wb, "i", tiled=True).T)
+
+    def f(wb: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(gathered, wb, xb, use_reentrant=False)
+
+    sm = shard_map(f, m, (P("i"), P()), P())
+    compare("checkpoint", values_and_grads(sm, w, x), values_and_grads(lambda a, b: torch.tanh(b @ a.T), w, x))
+    return True
+
+
+# --------------------------------------------------------------------------------------------------- nesting
+def check_cmap_inside() -> bool:
+    """cmap inside shard_map maps over the examples of this rank's block, with both axes' collectives."""
+    m = mesh((2,), ("i",))
+    x = randn(6, 3, seed=13)
+
+    def f(b: torch.Tensor) -> torch.Tensor:
+        per = cm.cmap(lambda e: e - cm.pmean(e, "b") + cm.psum(e.sum(), "i"), axis_name="b")
+        return per(b)
+
+    def ref(t: torch.Tensor) -> torch.Tensor:
+        blocks = t.reshape(2, 3, 3)
+        totals = blocks.sum((1, 2)).sum()  # psum over "i" of each example's sum, example by example
+        per_example = blocks.sum(2)  # (block, example)
+        summed = per_example.sum(0)  # psum over "i" pairs example e of block 0 with example e of block 1
+        del totals
+        return (blocks - blocks.mean(1, keepdim=True) + summed[None, :, None]).reshape(6, 3)
+
+    sm = shard_map(f, m, P("i"), P("i"))
+    compare("cmap inside shard_map", values_and_grads(sm, x), values_and_grads(ref, x))
+    return True
+
+
+def check_shard_map_inside_cmap() -> bool:
+    """shard_map over the "y" axis inside a cmap over the "x" axis of a 2x2 mesh: a data-parallel cmap whose
+    examples run a tensor-parallel function."""
+    m = mesh((2, 2), ("x", "y"))
+    w, x = randn(4, 6, seed=14), randn(5, 4, seed=15)
+    tp = shard_map(lambda wb, e: e @ wb, m["y"], (P(None, "y"), P()), P("y"))
+    f = cm.cmap(lambda e: tp(w, e), group=m.get_group("x"))
+    compare("shard_map inside cmap", values_and_grads(f, x), values_and_grads(lambda t: t @ w, x))
+    return True
+
+
+# --------------------------------------------------------------------------------------------------- failures
+def check_failure(where: str) -> str:
+    """An exception on one rank, while its peers wait in collectives over different axes, is a CmapError on every
+    rank of the mesh that names it."""
+    m = mesh((2, 2), ("x", "y"))
+
+    def f(b: torch.Tensor) -> torch.Tensor:
+        if where == "before" and dist.get_rank() == 3:
+            raise ValueError("boom on rank 3")
+        y = cm.psum(b, "y")
+        if where == "between" and dist.get_rank() == 0:
+            raise KeyError("boom on rank 0")
+        return cm.psum(y, "x")
+
+    try:
+        shard_map(f, m, P("x", "y"), P())(torch.ones(4, 4))
+    except cm.CmapError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def check_spec_errors() -> Dict[str, str]:
+    m = mesh((2, 2), ("x", "y"))
+    out = {}
+    for name, (specs, arg) in {
+        "rank": (P("x", "y", None), torch.ones(4, 4)),
+        "axis": (P("z"), torch.ones(4)),
+        "twice": (P("x", "x"), torch.ones(4, 4)),
+        "prefix": ((P(), P()), torch.ones(4)),
+    }.items():
+        try:
+            shard_map(lambda b: b, m, specs, P())(arg)
+            out[name] = "no error"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}|{isinstance(exc, ValueError)}|{exc}"
+    return out
+
+
+def check_rep(replicated: bool) -> str:
+    m = mesh((2, 2), ("x", "y"))
+    f = (lambda b: cm.psum(b, "y")) if replicated else (lambda b: b * cm.axis_index("y"))
+    try:
+        y = shard_map(f, m, P("x", "y"), P("x"), check_rep=True)(torch.ones(4, 4))
+        return f"ok {tuple(y.shape)}"
+    except cm.CmapError as exc:
+        return str(exc)
+
+
+def check_partial_mesh() -> Any:
+    """A mesh over ranks 0 and 1 of a world of 4: ranks 2 and 3 take no part (they return None)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = "partial"
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("s",))
+    if dist.get_rank() >= 2:
+        return shard_map(lambda b: b, _MESHES[key], P("s"), P("s"))(torch.ones(2))
+    y = shard_map(lambda b: cm.psum(b, "s") * (cm.axis_index("s") + 1), _MESHES[key], P("s"), P("s"))(torch.arange(4.0))
+    return y.tolist()
+
+
+def check_compiled_around() -> bool:
+    """torch.compile(shard_map(f)) gives eager's values and gradients (the orchestration is one graph break)."""
+    m = mesh((2,), ("i",))
+    x = randn(6, 3, seed=16)
+    sm = shard_map(lambda b: torch.tanh(b) * cm.psum(b.sum(), "i"), m, P("i"), P("i"))
+    compiled = torch.compile(sm, backend="aot_eager")
+    compare("compiled", values_and_grads(compiled, x), values_and_grads(sm, x))
+    return True
+
+
+def check_spec_property(shape: Tuple[int, ...], entries: Tuple[Any, ...]) -> bool:
+    """For any global shape (dims of any length, 0 included) and any spec on the 2x2 mesh: an elementwise f with the
+    same in and out spec is the global elementwise function, and a psum over the spec's axes of each block's sum is
+    the global sum (replicated axes are not summed), values and gradients."""
+    m = mesh((2, 2), ("x", "y"))
+    spec = P(*entries)
+    x = randn(*shape, seed=sum(shape) + len(entries))
+    elementwise = shard_map(lambda b: torch.sin(b) * 2, m, spec, spec)
+    compare(
+        f"elementwise {spec} {shape}", values_and_grads(elementwise, x), values_and_grads(lambda t: torch.sin(t) * 2, x)
+    )
+
+    def block_sum(b: torch.Tensor) -> torch.Tensor:
+        return cm.psum(b.sum(), spec.axes()) if spec.axes() else b.sum()
+
+    total = shard_map(block_sum, m, spec, P())
+    compare(f"sum {spec} {shape}", values_and_grads(total, x), values_and_grads(torch.sum, x))
+    return True

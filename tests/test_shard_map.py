@@ -1,0 +1,108 @@
+"""shard_map in real gloo worlds: every collective over 1-D meshes of 2 to 4 ranks and over tuple axes of a 2x2
+mesh, spec kinds (sharded, replicated, tuple, uneven, pytrees), global and local I/O, autograd and torch.func
+around it, closures and a training loop, checkpoint inside f, nesting with cmap, torch.compile around it, failures
+on one rank, and a property test over random shapes and specs. The
+oracle is a single-process reference of the global function (shard_cases)."""
+
+import pytest
+import shard_cases as sc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_every_collective_on_a_line(worlds, P):
+    assert worlds(P).run(sc.check_collectives, (P,), ("i",), "i") == [True] * P
+
+
+@pytest.mark.parametrize("ax", ["x", "y", ("x", "y"), ("y", "x")], ids=str)
+def test_every_collective_on_a_2x2_mesh(worlds, ax):
+    assert worlds(4).run(sc.check_collectives, (2, 2), ("x", "y"), ax) == [True] * 4
+
+
+@pytest.mark.parametrize("kind", ["device", "pg"])
+def test_matmul_basic(worlds, kind):
+    assert worlds(4).run(sc.check_matmul_2d, kind) == [True] * 4
+
+
+def test_uneven_tuple_2d_and_pytree_specs(worlds):
+    assert worlds(4).run(sc.check_uneven_and_tuple_specs) == [True] * 4
+
+
+def test_local_io(worlds):
+    assert worlds(4).run(sc.check_local_io) == [True] * 4
+
+
+def test_transforms_around(worlds):
+    assert worlds(2).run(sc.check_transforms) == [True] * 2
+
+
+def test_closures_and_training(worlds):
+    assert worlds(4).run(sc.check_closures_and_training) == [True] * 4
+
+
+def test_checkpoint_inside(worlds):
+    assert worlds(4).run(sc.check_checkpoint_inside) == [True] * 4
+
+
+def test_cmap_inside_shard_map(worlds):
+    assert worlds(2).run(sc.check_cmap_inside) == [True] * 2
+
+
+def test_shard_map_inside_cmap(worlds):
+    assert worlds(4).run(sc.check_shard_map_inside_cmap) == [True] * 4
+
+
+@pytest.mark.parametrize("where,rank,kind", [("before", 3, "ValueError"), ("between", 0, "KeyError")])
+def test_failure_on_one_rank(worlds, where, rank, kind):
+    got = worlds(4).run(sc.check_failure, where)
+    for text in got:
+        assert text.startswith(f"CmapError[{kind}]: shard_map(f) failed on 1 rank(s)"), text
+        assert f"group rank {rank} (global rank {rank}) raised {kind}" in text, text
+
+
+def test_spec_errors(worlds):
+    for got in worlds(4).run(sc.check_spec_errors):
+        assert "which has length 3, but args[0] has shape (4, 4), which has rank 2" in got["rank"], got["rank"]
+        assert "refers to 'z', not an axis of the mesh" in got["axis"], got["axis"]
+        assert "names mesh axis 'x' twice" in got["twice"], got["twice"]
+        assert "must be a tree prefix of the positional arguments tuple" in got["prefix"], got["prefix"]
+        assert all(v.split("|")[1] == "True" for v in got.values()), got  # CmapError that is also a ValueError
+
+
+def test_check_rep(worlds):
+    assert worlds(4).run(sc.check_rep, True) == ["ok (4, 2)"] * 4
+    for text in worlds(4).run(sc.check_rep, False):
+        assert "replicated across mesh axis 'y', but they differ across it" in text, text
+
+
+def test_mesh_over_part_of_the_world(worlds):
+    assert worlds(4).run(sc.check_partial_mesh) == [[2.0, 4.0, 4.0, 8.0]] * 2 + [None] * 2
+
+
+def test_compiled_around(worlds):
+    assert worlds(2).run(sc.check_compiled_around) == [True] * 2
+
+
+@st.composite
+def shapes_and_specs(draw):
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=0, max_size=3)))
+    free = ["x", "y"]
+    entries = []
+    for _ in range(draw(st.integers(0, len(shape)))):
+        choice = draw(st.sampled_from([None, "one", "both"]))
+        if choice == "one" and free:
+            entries.append(free.pop(draw(st.integers(0, len(free) - 1))))
+        elif choice == "both" and len(free) == 2:
+            entries.append(tuple(draw(st.permutations(free))))
+            free = []
+        else:
+            entries.append(None)
+    return shape, tuple(entries)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(shapes_and_specs())
+def test_any_shape_and_spec(worlds, case):
+    shape, entries = case
+    assert worlds(4).run(sc.check_spec_property, shape, entries) == [True] * 4
