@@ -253,7 +253,8 @@ def check_styles_match_shorthands():
 
 
 def check_large_activation_counts():
-    """A sum larger than the round's payload (1 MiB per rank) is the round plus one all_reduce, both directions."""
+    """A sum larger than the round's payload (4 KiB per rank at most) is the round plus one all_reduce, both
+    directions."""
     torch.manual_seed(0)
     sharded = cm.shard_model(nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 64)), plan=MLP_PLAN)
     x = randn(4200, 64, seed=1).requires_grad_()  # 4200 x 64 float32 = 1.03 MiB
