@@ -29,9 +29,10 @@ demo: install
 test: install-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests
 
-# The collectives against jax on the same numbers (also part of test, where jax installs).
+# The collectives, and jax's shard_map tutorial ported line for line, against jax on the same numbers (also part of
+# test, where jax installs).
 parity: install-test
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests/test_parity.py
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests/test_parity.py tests/test_shard_parity.py
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"

@@ -37,8 +37,8 @@ Tolerances, derived, never fitted:
   NaN in the same places (and equal numbers elsewhere), and the same pipeline filled with zeros instead gives the
   whole gradient, checked too.
 
-``LINES``: the code lines (blank and comment lines left out) of each example's jax and cm.shard_map function, as
-``test_line_table`` counts them.
+``LINES``: the code lines (blank lines, comments and docstrings left out) of each example's jax and cm.shard_map
+function, as ``test_line_table`` counts them.
 """
 
 import ast
@@ -54,7 +54,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from cases import F64, gamma  # noqa: E402
-from harness import RankFailed  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
@@ -1247,39 +1246,26 @@ EXACT = {  # example: the tutorial's inputs (integers)
     "ppermute_f7": (np.arange(8),),
     "ppermute_psum_scatter_f8": (TUTORIAL_16,),
     "all_to_all_f9": (TUTORIAL_16,),
-    # not the tutorial's: the smallest cases of the bugs below
+    # not the tutorial's: the smallest cases of the bugs this file found (bug_uneven_*: fixed, kept as checks)
     "bug_uneven_outputs": (np.arange(8), np.arange(4)),
     "bug_uneven_inputs": (np.arange(8), np.arange(4)),
     "bug_closure_returned": (np.array([3]),),
 }
 
 # cm.shard_map's bugs (not the port's) that these examples show; strict, so a fix fails them until the mark goes.
-UNEVEN = (
-    "cm.shard_map bug: leaves whose blocks along one mesh axis differ in length share one Split/Join (shard/blocks.py"
-    " _run groups leaves by axis only; the wire route takes the first leaf's row count for all): outputs come out"
-    " wrong or raise, gradients raise. Smallest: bug_uneven_outputs, bug_uneven_inputs."
-)
 CLOSURE = (
     "cm.shard_map bug: f returning a tensor it closes over, as is (not an op of it), gives that tensor's gradient as"
     " this rank's block's cotangent only, not summed over the mesh (differs per rank). Smallest: bug_closure_returned."
 )
-KNOWN_BUGS = {
-    "specs_untile": CLOSURE,
-    "bug_closure_returned": CLOSURE,
-    "bug_uneven_outputs": UNEVEN,
-    "bug_uneven_inputs": UNEVEN,
-    "fsdp": UNEVEN,  # W and b are split along dim 0, of 784 or 128 and of 128 or 8 rows
-    "tp": UNEVEN,
-    "fsdp_tp": UNEVEN,
-    "pp": UNEVEN,
-    "pp zero fill": UNEVEN,
-}
+KNOWN_BUGS = {"specs_untile": CLOSURE, "bug_closure_returned": CLOSURE}
 
 
-def marked(names, **xfail):
+def marked(names):
     """The names, each known bug's marked as a strict xfail."""
-    mark = lambda n: pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[n], **xfail)  # noqa: E731
-    return [pytest.param(n, marks=mark(n)) if n in KNOWN_BUGS else n for n in names]
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[n])) if n in KNOWN_BUGS else n
+        for n in names
+    ]
 
 
 @pytest.mark.parametrize("example", marked(EXACT))
@@ -1348,7 +1334,7 @@ NETWORKS = {  # test id: (example, kwargs)
 }
 
 
-@pytest.mark.parametrize("name", marked(NETWORKS, raises=RankFailed))
+@pytest.mark.parametrize("name", marked(NETWORKS))
 def test_network(worlds, name):
     """The loss, and its gradient w.r.t. params and batch, in float64 within cases.F64 (see the module docstring)."""
     example, kwargs = NETWORKS[name]
@@ -1368,26 +1354,27 @@ def test_network(worlds, name):
 def test_f64_premise():
     """cases.F64 holds for sums of at most 1000 terms whose magnitudes sum to at most 1000: check that every sum the
     networks make, forward and backward, is one, on these numbers (the sharded versions split and reorder the same
-    sums)."""
+    sums). And that no pre-activation lies within F64's atol of 0, where two orders could flip relu's derivative."""
     params, (inputs, targets) = tutorial_model()
-    acts, sums = [inputs], []  # sums: (number of terms, largest sum|terms|)
+    acts, sums, pre = [inputs], [], []  # sums: (number of terms, largest sum|terms|)
     for W, b in params:
         x = acts[-1]
         sums.append((W.shape[0] + 1, float((np.abs(x) @ np.abs(W) + np.abs(b)).max())))  # x @ W + b
-        acts.append(np.maximum(x @ W + b, 0))
-    outputs = acts[-2] @ params[-1][0] + params[-1][1]
+        pre.append(x @ W + b)
+        acts.append(np.maximum(pre[-1], 0))
+    outputs = pre[-1]
     sq = (outputs - targets) ** 2
     sums.append((sq.shape[1], float(sq.sum(1).max())))  # the sum over features
-    sums.append((sq.shape[0], float(sq.sum(1).sum() / sq.shape[0])))  # the mean over the batch
+    sums.append((sq.shape[0], float(sq.sum())))  # the mean over the batch
     g = 2 * (outputs - targets) / sq.shape[0]  # d loss / d outputs
     for layer in reversed(range(len(params))):
         W, x = params[layer][0], acts[layer]
         sums.append((x.shape[0], float((np.abs(x).T @ np.abs(g)).max())))  # dW = x.T @ g
         sums.append((x.shape[0], float(np.abs(g).sum(0).max())))  # db
-        gx = g @ W.T
         sums.append((W.shape[1], float((np.abs(g) @ np.abs(W).T).max())))  # dx = g @ W.T
-        g = gx * (x > 0) if layer else gx
+        g = (g @ W.T) * (x > 0)
     assert max(n for n, _ in sums) <= 1000 and max(s for _, s in sums) <= 1000, sums
+    assert min(float(np.abs(p).min()) for p in pre[:-1]) > F64["atol"]
 
 
 def code_lines(*fns):
