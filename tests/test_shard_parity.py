@@ -55,7 +55,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from cases import F64, gamma  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: E402
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import colossalai_cmap as cm  # noqa: E402
