@@ -27,7 +27,9 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-def _all_to_all(out: Any, inp: Any, out_splits: Any = None, in_splits: Any = None, group: Any = None, **_: Any) -> float:
+def _all_to_all(
+    out: Any, inp: Any, out_splits: Any = None, in_splits: Any = None, group: Any = None, **_: Any
+) -> float:
     n = _nbytes(inp)
     if not in_splits:
         return n * (_size(group) - 1) / _size(group)
@@ -116,3 +118,79 @@ def native_bound(op: str, n: int, P: int) -> Tuple[float, float]:
         "all_to_all": (scatter, scatter),
         "ppermute": (n, n),
     }[op]
+
+
+# ------------------------------------------------------------------------------------------ the measured workload
+OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
+ROUND_CAP = 96 + 1024  # a round's header and its largest payload, per rank (wire/channel.py)
+_MESHES: Dict[int, Any] = {}
+
+
+def body(op: str, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``op`` over the axis "i" of ``size`` members, tiled where jax.lax has the choice."""
+    import colossalai_cmap as cm
+
+    if op == "psum":
+        return lambda v: cm.psum(v, "i")
+    if op == "all_gather":
+        return lambda v: cm.all_gather(v, "i", tiled=True)
+    if op == "psum_scatter":
+        return lambda v: cm.psum_scatter(v, "i", tiled=True)
+    if op == "all_to_all":
+        return lambda v: cm.all_to_all(v, "i", 0, 0, tiled=True)
+    return lambda v: cm.ppermute(v, "i", [(j, (j + 1) % size) for j in range(size)])
+
+
+def measure(kind: str, sizes: Tuple[int, ...]) -> List[Tuple[str, int, float, float, int, int]]:
+    """On this rank, for each op and value size n (bytes per rank): (op, n, forward bytes, backward bytes, forward
+    collectives, backward collectives), the third call of jax.pmap's shape (one example of n bytes per rank):
+    ``cmap(f, axis_name="i", src="local", dst="local")``, or ``shard_map(f, mesh, P("i"), P("i"), local=True)``."""
+    import colossalai_cmap as cm
+
+    size = dist.get_world_size()
+    if kind == "shard_map" and size not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[size] = init_device_mesh("cpu", (size,), mesh_dim_names=("i",))
+    rows = []
+    for op in OPS:
+        for n in sizes:
+            if kind == "cmap":
+                f = cm.cmap(body(op, size), axis_name="i", src="local", dst="local")
+                shape: Tuple[int, ...] = (1, n // 4)
+            else:
+                f = cm.shard_map(body(op, size), _MESHES[size], cm.P("i"), cm.P("i"), local=True)
+                shape = (n // 4,)
+            for _ in range(3):
+                x = torch.randn(shape).requires_grad_()
+                with counting() as fwd:
+                    y = f(x)
+                with counting() as bwd:
+                    y.sum().backward()
+            rows.append((op, n, fwd.sent, bwd.sent, fwd.count, bwd.count))
+    return rows
+
+
+def main() -> None:
+    """``python -m benchmarks.wire_bytes``: the table of bytes per rank against the native bound, P = 2 and 4."""
+    from .world import spawn
+
+    sizes = (4096, 64 * 1024, 1 << 20, 16 << 20)
+    print("| call | P | op | bytes per rank | forward sent / native | backward sent / native | collectives fwd + bwd |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in ("cmap", "shard_map"):
+        for size in (2, 4):
+            for op, n, fwd, bwd, nf, nb in spawn(measure, size, (kind, sizes))[0]:
+                native_fwd, native_bwd = native_bound(op, n, size)
+                print(
+                    f"| {kind} | {size} | {op} | {_human(n)} | {fwd:,.0f} / {native_fwd:,.0f} = {fwd / native_fwd:.2f}x "
+                    f"| {bwd:,.0f} / {native_bwd:,.0f} = {bwd / native_bwd:.2f}x | {nf} + {nb} |"
+                )
+
+
+def _human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+if __name__ == "__main__":
+    main()
