@@ -38,6 +38,7 @@ bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.compile
+	$(PY) -m benchmarks.wire_bytes
 
 # On a GPU machine: the checks on CUDA over nccl (one rank per GPU, up to 8), which steady calls synchronize the host,
 # and cmap's all_gather / all_reduce against torch.distributed's (also benchmarks/gpu_results.json). Under 10 minutes.

@@ -2,8 +2,8 @@
 
 Every round on a group has the same size on every rank, whatever each rank is doing. The size adapts, but only as a
 function of the tables every rank has seen, in the same order, so every rank always agrees on it: it grows at once
-to fit the largest block any rank needed (up to :data:`PAYLOAD_MAX`, 4 KiB), and shrinks by half after
-:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. Repeated calls with outputs up to 4 KiB
+to fit the largest block any rank needed (up to :data:`PAYLOAD_MAX`, 1 KiB), and shrinks by half after
+:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. Repeated calls with outputs up to 1 KiB
 per rank then make one collective, and a group that goes back to small outputs goes back to small rounds. Larger
 data takes its own collective, at its native cost: every round would carry the payload area of every rank, so a
 payload grown to the size of one large call would tax every later round on the group, however small.
@@ -24,7 +24,7 @@ from .group import Group, state_of
 HEADER_LEN = 12
 HEADER_BYTES = HEADER_LEN * 8  # keeps the payload 16-byte aligned
 PAYLOAD_BASE = max(16, int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16)
-PAYLOAD_MAX = max(PAYLOAD_BASE, int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", "4096")) // 16 * 16)
+PAYLOAD_MAX = max(PAYLOAD_BASE, int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", "1024")) // 16 * 16)
 _QUIET_ROUNDS = 8
 
 

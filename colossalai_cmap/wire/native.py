@@ -12,9 +12,13 @@ Function            this rank's result                              native colle
 ``AllGather``       every rank's rows along ``dim``, in order       ``all_gather_into_tensor``    ``ReduceScatter``
 ``AllToAll``        from each rank r, the rows r sent it, in order  ``all_to_all_single``         ``AllToAll``, the
                                                                                                   sizes swapped
+``Sum``             the sum over ranks (a value every rank holds)   ``all_reduce``, no round      ``Copy``
+``Copy``            the value itself (entering per-rank work)       none                          ``Sum``
 ==================  ==============================================  ============================  ==================
 
-Each is one status round of a fixed, small size (:mod:`protocol`: a peer that failed or left meets this rank there,
+``Sum`` and ``Copy`` are Megatron's *g* and *f*, for tensor-parallel layers: one all-reduce and no status round, so
+a layer costs what Megatron's costs (a rank that fails between layers leaves its peers waiting until the timeout,
+which then names it). Each of the others is one status round of a fixed, small size (:mod:`protocol`: a peer that failed or left meets this rank there,
 and every rank raises together), then the native collective on the data: only the rows the destination needs move.
 Uneven row counts are padded to the largest for the first two (gloo needs equal sizes); the all-to-all takes them
 as they are. Every rule is written with ``apply`` of these Functions, so double backward, ``torch.func`` transforms
@@ -201,6 +205,66 @@ class AllToAll(torch.autograd.Function):
         return _vmapped(AllToAll, spec, in_dims, x)
 
 
+def all_reduce(link: Link, x: torch.Tensor) -> torch.Tensor:
+    """The sum over the group of every rank's ``x``, with no status round: Megatron's *g* (the plain side of
+    :class:`Sum`). A rank that fails before it leaves its peers waiting until the timeout, as in Megatron."""
+    if x.is_meta:
+        return torch.empty_like(x)
+    out = x.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(torch.view_as_real(out) if out.is_complex() else out, link.group, link.call, link.timeout)
+    return out
+
+
+class Sum(torch.autograd.Function):
+    """Megatron's *g*: per-rank partial values to their sum, on every rank, in one all-reduce; backward is
+    :class:`Copy` (the identity), since the sum is a value every rank holds alike."""
+
+    @staticmethod
+    def forward(link: Link, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(link, x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.link = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
+        return None, Copy.apply(ctx.link, grad)
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, tangent: torch.Tensor) -> torch.Tensor:
+        return Sum.apply(ctx.link, tangent)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], link: Link, x: torch.Tensor) -> Tuple[Any, Any]:
+        return Sum.apply(link, x), in_dims[1]
+
+
+class Copy(torch.autograd.Function):
+    """Megatron's *f*: a value every rank holds alike, entering per-rank computations: the identity forward, and
+    backward the sum of the ranks' gradients (:class:`Sum`)."""
+
+    @staticmethod
+    def forward(link: Link, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.link = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
+        return None, Sum.apply(ctx.link, grad)
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, tangent: torch.Tensor) -> torch.Tensor:
+        return Copy.apply(ctx.link, tangent)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], link: Link, x: torch.Tensor) -> Tuple[Any, Any]:
+        return Copy.apply(link, x), in_dims[1]
+
+
 _PLAIN = {ReduceScatter: reduce_scatter, AllGather: all_gather, AllToAll: all_to_all}
 
 
@@ -213,4 +277,11 @@ def run(fn: Any, spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
     return _PLAIN[fn](spec, x)
 
 
-__all__ = ["NativeSpec", "ReduceScatter", "AllGather", "AllToAll", "run"]
+def summed(link: Link, x: torch.Tensor) -> torch.Tensor:
+    """:class:`Sum` where a derivative or a function transform needs it, else the plain all-reduce."""
+    from .primitives import needs_function
+
+    return Sum.apply(link, x) if needs_function([x]) else all_reduce(link, x)
+
+
+__all__ = ["NativeSpec", "ReduceScatter", "AllGather", "AllToAll", "Sum", "Copy", "run", "summed"]
