@@ -1246,18 +1246,14 @@ EXACT = {  # example: the tutorial's inputs (integers)
     "ppermute_f7": (np.arange(8),),
     "ppermute_psum_scatter_f8": (TUTORIAL_16,),
     "all_to_all_f9": (TUTORIAL_16,),
-    # not the tutorial's: the smallest cases of the bugs this file found (bug_uneven_*: fixed, kept as checks)
+    # not the tutorial's: the smallest cases of the bugs this file found (fixed, kept as checks)
     "bug_uneven_outputs": (np.arange(8), np.arange(4)),
     "bug_uneven_inputs": (np.arange(8), np.arange(4)),
     "bug_closure_returned": (np.array([3]),),
 }
 
-# cm.shard_map's bugs (not the port's) that these examples show; strict, so a fix fails them until the mark goes.
-CLOSURE = (
-    "cm.shard_map bug: f returning a tensor it closes over, as is (not an op of it), gives that tensor's gradient as"
-    " this rank's block's cotangent only, not summed over the mesh (differs per rank). Smallest: bug_closure_returned."
-)
-KNOWN_BUGS = {"specs_untile": CLOSURE, "bug_closure_returned": CLOSURE}
+# cm.shard_map's bugs (not the port's) that these examples showed, all fixed: any new one goes here as a strict xfail.
+KNOWN_BUGS: dict = {}
 
 
 def marked(names):
