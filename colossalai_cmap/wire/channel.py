@@ -42,7 +42,9 @@ class Channel:
 
     def _allocate(self) -> None:
         total = HEADER_BYTES + self.payload_bytes
-        with torch.inference_mode(False):  # written later under any mode, so never an inference tensor
+        # written later under any mode, so never an inference tensor, and plain even when a round resizes them
+        # inside a torch.func transform (a functorch-wrapped buffer has no storage to read the table from)
+        with torch.inference_mode(False), torch._C._DisableFuncTorch():
             self.send = torch.zeros(total, dtype=torch.uint8, device=self.device)
             self.recv = torch.empty((self.size, total), dtype=torch.uint8, device=self.device)
         self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
