@@ -5,14 +5,17 @@ Every check runs on a fresh subgroup of one world of 3, made for this module and
 group it happened on unusable, and leaves a collective of it half done.
 """
 
+import os
 import re
+import signal
 import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import World
+from harness import DIED, World
+from torch import nn
 
 import colossalai_cmap as cm
 from colossalai_cmap.wire import presence
@@ -160,6 +163,102 @@ def test_a_missing_rank_of_a_subgroup_is_named_by_group_and_global_rank(world):
         "cmap(sin, in_dims=0) collective #1, exit round, on the group of global ranks [0, 1, 2], " in text
     ), text
     assert "s before this error, which it finished." in text, text
+
+
+def check_skipped_layer(skipper):
+    """A tensor-parallel model: ``skipper`` runs its first layer and stops before the second; its peers, in the
+    second layer's sum, name it and the first layer's collective."""
+    group = _group([0, 1, 2])
+    os.environ["COLOSSALAI_CMAP_TIMEOUT"] = str(TIMEOUT)  # shard_model's layers take the timeout from here
+    try:
+        plan = {"0": "colwise_gather", "1": "colwise", "2": "rowwise"}
+        model = cm.shard_model(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)), group, plan=plan)
+    finally:
+        del os.environ["COLOSSALAI_CMAP_TIMEOUT"]
+    x = torch.randn(5, 4)
+    if dist.get_rank() == skipper:
+        model[0](x)
+        time.sleep(TIMEOUT + 1)
+        return "skipped"
+    with pytest.raises(cm.CmapError) as info:
+        model(x)
+    return str(info.value)
+
+
+def test_a_rank_that_stops_between_layers_is_named(world):
+    results = world.run(check_skipped_layer, 1, deadline=120)
+    for rank in (0, 2):
+        text = results[rank]
+        assert "This rank was waiting in collective #2 on this group (shard_model, sync round (the sum of " in text
+        assert (
+            "group rank 1 (global rank 1) did not arrive; it was last in shard_model collective #1, sync round "
+            "(the gather of layer '0')" in text
+        ), text
+
+
+def check_store_host_dies(timeout):
+    """Rank 0, which hosts the store, dies inside func: the others still raise, within the bound."""
+
+    def f(x):
+        if dist.get_rank() == 0:
+            os._exit(3)
+        return x + 1
+
+    start = time.monotonic()
+    try:
+        cm.cmap(f, mode="batched", timeout=timeout)(torch.ones(6, 2))
+    except cm.CmapError as err:
+        return time.monotonic() - start, str(err)
+    return time.monotonic() - start, "returned"
+
+
+def test_the_error_is_bounded_when_the_store_dies_too():
+    w = World(2)
+    try:
+        results = w.run(check_store_host_dies, 20.0, deadline=90, may_die=True)
+    finally:
+        w.kill()
+    assert results[0] == DIED
+    elapsed, text = results[1]
+    assert "A peer rank may have died or not reached this cmap call." in text, text
+    assert "This rank was waiting in collective #1 on this group (cmap(f, in_dims=0), exit round)." in text, text
+    assert "records could not be read" in text or "group rank 0 (global rank 0) did not arrive" in text, text
+    assert elapsed < 20.0, elapsed  # gloo sees the closed socket at once; the store read has its own bound
+
+
+def check_store_host_hangs():
+    """Rank 0, which hosts the store, stops (SIGSTOP) inside func: rank 1 times out, and the store, which answers
+    nothing now, cannot hold its error back past the read's own bound. Rank 1 then kills rank 0."""
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+
+    def f(x):
+        if dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return x + 1
+
+    start = time.monotonic()
+    try:
+        cm.cmap(f, mode="batched", timeout=TIMEOUT)(torch.ones(6, 2))
+    except cm.CmapError as err:
+        return time.monotonic() - start, str(err)
+    finally:
+        os.kill(pids[0], signal.SIGKILL)
+    return time.monotonic() - start, "returned"
+
+
+def test_the_error_is_bounded_when_the_store_hangs():
+    w = World(2)
+    try:
+        results = w.run(check_store_host_hangs, deadline=90, may_die=True)
+    finally:
+        w.kill()
+    assert results[0] == DIED
+    elapsed, text = results[1]
+    assert "This rank was waiting in collective #1 on this group (cmap(f, in_dims=0), exit round)." in text, text
+    bound = presence.READ_TIMEOUT
+    assert f"The peers' presence records could not be read (the store did not answer within {bound:g} s)." in text
+    assert elapsed < TIMEOUT + bound + 5, elapsed
 
 
 def test_without_a_store_the_error_says_so():
