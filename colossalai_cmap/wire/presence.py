@@ -13,8 +13,8 @@ path, and names the ranks whose count on that group is behind this rank's, with 
 ``COLOSSALAI_CMAP_PRESENCE=0`` turns the publishing (and the names in the error) off.
 """
 
+import json
 import os
-import pickle
 import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -110,7 +110,7 @@ def _start() -> None:
 
 # ----------------------------------------------------------------------------------------------------- publishing
 def _snapshot() -> Tuple[Dict[str, tuple], str]:
-    """This process's record in builtin types (any reader can unpickle it)."""
+    """This process's record in plain types, for JSON (nothing a reader runs, whatever the store holds)."""
     notes = {}
     for name, tr in list(_TRACKS.items()):
         doing = tr.doing
@@ -128,7 +128,7 @@ def _store() -> Optional[Any]:
 
 
 def _publish(store: Any, snap: Tuple[Dict[str, tuple], str]) -> None:
-    store.set(KEY.format(dist.get_rank()), pickle.dumps(snap))
+    store.set(KEY.format(dist.get_rank()), json.dumps(snap))
 
 
 def _publish_loop() -> None:
@@ -172,12 +172,16 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> Tuple[Any, str]:
     return box[0] if box else (None, f"the store did not answer within {timeout:g} s")
 
 
-def _decode(raw: bytes) -> Record:
-    notes, latest = pickle.loads(raw)
-    notes = {
-        name: Note(tuple(ranks), Doing._make(doing), finished, failed)
-        for name, (ranks, doing, finished, failed) in notes.items()
-    }
+def _decode(raw: bytes) -> Optional[Record]:
+    """A peer's record; None for one this code cannot read (written by another version, say)."""
+    try:
+        notes, latest = json.loads(raw)
+        notes = {
+            name: Note(tuple(ranks), Doing._make(doing), finished, failed)
+            for name, (ranks, doing, finished, failed) in notes.items()
+        }
+    except (ValueError, TypeError):
+        return None
     return Record(notes, latest)
 
 
