@@ -5,8 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 PYTEST_ARGS ?=
+GPU_CHECK_ARGS ?=
 
-.PHONY: install install-test demo test parity bench lint format clean
+.PHONY: install install-test demo test parity bench gpu-check lint format clean
 
 $(VENV)/.stamp-base: setup.py requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,14 +29,22 @@ demo: install
 test: install-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests
 
-# The collectives against jax on the same numbers (also part of test, where jax installs).
+# The collectives, and jax's shard_map tutorial ported line for line, against jax on the same numbers (also part of
+# test, where jax installs).
 parity: install-test
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests/test_parity.py
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS) tests/test_parity.py tests/test_shard_parity.py
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.compile
+	$(PY) -m benchmarks.wire_bytes
+
+# On a GPU machine: the checks on CUDA over nccl (one rank per GPU, up to 8), which steady calls synchronize the host,
+# and cmap's all_gather / all_reduce against torch.distributed's (also benchmarks/gpu_results.json). Under 10 minutes.
+# Without CUDA it says so and exits 0. GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--nproc 2 --no-bench".
+gpu-check: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 lint: install-test
 	$(PY) -m black --check -l 120 colossalai_cmap tests examples benchmarks setup.py

@@ -7,6 +7,7 @@ Run from the repository root (``make bench`` runs the first two)::
     python -m benchmarks.compile [--quick]    # torch.compile and cmap side by side
     python -m benchmarks.tp_side_by_side      # shard_model against parallelize_module and shardformer
     python -m benchmarks.render [RESULTS] [DOCS]  # re-render the report from a results file
+    python -m benchmarks.gpu_check            # make gpu-check: the checks and nccl rows on CUDA (gpu_results.json)
 
 Modules: ``cases`` (every case, declared once), ``baselines`` (the hand-written variants), ``timing`` and
 ``memory`` (what is measured per case), ``measure`` (the instruments), ``attribution`` (where cmap's time goes,

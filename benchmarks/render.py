@@ -21,6 +21,12 @@ from benchmarks import paths, plots, tables
 from benchmarks.goals import GOAL_LARGE, GOAL_TINY, MiB
 from benchmarks.scaling import fit_comm, overheads
 
+# Where GPU numbers come from: the rows above time gloo on CPU tensors.
+GPU_CHECK = (
+    "On a GPU machine, `make gpu-check` (`python -m benchmarks.gpu_check`) times cmap's all_gather and all_reduce "
+    "against `torch.distributed`'s over nccl at 1, 16 and 64 MiB per rank, and writes `benchmarks/gpu_results.json`; "
+    "see [colossalai.md](colossalai.md#on-gpus-make-gpu-check)."
+)
 _SECTION = re.compile(r"^<!-- if (\w+) -->\n(.*?)^<!-- end \1 -->\n", re.DOTALL | re.MULTILINE)
 
 
@@ -209,9 +215,10 @@ class _MachineWords:
         if self.meta.get("gpus"):
             names = ", ".join(self.meta["gpus"])
             return (
-                f"Not measured: the benchmark times CPU tensors over gloo; this machine's GPUs ({names}) were not used."
+                f"Not measured: the benchmark times CPU tensors over gloo; this machine's GPUs ({names}) were not used. "
+                + GPU_CHECK
             )
-        return "Not measured: this run had no GPU machine. The benchmark runs unchanged on one."
+        return "Not measured: this run had no GPU machine. The benchmark runs unchanged on one. " + GPU_CHECK
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -290,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def report(P: int, results: Dict[str, Any]) -> None:
-    print(f"\nTP = {P}, batch {BATCH} x {SEQ} tokens, float32, gloo on CPU")
+    print(f"\nTP = {P}, batch {BATCH} x {SEQ} tokens, float64 (the example's model), gloo on CPU")
     print(
         "| variant | logits / loss / grads max abs diff | collectives fwd + bwd | bytes sent | step ms | param bytes |"
     )

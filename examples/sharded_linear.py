@@ -16,17 +16,29 @@ chunk of every rank's weight, and ``psum`` adds the chunks: rank q's row of the 
 ``all_reduce``, then a ``narrow`` to this rank's row; ``psum_scatter`` does both at once). Features that do not
 divide by the world size are padded with zero features, which add nothing.
 
+Part 4 writes the same layer with ``shard_map``, jax's per-rank style: the function runs once per rank on its
+blocks of the global input, weight and bias, and its result is the global output. The input comes in sharded by
+rows (the batch), an ``all_to_all`` reshards it by input features, each rank multiplies its features by its
+columns of the weight, and ``psum`` adds the partial products. The features need not divide by the world size:
+the all_to_all's chunks are the weight's ``torch.tensor_split`` blocks (jax requires division). The rows must make
+equal blocks (96 rows do at 3 and 4 ranks): every rank's input to an all_to_all has the same shape, as in jax.
+
 Written with cmap, nothing needs ``batch_size``, the features need not divide by the world size, and each rank
-holds only its slice of the weight. Parts 1 and 2 build the same model and input on every rank (a tensor-parallel
-layer computes one model's output together); part 3 gives each rank its own.
+holds only its slice of the weight. Parts 1, 2 and 4 build the same model and input on every rank (a
+tensor-parallel layer computes one model's output together); part 3 gives each rank its own.
 """
+
+from functools import partial
+from typing import NamedTuple
 
 import colossalai
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import colossalai_cmap as cm
+from colossalai_cmap import P
 
 AXIS = "in_features"
 
@@ -43,17 +55,28 @@ def sum_tolerance(n: int, scale: torch.Tensor) -> float:
     return 2 * n * u / (1 - n * u) * float(scale.max())
 
 
-def linear_tolerances(model: torch.nn.Linear, input: torch.Tensor) -> tuple:
-    """Tolerances for the sharded Linear's output and for its weight's and bias's gradients of output.square().sum().
+class Tolerances(NamedTuple):
+    """Absolute tolerances for a sharded Linear's output y and for the gradients of y.square().sum()."""
+
+    out: float
+    weight: float
+    bias: float
+    input: float
+
+
+def linear_tolerances(model: torch.nn.Linear, input: torch.Tensor) -> Tolerances:
+    """Tolerances for the sharded Linear's output and for the gradients of output.square().sum().
 
     An output is a sum of in_features + 1 terms (the bias too). The weight's gradient 2 y^T x sums the batch's rows,
-    and each term moves with y; the bias's gradient 2 y.sum(0) likewise."""
-    x, w, b = input.abs(), model.weight.detach().abs(), model.bias.detach().abs()
+    and each term moves with y; the bias's gradient 2 y.sum(0) likewise; the input's gradient 2 y W sums the
+    output features."""
+    x, w, b = input.detach().abs(), model.weight.detach().abs(), model.bias.detach().abs()
     y = model(input).detach().abs()
     out = sum_tolerance(w.shape[1] + 1, x @ w.T + b)
     weight = sum_tolerance(len(x), 2 * y.T @ x) + 2 * out * float(x.sum(0).max())
     bias = sum_tolerance(len(x), 2 * y.sum(0)) + 2 * out * len(x)
-    return out, weight, bias
+    input_grad = sum_tolerance(w.shape[0], 2 * y @ w) + 2 * out * float(w.sum(0).max())
+    return Tolerances(out, weight, bias, input_grad)
 
 
 def param_bytes(module: torch.nn.Module) -> int:
@@ -87,7 +110,7 @@ def each_rank_its_own_model(rank: int, world_size: int) -> None:
     model = torch.nn.Linear(64, 24)
     input = torch.rand(100, 64)
     result_without_sharding = model(input)
-    atol, atol_weight, _ = linear_tolerances(model, input)
+    atol, atol_weight, _, _ = linear_tolerances(model, input)
 
     # One example per rank (src="local", dst="local"): its leading dim of 1 is this rank's share of the axis.
     per_rank = dict(axis_name="rank", src="local", dst="local")
@@ -113,6 +136,33 @@ def each_rank_its_own_model(rank: int, world_size: int) -> None:
     print_with_rank(rank, "each rank's own Linear, split by input features with all_to_all + psum: PASSED")
 
 
+def linear_with_shard_map(rank: int, world_size: int) -> None:
+    """Part 4: the Linear as one ``shard_map`` over a 1-d mesh of every rank."""
+    torch.manual_seed(0)  # the same model and input on every rank
+    model = torch.nn.Linear(64, 24)  # 64 input features: 16 per rank at 4 ranks, 22, 21, 21 at 3
+    input = torch.rand(96, 64, requires_grad=True)  # 96 rows: equal row blocks at 3 and 4 ranks, as all_to_all needs
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+
+    # in_specs: the input by rows, the weight (out, in) by input-feature columns, the bias whole; out_specs: whole.
+    @partial(cm.shard_map, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P()), out_specs=P())
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x = cm.all_to_all(x, "tp", split_axis=1, concat_axis=0, tiled=True)  # every row, this rank's features
+        return cm.psum(x @ weight.T, "tp") + bias  # the partial products summed over the features' ranks
+
+    result = linear(input, model.weight, model.bias)
+    result_without_sharding = model(input)
+    tol = linear_tolerances(model, input)
+    assert torch.allclose(result, result_without_sharding, atol=tol.out)
+
+    # Gradients flow back through the psum and the all_to_all to the global input, weight and bias, on every rank.
+    wrt = (input, model.weight, model.bias)
+    grads = torch.autograd.grad(result.square().sum(), wrt)
+    expected = torch.autograd.grad(result_without_sharding.square().sum(), wrt)
+    for got, want, atol in zip(grads, expected, (tol.input, tol.weight, tol.bias)):
+        assert torch.allclose(got, want, atol=atol)
+    print_with_rank(rank, "Linear as one shard_map (all_to_all + psum): PASSED")
+
+
 def main() -> bool:
     if not dist.is_initialized():
         colossalai.launch_from_torch(verbose=False)
@@ -124,7 +174,7 @@ def main() -> bool:
     input = torch.rand(batch_size, 64)
     result_without_sharding = model(input)
     # The ranks add the input features' products in partial sums: not bit for bit, within these bounds.
-    atol, atol_weight, atol_bias = linear_tolerances(model, input)
+    atol, atol_weight, atol_bias, _ = linear_tolerances(model, input)
 
     # Part 1: the cmap itself. in_dims=(1, None): the weight's dim 1 (input features) is the mapped axis, passed
     # per rank (src="local"); the input is whole on every rank. out_dims=None: the psum is the same everywhere.
@@ -158,6 +208,7 @@ def main() -> bool:
     print_with_rank(rank, "PASSED")
 
     each_rank_its_own_model(rank, world_size)
+    linear_with_shard_map(rank, world_size)
     return True
 
 

@@ -23,5 +23,5 @@ def test_collective_examples(worlds, P, name):
 
 @pytest.mark.parametrize("P", [4, 3])
 def test_sharded_linear(worlds, P):
-    """The motivating example, all three parts: its 64 features divide by 4 and not by 3."""
+    """The motivating example, all four parts (the last one a shard_map): its 64 features divide by 4 and not by 3."""
     assert worlds(P).run(run_example, "sharded_linear") == [True] * P

@@ -83,19 +83,22 @@ def check_failure_and_layout_change():
 
 
 def check_sizes_and_collectives():
-    """Small outputs travel in the status round (one collective). A larger one takes a second collective once; then
-    the group's rounds grow to carry it, on every rank alike, so repeated calls make one; after a run of small calls
-    the rounds shrink back."""
+    """Small outputs travel in the status round (one collective). One up to the round's 1 KiB cap takes a second
+    collective once; then the group's rounds grow to carry it, on every rank alike, so repeated calls make one;
+    after a run of small calls the rounds shrink back. A larger output always takes its own collective: the rounds
+    never grow past the cap, so a tiny call after a large one costs one small round."""
     f = cm.cmap(lambda x: x * 3)
     gen = torch.Generator().manual_seed(3)  # the same inputs on every rank
-    small, big = torch.randn(6, 2, generator=gen), torch.randn(6, 4000, generator=gen)
+    small, mid = torch.randn(6, 2, generator=gen), torch.randn(6, 60, generator=gen)  # 720 B per rank: fits
+    big = torch.randn(6, 4000, generator=gen)
     seen = []
-    for x in (small, big, big, small, big):
+    for x in (small, mid, mid, small, mid, big, big, small):
         with cm.record_collectives() as log:
             assert torch.equal(f(x), x * 3)
         assert log.count == f.stats.collectives
         seen.append((x.shape[1], log.count))
-    assert seen == [(2, 1), (4000, 2), (4000, 1), (2, 1), (4000, 1)], seen
+    assert seen == [(2, 1), (60, 2), (60, 1), (2, 1), (60, 1), (4000, 2), (4000, 2), (2, 1)], seen
+    assert f.stats.bytes <= 96 + 1024, f.stats  # the tiny call right after the large ones: one small round
     grown = f.stats.bytes
     for _ in range(80):
         f(small)
@@ -118,7 +121,7 @@ def check_large_outputs():
         return (r * 2 + 1).unsqueeze(0).expand(2, -1)
 
     f = cm.cmap(func, out_dims=1)
-    for B in (2401, 2401, 7, 2401, 2401):  # 1.4 MiB per rank and output row block: past the rounds' 1 MiB
+    for B in (2401, 2401, 7, 2401, 2401):  # 1.4 MiB per rank and output row block: past the rounds' 1 KiB
         x = torch.arange(B * 300, dtype=torch.float32).view(B, 300)
         with cm.record_collectives() as log:
             assert torch.equal(f(x), torch.vmap(func, out_dims=1)(x)), B

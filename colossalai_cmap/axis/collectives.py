@@ -4,13 +4,17 @@
 The axis runs over every example of the global batch (the ones mapped on this rank and those on the other ranks),
 as a jax axis runs over devices: ``axis_size("i")`` is the global batch size B and ``axis_index("i")`` an example's
 global index. Inside ``shard_map`` the same ops run over the mesh's named axes, as in jax's shard_map: the axis
-runs over the ranks of one mesh dimension, ``axis_size`` is its size and ``axis_index`` this rank's coordinate. Every op is a reduction or a gather over the axis (:mod:`axes`), composed with local tensor ops, so
-each is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside
-func, in every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of
-names, as in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
+runs over the ranks of one mesh dimension, ``axis_size`` is its size and ``axis_index`` this rank's coordinate.
+There a tiled ``psum_scatter`` or ``all_to_all`` also takes a dim the axis size does not divide: each rank's chunk
+is its ``torch.tensor_split`` piece, as shard_map's blocks are (jax requires division).
+
+Every op is a reduction or a gather over the axis (:mod:`axes`), composed with local tensor ops, so each is
+differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside func, in
+every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of names, as
+in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
 """
 
-from typing import Callable, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -86,11 +90,21 @@ def psum_scatter(
     x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
 ) -> torch.Tensor:
     """The sum over the axis, scattered: example ``i`` gets the sum's ``i``-th slice along ``scatter_dimension``
-    (whose size must be B), or with ``tiled`` its ``i``-th of B equal chunks. The transpose of :func:`all_gather`."""
+    (whose size must be B), or with ``tiled`` its ``i``-th of B equal chunks. The transpose of :func:`all_gather`.
+    Over one axis name it is a reduce-scatter: each rank receives only its examples' chunks.
+
+    Along ``shard_map`` mesh axes a tiled dim need not divide by the axis size: rank ``i`` gets the ``i``-th
+    ``torch.tensor_split`` chunk (the first ``length % size`` one longer), where jax requires division.
+    """
     shape = _example_shape(axis_name, x)
     d = _dim(scatter_dimension, len(shape), "psum_scatter", "scatter_dimension")
-    chunk = _chunk("psum_scatter", shape[d], axis_size(axis_name), tiled, "scatter_dimension")
+    chunk = _chunk("psum_scatter", axis_name, shape[d], tiled, "scatter_dimension")
+    if chunk is not None and _native(axis_name):
+        out = axes.apply(x, _names(axis_name)[0], "scatter", d)
+        return out if tiled else out.squeeze(d + _lead(axis_name))
     total = psum(x, axis_name)
+    if chunk is None:
+        return total.narrow(d, *_own_chunk(axis_name, shape[d]))
     return _per_example(axis_name, lambda t, i: _slice(t, d, i, chunk, tiled), total, axis_index(axis_name))
 
 
@@ -99,12 +113,33 @@ def all_to_all(
 ) -> torch.Tensor:
     """Example ``i`` gets every example's ``i``-th slice of ``split_axis`` (whose size must be B), stacked in global
     order along a new dim ``concat_axis``; with ``tiled``, the ``i``-th of B equal chunks, concatenated along the
-    existing ``concat_axis``. Its transpose is itself with the axes swapped."""
+    existing ``concat_axis``. Its transpose is itself with the axes swapped. Over one axis name it is an
+    all-to-all: each chunk travels once, to the rank of the example that gets it.
+
+    Along ``shard_map`` mesh axes a tiled ``split_axis`` need not divide by the axis size: rank ``i`` gets the
+    ``i``-th ``torch.tensor_split`` chunk of every rank's value (the first ``length % size`` one longer), where jax
+    requires division. Every rank's ``x`` has the same shape, as in jax.
+    """
     shape = _example_shape(axis_name, x)
     s = _dim(split_axis, len(shape), "all_to_all", "split_axis")
     c = _dim(concat_axis, len(shape), "all_to_all", "concat_axis")
-    chunk = _chunk("all_to_all", shape[s], axis_size(axis_name), tiled, "split_axis")
+    chunk = _chunk("all_to_all", axis_name, shape[s], tiled, "split_axis")
+    if chunk is not None and _native(axis_name):
+        B = axis_size(axis_name)
+        front = _per_example(axis_name, lambda v: v.movedim(s, 0), x)  # the chunks to send along dim 0
+        got = axes.apply(front, _names(axis_name)[0], "a2a", 0)  # (B sources * chunk, ...) per example
+
+        def arrange(z: torch.Tensor) -> torch.Tensor:
+            parts = z.unflatten(0, (B, chunk))  # [source, chunk, the other dims]
+            if not tiled:
+                return parts.squeeze(1).movedim(0, c)
+            return parts.movedim(1, s + 1).movedim(0, c).flatten(c, c + 1)
+
+        return _per_example(axis_name, arrange, got)
     everyone = all_gather(x, axis_name)  # per example: (B, *shape)
+    if chunk is None:  # this rank's uneven chunk: the same Python-int range of every rank's value
+        part = everyone.narrow(s + 1, *_own_chunk(axis_name, shape[s]))
+        return part.movedim(0, c).flatten(c, c + 1)
 
     def piece(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         part = _slice(full, s + 1, i, chunk, tiled)  # (B, ...): the split dim taken, or its chunk kept
@@ -115,8 +150,12 @@ def all_to_all(
 
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
     """Example ``dst`` gets example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``; examples that no pair names
-    as a destination get zeros. Its transpose is the inverse permutation."""
-    table = torch.tensor(_sources(perm, axis_size(axis_name)), dtype=torch.int64, device=x.device)
+    as a destination get zeros. Its transpose is the inverse permutation. Over one axis name only the pairs' values
+    move, each once."""
+    sources = _sources(perm, axis_size(axis_name))
+    if _native(axis_name):
+        return axes.apply(x, _names(axis_name)[0], "permute", tuple(sources))
+    table = torch.tensor(sources, dtype=torch.int64, device=x.device)
     everyone = all_gather(x, axis_name)
 
     def pick(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -148,6 +187,21 @@ def axis_size(axis_name: AxisName) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
+def _native(axis_name: AxisName) -> bool:
+    """Whether the per-example ops take their native collective: over one axis name, eagerly, in a mode where each
+    run holds its rows (vmap, batched, or a shard_map axis). Otherwise they are a psum or an all_gather and a
+    selection (loop mode, tuple names, inside torch.compile)."""
+    names = _names(axis_name)
+    if len(names) != 1 or torch.compiler.is_compiling():
+        return False
+    return lookup(names[0], "collective").mode in ("vmap", "batched", "rank")
+
+
+def _lead(axis_name: AxisName) -> int:
+    """Dims before an example's own: the rows in batched mode."""
+    return 1 if _batched_mode(axis_name) else 0
+
+
 def _batched_mode(axis_name: AxisName) -> bool:
     return lookup(_names(axis_name)[0], "collective").mode == "batched"
 
@@ -175,8 +229,13 @@ def _dim(dim: int, ndim: int, op: str, what: str) -> int:
     return dim % max(ndim, 1)
 
 
-def _chunk(op: str, length: int, size: int, tiled: bool, what: str) -> int:
-    """The chunk each example gets: the axis size must equal the dim's length, or divide it when tiled."""
+def _chunk(op: str, axis_name: AxisName, length: int, tiled: bool, what: str) -> Optional[int]:
+    """The chunk each example gets: the axis size must equal the dim's length, or divide it when tiled. None: the
+    chunks are uneven ``torch.tensor_split`` chunks, which only ``shard_map`` mesh axes allow (there each member is
+    a rank, and its chunk's length a plain int; a cmap axis's examples share one vmapped shape)."""
+    size = axis_size(axis_name)
+    if tiled and length % size and _on_ranks(axis_name):
+        return None
     if not tiled and length != size:
         raise ValueError(
             f"{op}: the {what} has size {length}, but the axis has {size} examples; it must equal the axis size "
@@ -188,6 +247,22 @@ def _chunk(op: str, length: int, size: int, tiled: bool, what: str) -> int:
             f"chunk is undefined (jax's meaning needs equal chunks); pad it to a multiple of {size}."
         )
     return length // size if tiled else 1
+
+
+def _on_ranks(axis_name: AxisName) -> bool:
+    """Every name is a ``shard_map`` mesh axis, whose members are ranks."""
+    return all(lookup(name, "collective").mode == "rank" for name in _names(axis_name))
+
+
+def _own_chunk(axis_name: AxisName, length: int) -> Tuple[int, int]:
+    """This rank's ``torch.tensor_split`` chunk of ``length`` over mesh axes: its start and length, as Python ints
+    (from the mesh coordinates, not ``axis_index``: no device read)."""
+    coord = 0
+    for name in _names(axis_name):  # the first name major, as axis_index
+        frame = lookup(name, "collective")
+        coord = coord * frame.size + frame.offset
+    base, extra = divmod(length, axis_size(axis_name))
+    return coord * base + min(coord, extra), base + (1 if coord < extra else 0)
 
 
 def _sources(perm: Sequence[Tuple[int, int]], size: int) -> list:

@@ -19,14 +19,25 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from ..wire import native as wire_native
 from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.native import AllGather, AllToAll, NativeSpec, ReduceScatter
 from ..wire.primitives import join, split
 from ..wire.protocol import Kind
-from ..wire.roles import COPY, MAX, MIN, Rows
+from ..wire.roles import COPY, MAX, MIN
 from .frame import AxisFrame, lookup
 
 _ROLES = {"sum": COPY, "max": MAX, "min": MIN}
-_NAMES = {"sum": "psum", "max": "pmax", "min": "pmin", "gather": "all_gather"}
+_NAMES = {
+    "sum": "psum",
+    "max": "pmax",
+    "min": "pmin",
+    "gather": "all_gather",
+    "scatter": "psum_scatter",
+    "a2a": "all_to_all",
+    "permute": "ppermute",
+}
+PER_EXAMPLE = ("scatter", "a2a", "permute")  # each example gets its own part: the result is batched
 
 
 def _identity(op: str, like: torch.Tensor) -> torch.Tensor:
@@ -65,19 +76,94 @@ def reduce_rows(frame: AxisFrame, rows: torch.Tensor, name: str, op: str) -> tor
 
 
 def gather_rows(frame: AxisFrame, rows: torch.Tensor, name: str) -> torch.Tensor:
-    """Every example's row (dim 0) in global order (shares may be uneven); backward sums, then takes the rows."""
+    """Every example's row (dim 0) in global order (shares may be uneven), an all-gather; backward is its
+    transpose, a reduce-scatter: each rank gets its rows of the cotangents' sum."""
     real = rows[:0] if frame.dummy else rows
     if frame.link is None or frame.link.group.size == 1:
         return real
     if torch.compiler.is_compiling():
         return _Compiled.apply(real, frame.link.group.pg, "gather", tuple(frame.sizes))
-    spec = JoinSpec(frame.link, (Rows(0, tuple(frame.sizes)),), f"all_gather({name!r})", Kind.OP)
-    (full,) = join(spec, [real])
-    return split(SplitSpec(frame.link, (COPY,)), [full])[0]
+    return wire_native.run(AllGather, _spec(frame, name, "gather", 0, tuple(frame.sizes)), real)
 
 
-def physical(frame: AxisFrame, rows: torch.Tensor, name: str, op: str) -> torch.Tensor:
+def physical(frame: AxisFrame, rows: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
+    if op in PER_EXAMPLE:
+        return per_example_rows(frame, rows, name, op, arg)
     return gather_rows(frame, rows, name) if op == "gather" else reduce_rows(frame, rows, name, op)
+
+
+def per_example_rows(frame: AxisFrame, rows: torch.Tensor, name: str, op: str, arg: Any) -> torch.Tensor:
+    """An op where each example gets its own part, on this run's rows (dim 0), with the native collective: only the
+    rows each example needs cross the wire. ``arg`` is the example dim the op splits (``scatter``: chunks of the
+    sum; ``a2a``: chunks to each example), or for ``permute`` each example's source (-1: none)."""
+    real = rows[:0] if frame.dummy else rows
+    sizes = tuple(frame.sizes)
+    if frame.link is None or frame.link.group.size == 1:
+        sizes = (real.shape[0],)
+    if op == "scatter":
+        out = _scatter_rows(frame, real, name, arg, sizes)
+    elif op == "a2a":
+        out = _a2a_rows(frame, real, name, arg, sizes)
+    else:
+        out = _permute_rows(frame, real, name, arg, sizes)
+    if frame.dummy:  # the stand-in example's row: it contributes nothing, and gets zeros
+        out = torch.cat([out, out.new_zeros((rows.shape[0] - out.shape[0], *out.shape[1:]))])
+    return out
+
+
+def _spec(frame: AxisFrame, name: str, op: str, dim: int, sizes: Tuple[int, ...], recv: Tuple[int, ...] = ()) -> Any:
+    return NativeSpec(frame.link, dim, sizes, f"{_NAMES[op]}({name!r})", Kind.OP, recv)
+
+
+def _scatter_rows(frame: AxisFrame, rows: torch.Tensor, name: str, d: int, sizes: Tuple[int, ...]) -> torch.Tensor:
+    """Chunk i (of B along example dim ``d``) of the sum over every example, for each of this run's examples i."""
+    partial = rows.sum(0)
+    chunk = partial.shape[d] // sum(sizes)
+    if frame.link is None or frame.link.group.size == 1:
+        mine = partial
+    else:
+        spec = _spec(frame, name, "scatter", d, tuple(n * chunk for n in sizes))
+        mine = wire_native.run(ReduceScatter, spec, partial)
+    return mine.unflatten(d, (rows.shape[0], chunk)).movedim(d, 0)
+
+
+def _a2a_rows(frame: AxisFrame, rows: torch.Tensor, name: str, d: int, sizes: Tuple[int, ...]) -> torch.Tensor:
+    """For each of this run's examples j, chunk j of every example's value along ``d`` (of B chunks), concatenated
+    in global order along ``d``."""
+    n, B = rows.shape[0], sum(sizes)
+    moved = rows.movedim(d + 1, 1)  # (n, B * chunk, rest...)
+    chunk = moved.shape[1] // B
+    four = moved.unflatten(1, (B, chunk))  # (n, B, chunk, rest...): [my example, its destination example]
+    if frame.link is None or frame.link.group.size == 1:
+        got = four  # one rank: its examples are every source
+    else:
+        offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+        send = torch.cat([four.narrow(1, o, k).flatten(0, 1) for o, k in zip(offsets, sizes)])
+        spec = _spec(frame, name, "a2a", 0, tuple(n * k for k in sizes), tuple(k * n for k in sizes))
+        got = wire_native.run(AllToAll, spec, send).unflatten(0, (B, n))  # [source example, my example]
+    return got.transpose(0, 1).flatten(1, 2).movedim(1, d + 1)  # (n, B * chunk along d, ...)
+
+
+def _permute_rows(
+    frame: AxisFrame, rows: torch.Tensor, name: str, sources: Tuple[int, ...], sizes: Tuple[int, ...]
+) -> torch.Tensor:
+    """Each of this run's examples j gets example ``sources[j]``'s row (zeros for -1): each row travels once, from
+    the rank that holds its source to the rank that holds its destination."""
+    owner = [r for r, k in enumerate(sizes) for _ in range(k)]
+    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+    me = 0 if frame.link is None else frame.link.group.rank
+    pairs = [(s, j) for j, s in enumerate(sources) if s >= 0]  # (source, destination), in destination order
+    sent = [[s - offsets[me] for s, j in pairs if owner[s] == me and owner[j] == r] for r in range(len(sizes))]
+    got = [[j - offsets[me] for s, j in pairs if owner[s] == r and owner[j] == me] for r in range(len(sizes))]
+    flat_sent = [i for part in sent for i in part]
+    send = rows.index_select(0, torch.tensor(flat_sent, dtype=torch.int64, device=rows.device))
+    if frame.link is None or frame.link.group.size == 1:
+        received = send
+    else:
+        spec = _spec(frame, name, "permute", 0, tuple(len(p) for p in sent), tuple(len(p) for p in got))
+        received = wire_native.run(AllToAll, spec, send)
+    where = torch.tensor([j for part in got for j in part], dtype=torch.int64, device=rows.device)
+    return rows.new_zeros(rows.shape).index_copy(0, where, received)
 
 
 def processed_level() -> int:
@@ -86,11 +172,13 @@ def processed_level() -> int:
 
 
 class AxisOp(torch.autograd.Function):
-    """One collective as func sees it, per example; see the module docstring."""
+    """One collective as func sees it, per example; see the module docstring. ``arg`` parametrises the per-example
+    ops (:func:`per_example_rows`)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
+    def forward(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
         # Not batched at the axis's level: every example holds the same x, so the result needs no communication.
+        # (The per-example ops are always given a value batched at the axis's level: see batched_at_axis.)
         size = lookup(name, _NAMES[op]).size
         if op == "gather":
             return x.unsqueeze(0).expand(size, *x.shape).clone()
@@ -99,36 +187,56 @@ class AxisOp(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         ctx.name, ctx.op = inputs[1], inputs[2]
+        ctx.arg = inputs[3] if len(inputs) > 3 else None
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        if ctx.op == "sum":  # psum's transpose is psum
-            return apply(grad, ctx.name, "sum"), None, None
-        if ctx.op == "gather":  # all_gather's transpose: the sum of the cotangents, this example's row of it
-            return _take(apply(grad, ctx.name, "sum"), index(ctx.name)), None, None
-        raise RuntimeError(f"{_NAMES[ctx.op]}({ctx.name!r}) is not differentiable; use psum, pmean or all_gather.")
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None]:
+        return transpose(grad, ctx.name, ctx.op, ctx.arg), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        if ctx.op not in ("sum", "gather"):
+        if ctx.op in ("max", "min"):
             raise RuntimeError(f"{_NAMES[ctx.op]}({ctx.name!r}) is not differentiable.")
-        return AxisOp.apply(tangent, ctx.name, ctx.op)
+        if ctx.op in PER_EXAMPLE:
+            return apply(tangent, ctx.name, ctx.op, ctx.arg)
+        return AxisOp.apply(tangent, ctx.name, ctx.op, ctx.arg)
 
     @staticmethod
-    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], x: torch.Tensor, name: str, op: str) -> Tuple[Any, Any]:
+    def vmap(
+        info: Any, in_dims: Tuple[Optional[int], ...], x: torch.Tensor, name: str, op: str, arg: Any = None
+    ) -> Tuple[Any, Any]:
         dim = in_dims[0]
         if dim is None:
-            return AxisOp.apply(x, name, op), None
+            return AxisOp.apply(x, name, op, arg), None
         rows = x.movedim(dim, 0)
         frame = lookup(name, _NAMES[op])
         if frame.level is not None and processed_level() != frame.level:
             # another map's vmap level: its dim rides along while the op goes on to its own axis's level
-            return AxisOp.apply(rows, name, op), (1 if op == "gather" else 0)
-        return physical(frame, rows, name, op), None
+            if op in PER_EXAMPLE:
+                return AxisOp.apply(rows, name, op, arg if op == "permute" else arg + 1), 0
+            return AxisOp.apply(rows, name, op, arg), (1 if op == "gather" else 0)
+        out = physical(frame, rows, name, op, arg)
+        return out, (0 if op in PER_EXAMPLE else None)
 
 
-def _take(full: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return full.index_select(0, index.reshape(1)).squeeze(0)
+def transpose(grad: torch.Tensor, name: str, op: str, arg: Any) -> torch.Tensor:
+    """jax's transpose of each op, per example, written with the ops themselves (so it is differentiable again)."""
+    if op == "sum":  # psum's transpose is psum
+        return apply(grad, name, "sum")
+    if op == "gather":  # all_gather's transpose: this example's row of the sum of the cotangents (psum_scatter)
+        return apply(grad, name, "scatter", 0).squeeze(0)
+    if op == "scatter":  # psum_scatter's transpose: every example's chunk, gathered in order along the dim
+        full = apply(grad, name, "gather")  # (B, ..., chunk at arg + 1, ...)
+        return full.movedim(0, arg).flatten(arg, arg + 1)
+    if op == "a2a":  # its own transpose
+        return apply(grad, name, "a2a", arg)
+    if op == "permute":  # the inverse permutation
+        inverse = [-1] * len(arg)
+        for j, s in enumerate(arg):
+            if s >= 0:
+                inverse[s] = j
+        return apply(grad, name, "permute", tuple(inverse))
+    raise RuntimeError(f"{_NAMES[op]}({name!r}) is not differentiable; use psum, pmean or all_gather.")
 
 
 def index(name: str) -> torch.Tensor:
@@ -139,19 +247,33 @@ def index(name: str) -> torch.Tensor:
     return frame.loop.index() if frame.mode == "loop" and frame.loop is not None else frame.index
 
 
-def apply(x: torch.Tensor, name: str, op: str) -> torch.Tensor:
+def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
     """The op on ``x`` in the axis's mode."""
     frame = lookup(name, _NAMES[op])
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{_NAMES[op]}(x, {name!r}): x must be a Tensor, got {type(x).__name__}.")
     if frame.mode == "rank":  # a shard_map axis: this rank is one member of it, and func holds its own value
-        return physical(frame, x.unsqueeze(0), name, op)
+        out = physical(frame, x.unsqueeze(0), name, op, arg)
+        return out.squeeze(0) if op in PER_EXAMPLE else out
     if frame.mode == "batched":
-        out = physical(frame, x, name, op)
-        return out.unsqueeze(0).expand(x.shape[0], *out.shape)
+        out = physical(frame, x, name, op, arg)
+        return out if op in PER_EXAMPLE else out.unsqueeze(0).expand(x.shape[0], *out.shape)
     if frame.mode == "loop" and not torch._C._functorch.is_batchedtensor(x):
         return frame.loop.run(x, lambda stacked: physical(frame, stacked, name, op))
-    return AxisOp.apply(x, name, op)
+    if op in PER_EXAMPLE:
+        x = batched_at_axis(frame, x)
+    return AxisOp.apply(x, name, op, arg)
+
+
+def batched_at_axis(frame: AxisFrame, x: torch.Tensor) -> torch.Tensor:
+    """``x`` batched at the axis's own vmap level: a per-example op gives each example its own part, so its vmap rule
+    must run there even when every example holds the same ``x`` (adding the zero of a batched index makes it so)."""
+    t = x
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if torch._C._functorch.is_batchedtensor(t) and torch._C._functorch.maybe_get_level(t) == frame.level:
+            return x
+        t = torch._C._functorch.get_unwrapped(t)
+    return x + (frame.index * 0).to(x.dtype)
 
 
 class _Compiled(torch.autograd.Function):

@@ -170,6 +170,11 @@ class Interceptor(TorchFunctionMode):
                 kwargs = {k: self._routed(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
+    def route(self, v: Any) -> Any:
+        """``v`` routed through the call's entry if it is a tensor made before the call that requires grad: for a
+        value func returns as it is, which no torch function saw."""
+        return self._one(v)
+
     def _routed(self, v: Any) -> Any:
         if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
             return type(v)(self._one(t) for t in v) if type(v) in (list, tuple) else v

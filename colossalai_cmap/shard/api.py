@@ -5,7 +5,7 @@ import functools
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..axis.frame import AxisFrame, axis_scope
 from ..call import closures
@@ -177,6 +177,8 @@ def _run_f(
         intercept = closures.Interceptor(owner, start, whole) if tracking() else None
         with _frames(where), _splitting(view), intercept or contextlib.nullcontext():
             out = site.f(*tree_unflatten(blocks, tree), **kwargs)
+        if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
+            out = tree_map(intercept.route, out)
         owner.running = False
         out_places = _placements(site, "out", opts.out_specs, out, view)
         flat = tree_flatten(out)[0]

@@ -19,7 +19,7 @@ import torch
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join_values
 from ..wire.primitives import join, split
 from ..wire.protocol import Kind, Link
-from ..wire.roles import Rows
+from ..wire.roles import Rows, is_rows
 from .specs import Placement, Step
 
 
@@ -66,14 +66,22 @@ def _lengths(values: Sequence[Any], places: Sequence[Placement], view: Any, whol
 
 
 def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:
-    """Every leaf's steps, in order per leaf: one primitive per axis for all leaves whose next step is on it."""
+    """Every leaf's steps, in order per leaf: one primitive per axis for all leaves whose next step is on it, and
+    whose blocks along it have the same lengths (an exchange carries one row count per rank: a batch's blocks
+    and a weight's columns make two)."""
     pending = [list(s) for s in steps]
     while any(pending):
         axis = next(s[0].axis for s in pending if s)
-        picked = [i for i, s in enumerate(pending) if s and s[0].axis == axis]
+        lengths = next((_lengths_of(s[0]) for s in pending if s and s[0].axis == axis and _lengths_of(s[0])), None)
+        picked = [i for i, s in enumerate(pending) if s and s[0].axis == axis and _lengths_of(s[0]) in (None, lengths)]
         roles = tuple(pending[i][0].role for i in picked)
         out = apply(axis, roles, [values[i] for i in picked])
         for i, v in zip(picked, out):
             values[i] = v
             pending[i].pop(0)
     return values
+
+
+def _lengths_of(step: Step) -> Any:
+    """Every rank's block length along the step's axis; None for a value that is not split along it."""
+    return step.role.sizes if is_rows(step.role) else None

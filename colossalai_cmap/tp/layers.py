@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..wire.comm import default_timeout
-from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.exchange import JoinSpec
 from ..wire.group import Group
-from ..wire.primitives import join, needs_function, split
+from ..wire.native import Copy, summed
+from ..wire.primitives import join, needs_function
 from ..wire.protocol import Link
-from ..wire.roles import COPY, Rows, tensor_split_sizes
+from ..wire.roles import Rows, tensor_split_sizes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Slice"]
 
@@ -74,7 +75,7 @@ class Entries:
         hit = self.found.get(id(x))
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]
-        entered = split(SplitSpec(link, (COPY,)), [x])[0]
+        entered = Copy.apply(link, x)
         self.found[id(x)] = (x, state, entered)
         if len(self.found) > self.LIMIT:
             del self.found[next(iter(self.found))]
@@ -104,8 +105,7 @@ class _Sharded(nn.Module):
         """Megatron's g: the sum over the group of every rank's partial result; backward is the identity."""
         if self.group.size == 1:
             return partial
-        spec = JoinSpec(self.link(partial), (COPY,), f"the sum of {self.style.name} layer {self.path!r}")
-        return join(spec, [partial])[0]
+        return summed(self.link(partial), partial)
 
     def slices(self) -> Dict[str, Slice]:
         """The split of each sharded parameter, by parameter name (a replicated bias is not listed)."""

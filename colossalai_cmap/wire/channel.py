@@ -2,9 +2,11 @@
 
 Every round on a group has the same size on every rank, whatever each rank is doing. The size adapts, but only as a
 function of the tables every rank has seen, in the same order, so every rank always agrees on it: it grows at once
-to fit the largest block any rank needed (up to :data:`PAYLOAD_MAX`), and shrinks by half after
-:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. Repeated calls with outputs up to 1 MiB
-per rank then make one collective, and a group that goes back to small outputs goes back to small rounds.
+to fit the largest block any rank needed (up to :data:`PAYLOAD_MAX`, 1 KiB), and shrinks by half after
+:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. Repeated calls with outputs up to 1 KiB
+per rank then make one collective, and a group that goes back to small outputs goes back to small rounds. Larger
+data takes its own collective, at its native cost: every round would carry the payload area of every rank, so a
+payload grown to the size of one large call would tax every later round on the group, however small.
 
 The channel also keeps the shape of the last call exit's data phase (every rank derives it from the same table), so
 that the next exit of that shape can send its data together with its status round (:mod:`transfer`), and whether
@@ -22,7 +24,7 @@ from .group import Group, state_of
 HEADER_LEN = 12
 HEADER_BYTES = HEADER_LEN * 8  # keeps the payload 16-byte aligned
 PAYLOAD_BASE = max(16, int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16)
-PAYLOAD_MAX = max(PAYLOAD_BASE, int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", str(1 << 20))) // 16 * 16)
+PAYLOAD_MAX = max(PAYLOAD_BASE, int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", "1024")) // 16 * 16)
 _QUIET_ROUNDS = 8
 
 

@@ -8,7 +8,7 @@ within the timeout instead of a hang, :mod:`colossalai_cmap.stats` sees every co
 import os
 import pickle
 from datetime import timedelta
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,34 @@ def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, call: s
 def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float]) -> None:
     """Wait, with the bound, for a collective :func:`issue_all_gather` left in flight."""
     _wait(pending, group, call, "all_gather", timeout)
+
+
+def reduce_scatter_into(
+    out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]
+) -> None:
+    """``out`` gets this rank's equal share of the sum of every rank's ``inp`` (the tensor form: gloo has no list
+    form)."""
+    tr = _track(group)
+    stats.note("reduce_scatter", inp.numel() * inp.element_size())
+    twin = _twin(out) if out.is_inference() else None
+    work = dist.reduce_scatter_tensor(twin if twin is not None else out, inp, group=group.pg, async_op=True)
+    work = _Landing(work, [(out, twin)]) if twin is not None else work
+    _wait(Pending(work, tr, presence.enter(tr, call, "reduce_scatter")), group, call, "reduce_scatter", timeout)
+
+
+def all_to_all_into(
+    out: torch.Tensor, inp: torch.Tensor, splits: Tuple[List[int], List[int]], group: Group, call: str, timeout: Any
+) -> None:
+    """``out`` gets, from each rank in order, the rows of its ``inp`` that rank sends this one: ``splits`` is (rows
+    received from each rank, rows sent to each rank)."""
+    out_splits, in_splits = splits
+    tr = _track(group)
+    stats.note("all_to_all", inp.numel() * inp.element_size())
+    twin = _twin(out) if out.is_inference() else None
+    target = twin if twin is not None else out
+    work = dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
+    work = _Landing(work, [(out, twin)]) if twin is not None else work
+    _wait(Pending(work, tr, presence.enter(tr, call, "all_to_all")), group, call, "all_to_all", timeout)
 
 
 def gather_to(

@@ -1,0 +1,33 @@
+"""Bytes on the wire: each collective inside func, forward and backward, sends at most 1.1x its native algorithm's
+bytes plus 16 KiB per call, counted by wrapping ``torch.distributed`` (benchmarks.wire_bytes) in real gloo worlds.
+
+The workload is jax.pmap's shape: one example of n bytes per rank, as ``cmap(f, axis_name="i", src="local",
+dst="local")`` and as ``shard_map(f, mesh, P("i"), P("i"), local=True)``. Steady state: the third call is counted.
+
+Values up to a round's largest payload (1 KiB per rank) are the exception, by design: a small sum rides in its
+status round (one collective instead of a round and an all-reduce), which costs (P - 1) times the round, and once
+a group's rounds have grown to carry one, every round on the group carries that payload until a run of smaller
+ones shrinks it. There the bound is the data's native bytes plus the rounds at their largest.
+"""
+
+import pytest
+
+from benchmarks.wire_bytes import ROUND_CAP, measure, native_bound
+
+SIZES = (1024, 4096, 64 * 1024, 1 << 20)
+ALLOWANCE = 16 * 1024
+
+
+@pytest.mark.parametrize("kind", ["cmap", "shard_map"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_native_bytes(worlds, kind, size):
+    for rank_rows in worlds(size).run(measure, kind, SIZES):
+        for op, n, fwd, bwd, nf_calls, nb_calls in rank_rows:
+            native_fwd, native_bwd = native_bound(op, n, size)
+            where = f"{kind} {op} n={n} P={size}: forward {fwd:.0f} B in {nf_calls}, backward {bwd:.0f} B in {nb_calls}"
+            if n <= ROUND_CAP - 96:  # rounds at their largest, each (P - 1) payloads, plus the data's native bytes
+                assert fwd <= native_fwd + nf_calls * (size - 1) * ROUND_CAP, where
+                assert bwd <= native_bwd + nb_calls * (size - 1) * ROUND_CAP, where
+                continue
+            assert fwd <= 1.1 * native_fwd + ALLOWANCE, where
+            assert bwd <= 1.1 * native_bwd + ALLOWANCE, where
