@@ -122,7 +122,12 @@ def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float]
 
 
 def reduce_scatter_into(
-    out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: Group,
+    call: str,
+    timeout: Optional[float],
+    what: str = "reduce_scatter",
 ) -> None:
     """``out`` gets this rank's equal share of the sum of every rank's ``inp`` (the tensor form: gloo has no list
     form)."""
@@ -131,11 +136,18 @@ def reduce_scatter_into(
     twin = _twin(out) if out.is_inference() else None
     work = dist.reduce_scatter_tensor(twin if twin is not None else out, inp, group=group.pg, async_op=True)
     work = _Landing(work, [(out, twin)]) if twin is not None else work
-    _wait(Pending(work, tr, presence.enter(tr, call, "reduce_scatter")), group, call, "reduce_scatter", timeout)
+    _wait(Pending(work, tr, presence.enter(tr, call, what)), group, call, "reduce_scatter", timeout)
 
 
 def all_to_all_into(
-    out: torch.Tensor, inp: torch.Tensor, splits: Tuple[List[int], List[int]], group: Group, call: str, timeout: Any
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    splits: Tuple[List[int], List[int]],
+    group: Group,
+    call: str,
+    timeout: Any,
+    *,
+    what: str = "all_to_all",
 ) -> None:
     """``out`` gets, from each rank in order, the rows of its ``inp`` that rank sends this one: ``splits`` is (rows
     received from each rank, rows sent to each rank)."""
@@ -146,7 +158,7 @@ def all_to_all_into(
     target = twin if twin is not None else out
     work = dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
     work = _Landing(work, [(out, twin)]) if twin is not None else work
-    _wait(Pending(work, tr, presence.enter(tr, call, "all_to_all")), group, call, "all_to_all", timeout)
+    _wait(Pending(work, tr, presence.enter(tr, call, what)), group, call, "all_to_all", timeout)
 
 
 def gather_to(
