@@ -1,19 +1,21 @@
 """Collectives with bounded waits, and the count of what cmap sent.
 
 Every collective cmap issues goes through here, so a peer that died or never arrived turns into a ``CmapError``
-within the timeout instead of a hang, and :mod:`colossalai_cmap.stats` sees every collective and its bytes.
+within the timeout instead of a hang, :mod:`colossalai_cmap.stats` sees every collective and its bytes, and
+:mod:`.presence` counts each one, so that the error names the ranks that did not arrive and what they last did.
 """
 
 import os
 import pickle
 from datetime import timedelta
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import stats
 from ..errors import CmapError
+from . import presence
 from .group import Group, state_of
 
 TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
@@ -31,21 +33,47 @@ def check_usable(group: Group, call: str) -> None:
         raise CmapError(f"{call}: the process group is unusable: {reason} Create a new group (or restart).")
 
 
-def _wait(work: Any, group: Group, call: str, what: str, timeout: Optional[float]) -> None:
+class Pending(NamedTuple):
+    """A collective in flight: its work, and its place in this process's count on the group (:mod:`.presence`)."""
+
+    work: Any
+    track: presence.Track
+    doing: presence.Doing
+
+
+def _track(group: Group) -> presence.Track:
+    """The group's count of collectives (:mod:`.presence`), once the group is known to be in step.
+
+    A wait that failed left the group's collective sequence out of step across ranks, so a further collective could
+    pair with a stale one (gloo aborts the process then): every later one, in this call (reporting a failure inside
+    func, say) or in any other, raises that wait's error again instead.
+    """
+    state = state_of(group.pg)
+    if state.broken is not None:
+        raise CmapError(
+            f"{state.failure} No further cmap collective runs on this group: create a new group (or restart)."
+        )
+    return state.track
+
+
+def _wait(pending: Pending, group: Group, call: str, what: str, timeout: Optional[float]) -> None:
     try:
         if timeout is None:
-            work.wait()
+            pending.work.wait()
         else:
-            work.wait(timeout=timedelta(seconds=timeout))
+            pending.work.wait(timeout=timedelta(seconds=timeout))
     except Exception as exc:  # a peer died, or the wait timed out
-        # The group's collective sequence may now be out of step across ranks, so a further collective could pair
-        # with a stale one (gloo aborts the process then). A failure inside func or cmap's own code never lands
-        # here: every rank learns of it in a round, in step.
-        state_of(group.pg).broken = f"an earlier cmap {what} failed on it ({type(exc).__name__})."
-        raise CmapError(
+        # The group's collective sequence may now be out of step across ranks (see _track). A failure inside func or
+        # cmap's own code never lands here: every rank learns of it in a round, in step.
+        state = state_of(group.pg)
+        state.broken = f"an earlier cmap {what} failed on it ({type(exc).__name__})."
+        where = presence.absent(pending.track, pending.doing, group.rank, f"{type(exc).__name__}: {exc}"[:120])
+        state.failure = (
             f"{call}: {what} failed on group rank {group.rank} (global rank {group.global_rank}): "
-            f"{type(exc).__name__}: {exc}. A peer rank may have died or not reached this cmap call."
-        ) from exc
+            f"{type(exc).__name__}: {exc}. A peer rank may have died or not reached this cmap call.{where}"
+        )
+        raise CmapError(state.failure) from exc
+    presence.finish(pending.track, pending.doing)
 
 
 class _Landing:
@@ -69,77 +97,106 @@ def _twin(out: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(out)
 
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]) -> None:
-    _wait(issue_all_gather(out, inp, group), group, call, "all_gather", timeout)
+def all_gather_into(
+    out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float], what: str = "all_gather"
+) -> None:
+    _wait(issue_all_gather(out, inp, group, call, what), group, call, "all_gather", timeout)
 
 
-def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Any:
-    """An all-gather left in flight, to wait for with :func:`wait_for` (data sent together with a round)."""
+def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, what: str) -> Pending:
+    """An all-gather left in flight, to wait for with :func:`wait_for` (a round, or data sent together with one).
+    ``what`` says what it carries, for a peer's error should this rank not arrive at the next one."""
+    tr = _track(group)
     stats.note("all_gather", inp.numel() * inp.element_size())
     if out.is_inference():
         twin = _twin(out)
-        return _Landing(dist.all_gather_into_tensor(twin, inp, group=group.pg, async_op=True), [(out, twin)])
-    return dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True)
+        work = _Landing(dist.all_gather_into_tensor(twin, inp, group=group.pg, async_op=True), [(out, twin)])
+    else:
+        work = dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True)
+    return Pending(work, tr, presence.enter(tr, call, what))
 
 
-def wait_for(work: Any, group: Group, call: str, timeout: Optional[float]) -> None:
+def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float]) -> None:
     """Wait, with the bound, for a collective :func:`issue_all_gather` left in flight."""
-    _wait(work, group, call, "all_gather", timeout)
+    _wait(pending, group, call, "all_gather", timeout)
 
 
 def reduce_scatter_into(
-    out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float]
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: Group,
+    call: str,
+    timeout: Optional[float],
+    what: str = "reduce_scatter",
 ) -> None:
     """``out`` gets this rank's equal share of the sum of every rank's ``inp`` (the tensor form: gloo has no list
     form)."""
+    tr = _track(group)
     stats.note("reduce_scatter", inp.numel() * inp.element_size())
     twin = _twin(out) if out.is_inference() else None
     work = dist.reduce_scatter_tensor(twin if twin is not None else out, inp, group=group.pg, async_op=True)
-    _wait(_Landing(work, [(out, twin)]) if twin is not None else work, group, call, "reduce_scatter", timeout)
+    work = _Landing(work, [(out, twin)]) if twin is not None else work
+    _wait(Pending(work, tr, presence.enter(tr, call, what)), group, call, "reduce_scatter", timeout)
 
 
 def all_to_all_into(
-    out: torch.Tensor, inp: torch.Tensor, splits: Tuple[List[int], List[int]], group: Group, call: str, timeout: Any
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    splits: Tuple[List[int], List[int]],
+    group: Group,
+    call: str,
+    timeout: Any,
+    *,
+    what: str = "all_to_all",
 ) -> None:
     """``out`` gets, from each rank in order, the rows of its ``inp`` that rank sends this one: ``splits`` is (rows
     received from each rank, rows sent to each rank)."""
     out_splits, in_splits = splits
+    tr = _track(group)
     stats.note("all_to_all", inp.numel() * inp.element_size())
     twin = _twin(out) if out.is_inference() else None
     target = twin if twin is not None else out
     work = dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
-    _wait(_Landing(work, [(out, twin)]) if twin is not None else work, group, call, "all_to_all", timeout)
+    work = _Landing(work, [(out, twin)]) if twin is not None else work
+    _wait(Pending(work, tr, presence.enter(tr, call, what)), group, call, "all_to_all", timeout)
 
 
 def gather_to(
     inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:
+    tr = _track(group)
     stats.note("gather", inp.numel() * inp.element_size())
     pairs = [(out, _twin(out)) for out in outs or () if out.is_inference()]
     if pairs:
         twins = {id(out): twin for out, twin in pairs}
         outs = [twins.get(id(out), out) for out in outs or ()]
     work = dist.gather(inp, outs, dst=group.ranks[dst], group=group.pg, async_op=True)
-    _wait(_Landing(work, pairs) if pairs else work, group, call, "gather", timeout)
+    pending = Pending(_Landing(work, pairs) if pairs else work, tr, presence.enter(tr, call, "gather"))
+    _wait(pending, group, call, "gather", timeout)
 
 
 def scatter_from(
     out: torch.Tensor, ins: Optional[List[torch.Tensor]], src: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:
+    tr = _track(group)
     stats.note("scatter", out.numel() * out.element_size())
     work = dist.scatter(out, ins, src=group.ranks[src], group=group.pg, async_op=True)
-    _wait(work, group, call, "scatter", timeout)
+    _wait(Pending(work, tr, presence.enter(tr, call, "scatter")), group, call, "scatter", timeout)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group, call: str, timeout: Optional[float]) -> None:
+    tr = _track(group)
     stats.note("broadcast", t.numel() * t.element_size())
-    _wait(dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True), group, call, "broadcast", timeout)
+    work = dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True)
+    _wait(Pending(work, tr, presence.enter(tr, call, "broadcast")), group, call, "broadcast", timeout)
 
 
 def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float], op: Any = None) -> None:
+    tr = _track(group)
     stats.note("all_reduce", t.numel() * t.element_size())
     op = dist.ReduceOp.SUM if op is None else op
-    _wait(dist.all_reduce(t, op=op, group=group.pg, async_op=True), group, call, "all_reduce", timeout)
+    work = dist.all_reduce(t, op=op, group=group.pg, async_op=True)
+    _wait(Pending(work, tr, presence.enter(tr, call, "all_reduce")), group, call, "all_reduce", timeout)
 
 
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:
@@ -165,11 +222,12 @@ def all_gather_object(obj: Any, group: Group, call: str, timeout: Optional[float
     """Every rank's picklable object, in group-rank order (rare paths: failure details, layouts)."""
     data = _encode(obj, device)
     lengths = torch.empty(group.size, dtype=torch.int64, device=device)
-    all_gather_into(lengths, torch.tensor([data.numel()], dtype=torch.int64, device=device), group, call, timeout)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    all_gather_into(lengths, length, group, call, timeout, "all_gather of objects")
     sizes = lengths.tolist()
     cap = max(sizes)
     send = torch.zeros(cap, dtype=torch.uint8, device=device)
     send[: data.numel()] = data
     recv = torch.empty(group.size * cap, dtype=torch.uint8, device=device)
-    all_gather_into(recv, send, group, call, timeout)
+    all_gather_into(recv, send, group, call, timeout, "all_gather of objects")
     return [_decode(recv[r * cap : r * cap + n]) for r, n in enumerate(sizes)]

@@ -142,7 +142,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     ch = channel(group, link.device)
     if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
         _open_backward(ch)
-    early = transfer.early(prep, ch, group) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
+    early = transfer.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if spec.exit is not None:
         transfer.meet_early(rnd, ch, link)

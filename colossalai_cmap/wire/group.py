@@ -1,5 +1,5 @@
 """Where collectives run: a process group as a :class:`Group` record, and the one :class:`GroupState` this process
-keeps for it (its round channels, and whether its collectives fell out of step)."""
+keeps for it (its round channels, its count of collectives, and whether they fell out of step)."""
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankFailure
+from . import presence
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,15 @@ class GroupState:
         group: the group's record.
         channels: the round buffers and agreed state per device (:mod:`~colossalai_cmap.wire.channel`).
         broken: why the group is unusable (a wait failed, so its collective sequence may be out of step), or None.
+        failure: the error of the wait that failed on it, raised again by any later collective on it.
+        track: this process's count of cmap collectives on the group, and the latest (:mod:`.presence`).
     """
 
     group: Group
+    track: presence.Track
     channels: Dict[torch.device, Any] = field(default_factory=dict)
     broken: Optional[str] = None
+    failure: str = ""
 
 
 _STATES: Dict[int, Tuple[Any, GroupState]] = {}  # id(pg) -> (pg, state): the pg kept alive, so ids are not reused
@@ -57,7 +62,8 @@ def state_of(pg: dist.ProcessGroup) -> GroupState:
     found = _STATES.get(id(pg))
     if found is None or found[0] is not pg:
         group = Group(pg, dist.get_rank(pg), dist.get_world_size(pg), tuple(dist.get_process_group_ranks(pg)))
-        found = _STATES[id(pg)] = (pg, GroupState(group))
+        track = presence.track(str(getattr(pg, "group_name", group.ranks)), group.ranks)
+        found = _STATES[id(pg)] = (pg, GroupState(group, track))
     return found[1]
 
 

@@ -97,7 +97,7 @@ def reduce_scatter(spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
             start += n
         rows = padded
     out = rows.new_empty((cap, *rows.shape[1:]))
-    comm.reduce_scatter_into(out, rows, link.group, link.call, link.timeout)
+    comm.reduce_scatter_into(out, rows, link.group, link.call, link.timeout, f"reduce_scatter ({spec.what})")
     return _back(out.narrow(0, 0, sizes[rank]), spec.dim)
 
 
@@ -109,7 +109,7 @@ def all_gather(spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] < cap:
         rows = torch.cat([rows, rows.new_zeros((cap - rows.shape[0], *rows.shape[1:]))])
     out = rows.new_empty((cap * len(sizes), *rows.shape[1:]))
-    comm.all_gather_into(out, rows, link.group, link.call, link.timeout)
+    comm.all_gather_into(out, rows, link.group, link.call, link.timeout, f"all_gather ({spec.what})")
     if any(n != cap for n in sizes):
         out = torch.cat([out.narrow(0, r * cap, n) for r, n in enumerate(sizes)])
     return _back(out, spec.dim)
@@ -121,7 +121,8 @@ def all_to_all(spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
     link = spec.link
     rows = _first(x, spec.dim)
     out = rows.new_empty((sum(spec.recv), *rows.shape[1:]))
-    comm.all_to_all_into(out, rows, (list(spec.recv), list(spec.sizes)), link.group, link.call, link.timeout)
+    splits = (list(spec.recv), list(spec.sizes))
+    comm.all_to_all_into(out, rows, splits, link.group, link.call, link.timeout, what=f"all_to_all ({spec.what})")
     return _back(out, spec.dim)
 
 

@@ -41,6 +41,9 @@ class Kind(IntEnum):
     SYNC = 3  # any other exchange: backward, tangents, write-back, tensor-parallel sums, state dicts
 
 
+ROUND_NAMES = {Kind.STATUS: "exit round", Kind.OP: "op round", Kind.SYNC: "sync round"}
+
+
 class Status(IntEnum):
     OK = 0
     EMPTY = 1  # an empty shard: the rank ran a stand-in example
@@ -94,12 +97,14 @@ def route(link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], aft
     return routes.route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors)
 
 
-def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
+def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = None, what: Optional[str] = None) -> Round:
     """One round: every rank's header and payload (packed beforehand, through a :class:`Route`). ``also`` issues a
-    collective right behind the round (data sent early), left in flight in the returned round's ``early``."""
+    collective right behind the round (data sent early), left in flight in the returned round's ``early``. ``what``
+    names the collective an ``OP`` or ``SYNC`` round precedes, for a peer's error should this rank stop here."""
     ch = channel(link.group, link.device)
     ch.write_header(header)
-    work = comm.issue_all_gather(ch.recv.view(-1), ch.send, link.group)
+    name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
+    work = comm.issue_all_gather(ch.recv.view(-1), ch.send, link.group, link.call, name)
     early = also() if also is not None else None
     comm.wait_for(work, link.group, link.call, link.timeout)
     rnd = Round(tuple(Header._make(row) for row in ch.read_rows()), ch.payloads, early)
@@ -119,7 +124,7 @@ def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] =
 
 def checked_round(link: Link, header: Header, what: str) -> Round:
     """An ``OP`` or ``SYNC`` round: every rank must be at the same collective (same ``digest``)."""
-    rnd = exchange(link, header)
+    rnd = exchange(link, header, what=what)
     away = [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
     if away and header.kind == Kind.OP:
         raise CollectiveAborted(_away_in_func(what, away))

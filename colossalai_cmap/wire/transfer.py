@@ -14,11 +14,12 @@ import torch.distributed as dist
 from . import comm
 from .channel import Channel
 from .group import Group
-from .protocol import Round
+from .protocol import Link, Round
 from .roles import COPY, MAX, MIN, Role, is_rows
 from .route import Item, offsets, rows_first, typed
 
 _REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
+_EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
 
 
 class Prepared(NamedTuple):
@@ -123,17 +124,17 @@ def early_shape(prep: Prepared) -> Optional[Tuple[Any, ...]]:
     return (max(prep.sizes), gathered[0].shape, gathered[0].dtype)
 
 
-def early(prep: Optional[Prepared], ch: Channel, group: Group) -> Optional[Callable[[], Any]]:
+def early(prep: Optional[Prepared], ch: Channel, link: Link) -> Optional[Callable[[], Any]]:
     """The data phase, to issue right behind the round, when its shape is the one the last exit on this group agreed
     (so every rank in step sends the same shape) and no backward of this rank is unfinished (no peer may wait in it).
     Ranks that do not send early learn from the round who did, and send a stand-in of that shape (:func:`meet_early`).
     """
     if prep is None or ch.backward_open or ch.last_data is None or early_shape(prep) != ch.last_data:
         return None
-    return lambda: comm.issue_all_gather(prep.recv, prep.send, group)
+    return lambda: comm.issue_all_gather(prep.recv, prep.send, link.group, link.call, _EARLY)
 
 
-def meet_early(rnd: Round, ch: Channel, link: Any) -> None:
+def meet_early(rnd: Round, ch: Channel, link: Link) -> None:
     """After the round: wait for this rank's early data, or, if peers sent theirs and this rank did not, send a
     stand-in of the same shape, so that the collectives pair up (in the same order on every rank)."""
     if rnd.early is not None:
@@ -142,7 +143,7 @@ def meet_early(rnd: Round, ch: Channel, link: Any) -> None:
         rows, shape, dtype = ch.last_data
         send = torch.empty((rows, *shape), dtype=dtype, device=link.device)
         recv = torch.empty((link.group.size * rows, *shape), dtype=dtype, device=link.device)
-        comm.all_gather_into(recv, send, link.group, link.call, link.timeout)
+        comm.all_gather_into(recv, send, link.group, link.call, link.timeout, _EARLY)
 
 
 def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
