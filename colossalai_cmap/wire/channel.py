@@ -47,12 +47,12 @@ class Channel:
         with torch.inference_mode(False), torch._C._DisableFuncTorch():
             self.send = torch.zeros(total, dtype=torch.uint8, device=self.device)
             self.recv = torch.empty((self.size, total), dtype=torch.uint8, device=self.device)
-        self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
-        self.payloads = self.recv.narrow(1, HEADER_BYTES, self.payload_bytes)
+            self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
+            self.payloads = self.recv.narrow(1, HEADER_BYTES, self.payload_bytes)
+            if self.cpu:
+                self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)
+                self.table = self.recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
         self.routes: Dict[Any, Any] = {}  # views into these buffers (:mod:`route`)
-        if self.cpu:
-            self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)
-            self.table = self.recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
 
     def write_header(self, header: Sequence[int]) -> None:
         if self.cpu:
