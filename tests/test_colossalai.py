@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-from cases import assert_same, gamma
+from cases import F64, assert_same, gamma
 from harness import free_port
 
 import colossalai_cmap as cm
@@ -365,6 +365,36 @@ def test_hybrid_tp2_splits_over_dp_and_tp_peers_share_a_shard(worlds):
     assert results[0]["local_x"].shape[0] == 4
     local_y = torch.cat([results[0]["local_y"], results[2]["local_y"]])
     torch.testing.assert_close(local_y, results[0]["expected"], **results[0]["tol"])
+
+
+def check_hybrid_shard_map() -> List[int]:
+    """shard_map over a HybridParallelPlugin's own mesh (axes dp, pp, tp, sp): the batch split over "dp", a
+    Megatron MLP over "tp" with a psum, equal to the unsharded MLP in values and gradients (float64)."""
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin
+
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"))
+    g = torch.Generator().manual_seed(2)
+    x, w1, w2 = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((7, 6), (6, 8), (8, 5)))
+
+    def mlp(xb: torch.Tensor, w1b: torch.Tensor, w2b: torch.Tensor) -> torch.Tensor:
+        return cm.psum(torch.relu(xb @ w1b) @ w2b, "tp")
+
+    specs = (cm.P("dp"), cm.P(None, "tp"), cm.P("tp", None))
+    args = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    y = cm.shard_map(mlp, booster, specs, cm.P("dp"))(*args)
+    y.square().sum().backward()
+    ref = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    want = torch.relu(ref[0] @ ref[1]) @ ref[2]
+    want.square().sum().backward()
+    assert_same(y.detach(), want.detach(), F64, "values")
+    for a, r in zip(args, ref):
+        assert_same(a.grad, r.grad, F64, "gradients")
+    return sorted(booster.plugin.pg_mesh.shape)
+
+
+def test_shard_map_over_a_hybrid_plugins_mesh(worlds):
+    assert worlds(4).run(check_hybrid_shard_map, deadline=180) == [[1, 1, 2, 2]] * 4
 
 
 def test_unknown_plugin_raises_type_error(worlds):
