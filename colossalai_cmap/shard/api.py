@@ -20,7 +20,7 @@ from ..wire.group import first_device, group_device
 from ..wire.primitives import split
 from ..wire.protocol import Link
 from ..wire.roles import KEEP
-from .blocks import assemble, cut
+from .blocks import assemble, block_lengths, cut
 from .exit import Outcome, conclude
 from .mesh import Mesh, MeshView, resolve_mesh
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
@@ -156,10 +156,10 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     whole = Link(view.whole, device, site.call, opts.timeout)
     where = Where(view, {n: Link(view.axes[n], device, site.call, opts.timeout) for n in view.names}, whole)
     outcome, out, out_places = _run_f(site, where, args, kwargs)
-    conclude(site.call, view, where.links, whole, outcome)
+    table = conclude(site.call, view, where.links, whole, outcome)
     flat, out_tree = tree_flatten(out)
     if not opts.local:
-        flat = assemble(flat, out_places, where.links, view, whole, f"the outputs of {site.call}")
+        flat = assemble(flat, out_places, where.links, view, table, f"the outputs of {site.call}")
     return tree_unflatten(flat, out_tree)
 
 
@@ -183,7 +183,8 @@ def _run_f(
         out_places = _placements(site, "out", opts.out_specs, out, view)
         flat = tree_flatten(out)[0]
         graph_sig = closures.watch(flat, owner, start, whole) if tracking() else 0
-        outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig)
+        lengths = None if opts.local else block_lengths(flat, out_places, whole.device)
+        outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
         if opts.check:
             outcome.checksums, outcome.replicated = _checksums(flat, out_places, view)
         return outcome, out, out_places

@@ -12,14 +12,14 @@ Every rank holds the global output, and its cotangent counts once over the mesh:
 ``check_vma=False``, where ``psum`` transposes to ``psum``.
 """
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join_values
+from ..wire.exchange import CallTag, JoinSpec, SplitSpec
 from ..wire.primitives import join, split
 from ..wire.protocol import Kind, Link
-from ..wire.roles import Rows, is_rows
+from ..wire.roles import is_rows
 from .specs import Placement, Step
 
 
@@ -34,35 +34,32 @@ def cut(
     return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, owner), xs))
 
 
+def block_lengths(values: Sequence[Any], places: Sequence[Placement], device: torch.device) -> Optional[torch.Tensor]:
+    """This rank's block length along every split dim of every output, as one row ``[1, k]`` (None: nothing is
+    split). Blocks need not be equal, so every rank's row travels in the exit's round over the whole mesh."""
+    lengths = [v.shape[d] for v, p in zip(values, places) if isinstance(v, torch.Tensor) for d, _ in p.split]
+    if not lengths:
+        return None
+    with torch._C._DisableFuncTorch():  # plain ints, whatever function transform is around the call
+        return torch.tensor([lengths], dtype=torch.int64, device=device)
+
+
 def assemble(
-    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], view: Any, whole: Link, what: str
+    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], view: Any, table: Any, what: str
 ) -> list:
-    """Each block assembled into its global value, on every rank. Blocks of a split dim need not be equal, so every
-    rank's block lengths along split dims travel first, in one small round over the whole mesh."""
-    length = _lengths(values, places, view, whole)
-    steps = [
-        p.assemble_steps(view.sizes, view.coords, length(i)) if isinstance(v, torch.Tensor) else []
-        for i, (v, p) in enumerate(zip(values, places))
-    ]
-    return _run(list(values), steps, lambda axis, roles, xs: join(JoinSpec(links[axis], roles, what, Kind.SYNC), xs))
-
-
-def _lengths(values: Sequence[Any], places: Sequence[Placement], view: Any, whole: Link) -> Any:
-    """``length(i)(coords, d)``: leaf ``i``'s block length along dim ``d`` on the rank at ``coords``."""
+    """Each block assembled into its global value, on every rank. ``table`` holds every rank's
+    :func:`block_lengths` row, in the whole mesh's group-rank order."""
     keys = [(i, d) for i, (v, p) in enumerate(zip(values, places)) if isinstance(v, torch.Tensor) for d, _ in p.split]
-    table: List[List[int]] = []
-    if keys:
-        spec = JoinSpec(whole, (Rows(0, (1,) * whole.group.size),), "the outputs' block lengths", Kind.SYNC)
-        with torch._C._DisableFuncTorch():  # plain ints, whatever function transform is around the call
-            mine = torch.tensor([[values[i].shape[d] for i, d in keys]], dtype=torch.int64, device=whole.device)
-            (found,) = join_values(spec, [mine])
-            table = found.tolist()
     column = {key: k for k, key in enumerate(keys)}
 
     def length(i: int) -> Any:
         return lambda coords, d: table[view.whole_rank(coords)][column[(i, d)]]
 
-    return length
+    steps = [
+        p.assemble_steps(view.sizes, view.coords, length(i)) if isinstance(v, torch.Tensor) else []
+        for i, (v, p) in enumerate(zip(values, places))
+    ]
+    return _run(list(values), steps, lambda axis, roles, xs: join(JoinSpec(links[axis], roles, what, Kind.SYNC), xs))
 
 
 def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:

@@ -5,37 +5,41 @@ who must tell it. The exit is therefore a status round on each axis's group, in 
 mesh's group (an axis whose group is the whole mesh's has only that one). A rank that failed posts its failure in
 every round; a peer waiting in a collective on that axis sees it, gives the collective up, and comes to the exit
 too. Every rank goes through the same rounds in the same order, and the last one, over the whole mesh, tells every
-rank every failure. With ``check_rep`` the axis rounds also compare the checksums of the outputs declared
-replicated over that axis.
+rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they
+may be uneven), so they cost no round of their own. With ``check_rep`` the axis rounds also compare the checksums
+of the outputs declared replicated over that axis.
 """
 
-from typing import Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from ..errors import CmapError
 from ..wire import protocol
 from ..wire.exchange import Exit, JoinSpec, join_values, report_failure
 from ..wire.protocol import Disagreement, Header, Kind, Link, Status
+from ..wire.roles import Rows
 from .mesh import MeshView
 
 
+@dataclass
 class Outcome:
     """What this rank brings to the exit: its failure (or None), a digest of its outputs' structure and of the
-    closure edges its graph holds, and per axis the checksum of the outputs declared replicated over it."""
+    closure edges its graph holds, per axis the checksum of the outputs declared replicated over it (and their
+    paths), and its outputs' block lengths (:func:`~colossalai_cmap.shard.blocks.block_lengths`)."""
 
-    def __init__(
-        self,
-        failure: Optional[Tuple[object, BaseException]],
-        layout_sig: int = 0,
-        graph_sig: int = 0,
-        checksums: Optional[Dict[str, int]] = None,
-        replicated: Optional[Dict[str, Sequence[str]]] = None,
-    ) -> None:
-        self.failure, self.layout_sig, self.graph_sig = failure, layout_sig, graph_sig
-        self.checksums, self.replicated = checksums or {}, replicated or {}
+    failure: Optional[Tuple[object, BaseException]]
+    layout_sig: int = 0
+    graph_sig: int = 0
+    checksums: Dict[str, int] = field(default_factory=dict)
+    replicated: Dict[str, Sequence[str]] = field(default_factory=dict)
+    lengths: Optional[torch.Tensor] = None
 
 
-def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, outcome: Outcome) -> None:
-    """Every round of the exit; returns on every rank, or raises the same ``CmapError`` on every rank."""
+def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, outcome: Outcome) -> List[List[int]]:
+    """Every round of the exit; returns every rank's block lengths (rows in the whole mesh's group-rank order; empty
+    when nothing is split) on every rank, or raises the same ``CmapError`` on every rank."""
     failure = outcome.failure
     for name in view.names:
         link = links[name]
@@ -52,8 +56,12 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
     values = outcome.checksums.get(last, 0) if last is not None else 0
     agree = ("digest", "graph_sig") + (("values",) if values else ())
     exit_ = Exit(Status.OK, 0, outcome.layout_sig, 0, outcome.graph_sig, 0, values, False, agree)
+    lengths = [] if outcome.lengths is None else [outcome.lengths]
+    roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
     try:
-        join_values(JoinSpec(whole, (), "the outputs", Kind.STATUS, exit=exit_), [])
+        with torch._C._DisableFuncTorch():  # the lengths are plain ints, whatever transform is around the call
+            got = join_values(JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_), lengths)
+            return got[0].tolist() if got else []
     except Disagreement as found:
         raise CmapError(_explain(call, found, last, outcome)) from None
 
