@@ -14,8 +14,9 @@ Under ``torch.compile`` the exchange is a functional collective instead (traceab
 backward is made of functional collectives too: differentiable once inside a compiled function.
 """
 
+import itertools
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,6 +58,16 @@ def _local_reduce(op: str, rows: torch.Tensor) -> torch.Tensor:
     return rows.amax(0) if op == "max" else rows.amin(0)
 
 
+def _alone(frame: AxisFrame) -> bool:
+    """The axis's members are all on this rank: no communication."""
+    return frame.link is None or frame.link.group.size == 1
+
+
+def _starts(sizes: Sequence[int]) -> List[int]:
+    """Each rank's first row, from every rank's row count."""
+    return [0, *itertools.accumulate(sizes)][:-1]
+
+
 def reduce_rows(frame: AxisFrame, rows: torch.Tensor, name: str, op: str) -> torch.Tensor:
     """This run's rows (dim 0) reduced over every example of the axis.
 
@@ -65,7 +76,7 @@ def reduce_rows(frame: AxisFrame, rows: torch.Tensor, name: str, op: str) -> tor
     through its graph (zero rows), so that backward still meets on every rank.
     """
     local = _local_reduce(op, rows[:0] if frame.dummy else rows)
-    if frame.link is None or frame.link.group.size == 1:
+    if _alone(frame):
         return local
     if torch.compiler.is_compiling():
         return _Compiled.apply(local, frame.link.group.pg, op, None)
@@ -79,7 +90,7 @@ def gather_rows(frame: AxisFrame, rows: torch.Tensor, name: str) -> torch.Tensor
     """Every example's row (dim 0) in global order (shares may be uneven), an all-gather; backward is its
     transpose, a reduce-scatter: each rank gets its rows of the cotangents' sum."""
     real = rows[:0] if frame.dummy else rows
-    if frame.link is None or frame.link.group.size == 1:
+    if _alone(frame):
         return real
     if torch.compiler.is_compiling():
         return _Compiled.apply(real, frame.link.group.pg, "gather", tuple(frame.sizes))
@@ -98,7 +109,7 @@ def per_example_rows(frame: AxisFrame, rows: torch.Tensor, name: str, op: str, a
     sum; ``a2a``: chunks to each example), or for ``permute`` each example's source (-1: none)."""
     real = rows[:0] if frame.dummy else rows
     sizes = tuple(frame.sizes)
-    if frame.link is None or frame.link.group.size == 1:
+    if _alone(frame):
         sizes = (real.shape[0],)
     if op == "scatter":
         out = _scatter_rows(frame, real, name, arg, sizes)
@@ -119,7 +130,7 @@ def _scatter_rows(frame: AxisFrame, rows: torch.Tensor, name: str, d: int, sizes
     """Chunk i (of B along example dim ``d``) of the sum over every example, for each of this run's examples i."""
     partial = rows.sum(0)
     chunk = partial.shape[d] // sum(sizes)
-    if frame.link is None or frame.link.group.size == 1:
+    if _alone(frame):
         mine = partial
     else:
         spec = _spec(frame, name, "scatter", d, tuple(n * chunk for n in sizes))
@@ -134,10 +145,10 @@ def _a2a_rows(frame: AxisFrame, rows: torch.Tensor, name: str, d: int, sizes: Tu
     moved = rows.movedim(d + 1, 1)  # (n, B * chunk, rest...)
     chunk = moved.shape[1] // B
     four = moved.unflatten(1, (B, chunk))  # (n, B, chunk, rest...): [my example, its destination example]
-    if frame.link is None or frame.link.group.size == 1:
+    if _alone(frame):
         got = four  # one rank: its examples are every source
     else:
-        offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+        offsets = _starts(sizes)
         send = torch.cat([four.narrow(1, o, k).flatten(0, 1) for o, k in zip(offsets, sizes)])
         spec = _spec(frame, name, "a2a", 0, tuple(n * k for k in sizes), tuple(k * n for k in sizes))
         got = wire_native.run(AllToAll, spec, send).unflatten(0, (B, n))  # [source example, my example]
@@ -150,14 +161,14 @@ def _permute_rows(
     """Each of this run's examples j gets example ``sources[j]``'s row (zeros for -1): each row travels once, from
     the rank that holds its source to the rank that holds its destination."""
     owner = [r for r, k in enumerate(sizes) for _ in range(k)]
-    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+    offsets = _starts(sizes)
     me = 0 if frame.link is None else frame.link.group.rank
     pairs = [(s, j) for j, s in enumerate(sources) if s >= 0]  # (source, destination), in destination order
     sent = [[s - offsets[me] for s, j in pairs if owner[s] == me and owner[j] == r] for r in range(len(sizes))]
     got = [[j - offsets[me] for s, j in pairs if owner[s] == r and owner[j] == me] for r in range(len(sizes))]
     flat_sent = [i for part in sent for i in part]
     send = rows.index_select(0, torch.tensor(flat_sent, dtype=torch.int64, device=rows.device))
-    if frame.link is None or frame.link.group.size == 1:
+    if _alone(frame):
         received = send
     else:
         spec = _spec(frame, name, "permute", 0, tuple(len(p) for p in sent), tuple(len(p) for p in got))

@@ -8,7 +8,7 @@ within the timeout instead of a hang, :mod:`colossalai_cmap.stats` sees every co
 import os
 import pickle
 from datetime import timedelta
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,25 @@ def _twin(out: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(out)
 
 
+def _landing(outs: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[Any]]:
+    """The buffers a collective writes into (a twin for each inference tensor), and the (out, twin) pairs."""
+    pairs = [(out, _twin(out)) for out in outs if out.is_inference()]
+    twins = {id(out): twin for out, twin in pairs}
+    return [twins.get(id(out), out) for out in outs], pairs
+
+
+def _issue(
+    name: str, nbytes: int, group: Group, call: str, outs: Sequence[torch.Tensor], issue: Callable, *, what: str
+) -> Pending:
+    """One collective, counted (:mod:`colossalai_cmap.stats`, :mod:`.presence`) and left in flight: ``issue``
+    gets the buffers to write into and starts it with ``async_op=True``."""
+    tr = _track(group)
+    stats.note(name, nbytes)
+    targets, pairs = _landing(outs)
+    work = issue(*targets)
+    return Pending(_Landing(work, pairs) if pairs else work, tr, presence.enter(tr, call, what))
+
+
 def all_gather_into(
     out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float], what: str = "all_gather"
 ) -> None:
@@ -106,14 +125,11 @@ def all_gather_into(
 def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, what: str) -> Pending:
     """An all-gather left in flight, to wait for with :func:`wait_for` (a round, or data sent together with one).
     ``what`` says what it carries, for a peer's error should this rank not arrive at the next one."""
-    tr = _track(group)
-    stats.note("all_gather", inp.numel() * inp.element_size())
-    if out.is_inference():
-        twin = _twin(out)
-        work = _Landing(dist.all_gather_into_tensor(twin, inp, group=group.pg, async_op=True), [(out, twin)])
-    else:
-        work = dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True)
-    return Pending(work, tr, presence.enter(tr, call, what))
+
+    def issue(target: torch.Tensor) -> Any:
+        return dist.all_gather_into_tensor(target, inp, group=group.pg, async_op=True)
+
+    return _issue("all_gather", _nbytes(inp), group, call, [out], issue, what=what)
 
 
 def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float]) -> None:
@@ -131,12 +147,17 @@ def reduce_scatter_into(
 ) -> None:
     """``out`` gets this rank's equal share of the sum of every rank's ``inp`` (the tensor form: gloo has no list
     form)."""
-    tr = _track(group)
-    stats.note("reduce_scatter", inp.numel() * inp.element_size())
-    twin = _twin(out) if out.is_inference() else None
-    work = dist.reduce_scatter_tensor(twin if twin is not None else out, inp, group=group.pg, async_op=True)
-    work = _Landing(work, [(out, twin)]) if twin is not None else work
-    _wait(Pending(work, tr, presence.enter(tr, call, what)), group, call, "reduce_scatter", timeout)
+
+    def issue(target: torch.Tensor) -> Any:
+        return dist.reduce_scatter_tensor(target, inp, group=group.pg, async_op=True)
+
+    _wait(
+        _issue("reduce_scatter", _nbytes(inp), group, call, [out], issue, what=what),
+        group,
+        call,
+        "reduce_scatter",
+        timeout,
+    )
 
 
 def all_to_all_into(
@@ -152,51 +173,49 @@ def all_to_all_into(
     """``out`` gets, from each rank in order, the rows of its ``inp`` that rank sends this one: ``splits`` is (rows
     received from each rank, rows sent to each rank)."""
     out_splits, in_splits = splits
-    tr = _track(group)
-    stats.note("all_to_all", inp.numel() * inp.element_size())
-    twin = _twin(out) if out.is_inference() else None
-    target = twin if twin is not None else out
-    work = dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
-    work = _Landing(work, [(out, twin)]) if twin is not None else work
-    _wait(Pending(work, tr, presence.enter(tr, call, what)), group, call, "all_to_all", timeout)
+
+    def issue(target: torch.Tensor) -> Any:
+        return dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
+
+    _wait(_issue("all_to_all", _nbytes(inp), group, call, [out], issue, what=what), group, call, "all_to_all", timeout)
 
 
 def gather_to(
     inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:
-    tr = _track(group)
-    stats.note("gather", inp.numel() * inp.element_size())
-    pairs = [(out, _twin(out)) for out in outs or () if out.is_inference()]
-    if pairs:
-        twins = {id(out): twin for out, twin in pairs}
-        outs = [twins.get(id(out), out) for out in outs or ()]
-    work = dist.gather(inp, outs, dst=group.ranks[dst], group=group.pg, async_op=True)
-    pending = Pending(_Landing(work, pairs) if pairs else work, tr, presence.enter(tr, call, "gather"))
-    _wait(pending, group, call, "gather", timeout)
+    def issue(*targets: torch.Tensor) -> Any:
+        return dist.gather(inp, list(targets) if outs else None, dst=group.ranks[dst], group=group.pg, async_op=True)
+
+    _wait(_issue("gather", _nbytes(inp), group, call, outs or [], issue, what="gather"), group, call, "gather", timeout)
 
 
 def scatter_from(
     out: torch.Tensor, ins: Optional[List[torch.Tensor]], src: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:
-    tr = _track(group)
-    stats.note("scatter", out.numel() * out.element_size())
-    work = dist.scatter(out, ins, src=group.ranks[src], group=group.pg, async_op=True)
-    _wait(Pending(work, tr, presence.enter(tr, call, "scatter")), group, call, "scatter", timeout)
+    def issue() -> Any:
+        return dist.scatter(out, ins, src=group.ranks[src], group=group.pg, async_op=True)
+
+    _wait(_issue("scatter", _nbytes(out), group, call, [], issue, what="scatter"), group, call, "scatter", timeout)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group, call: str, timeout: Optional[float]) -> None:
-    tr = _track(group)
-    stats.note("broadcast", t.numel() * t.element_size())
-    work = dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True)
-    _wait(Pending(work, tr, presence.enter(tr, call, "broadcast")), group, call, "broadcast", timeout)
+    def issue() -> Any:
+        return dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True)
+
+    _wait(_issue("broadcast", _nbytes(t), group, call, [], issue, what="broadcast"), group, call, "broadcast", timeout)
 
 
 def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float], op: Any = None) -> None:
-    tr = _track(group)
-    stats.note("all_reduce", t.numel() * t.element_size())
-    op = dist.ReduceOp.SUM if op is None else op
-    work = dist.all_reduce(t, op=op, group=group.pg, async_op=True)
-    _wait(Pending(work, tr, presence.enter(tr, call, "all_reduce")), group, call, "all_reduce", timeout)
+    def issue() -> Any:
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group.pg, async_op=True)
+
+    _wait(
+        _issue("all_reduce", _nbytes(t), group, call, [], issue, what="all_reduce"), group, call, "all_reduce", timeout
+    )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:
