@@ -15,9 +15,12 @@ class CollectiveLog:
 
     Attributes:
         entries: ``(op, bytes sent by this rank)`` per collective, e.g. ``("all_gather", 336)``.
+        host_reads: how many tensors on the data's side the host read (a round's table in the data's buffers, a
+            checksum of the data): on an accelerator, each is a copy to the host and a wait for the device.
     """
 
     entries: List[Tuple[str, int]] = field(default_factory=list)
+    host_reads: int = 0
 
     @property
     def count(self) -> int:
@@ -46,6 +49,9 @@ class CallStats:
         collectives: the collectives of the forward call (in-func ones included), by this rank.
         bytes: the bytes this rank sent in them.
         ops: their names, in order.
+        host_reads: the tensors on the data's side the host read in them (:attr:`CollectiveLog.host_reads`): 0 in
+            the steady path when status rounds take a host group (on GPUs, or with
+            ``COLOSSALAI_CMAP_STATUS_PLANE=host``).
     """
 
     group_size: int
@@ -56,6 +62,7 @@ class CallStats:
     collectives: int
     bytes: int
     ops: Tuple[str, ...]
+    host_reads: int = 0
 
 
 _LOGS: List[CollectiveLog] = []
@@ -76,13 +83,19 @@ def describe(log: CollectiveLog, group_size: int, local: bool, fast_path: bool, 
     """A call's :class:`CallStats` (``plan`` is its :class:`~colossalai_cmap.plan.CallPlan`, or None)."""
     batch, sizes = (plan.batch, plan.sizes) if plan is not None else (-1, None)
     ops = tuple(op for op, _ in log.entries)
-    return CallStats(group_size, local, fast_path, batch, sizes, log.count, log.bytes, ops)
+    return CallStats(group_size, local, fast_path, batch, sizes, log.count, log.bytes, ops, log.host_reads)
 
 
 def note(op: str, nbytes: int) -> None:
     """Called by :mod:`comm` for every collective."""
     for log in _LOGS:
         log.entries.append((op, nbytes))
+
+
+def host_read(count: int = 1) -> None:
+    """Called where the host reads tensors on the data's side (:attr:`CollectiveLog.host_reads`)."""
+    for log in _LOGS:
+        log.host_reads += count
 
 
 @contextlib.contextmanager

@@ -244,6 +244,24 @@ def failure(ctx: Ctx) -> str:
     )
 
 
+def cpu_tensors(ctx: Ctx) -> str:
+    """CPU tensors in this world (nccl on GPUs): cmap, a psum inside func and a row-parallel layer run over the host
+    gloo group, and give vmap's values."""
+    cpu = Ctx(torch.device("cpu"), ctx.rank, ctx.size, ctx.rep)
+    B = 4 * ctx.size + 1
+    x, w = cpu.data(B, 5, seed=31), cpu.data(5, 3, seed=32)
+    compare("cmap on CPU tensors", cm.cmap(lambda v: torch.tanh(v @ w))(x), torch.tanh(x @ w))
+    got = cm.cmap(lambda v: v - cm.pmean(v, "i"), axis_name="i")(x)
+    compare("pmean on CPU tensors", got, x - x.mean(0))
+    torch.manual_seed(5)
+    mlp = nn.Sequential(nn.Linear(5, 8 * ctx.size), nn.Tanh(), nn.Linear(8 * ctx.size, 5)).double()
+    want = mlp(x)
+    tp = cm.shard_model(copy.deepcopy(mlp), plan={"0": "colwise", "2": "rowwise"})
+    compare("shard_model on CPU tensors", tp(x), want)
+    _on_device(cpu, got)
+    return f"B={B} on the CPU: cmap, pmean inside func, shard_model colwise/rowwise == one process"
+
+
 def run(ctx: Ctx) -> None:
     """Every cmap check, in order."""
     rep = ctx.rep
@@ -251,6 +269,7 @@ def run(ctx: Ctx) -> None:
     rep.check("core", "cmap dst=0 == torch.vmap", lambda: dst_zero(ctx))
     rep.check("core", "cmap dst='local' == torch.vmap on own rows", lambda: dst_local(ctx))
     rep.check("core", "cmap src=None / 0 / 'local'", lambda: sources(ctx))
+    rep.check("core", "CPU tensors in this world (the host group)", lambda: cpu_tensors(ctx))
     rep.check("gradients", "backward through cmap", lambda: gradients(ctx))
     rep.check("gradients", "nn.Module parameters and torch.func.grad", lambda: module_gradients(ctx))
     for name, *_ in COLLECTIVES:

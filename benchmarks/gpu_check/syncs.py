@@ -10,8 +10,9 @@ more under the debug mode, twice over:
   call is cut short, so its group is never used again, and the default group, which the checks and the benchmark
   use, is left alone.
 
-Reports are informational: today cmap reads each round's header table on the host (``.tolist()``), so its calls
-are expected to say "yes". The control probe (``torch.distributed`` alone) should say "no".
+Each probe also reports the steady call's ``record_collectives().host_reads``: tensors on the data's side that the
+host read. Rounds go over a host gloo group and carry nothing of the data, so every call should say "no" and 0, as
+the control probe (``torch.distributed`` alone) does. Reports are informational, never a failure.
 """
 
 import linecache
@@ -150,7 +151,11 @@ def run(ctx: Ctx) -> List[Dict[str, Any]]:
     for name, build in probes(ctx):
         mine: Dict[str, Any] = {"call": name}
         try:
-            sites = warn_pass(_warmed(build, None))
+            call = _warmed(build, None)
+            with cm.record_collectives() as log:
+                call()
+            mine["host_reads"] = log.host_reads
+            sites = warn_pass(call)
             mine["sites"] = dict(sites)
             group = dist.new_group(list(range(ctx.size)))  # this probe's own: an error pass cuts its call short
             mine["error_mode"] = error_pass(_warmed(build, group))
@@ -170,4 +175,8 @@ def _line(everyone: List[Dict[str, Any]]) -> str:
     count = sum(sites.values())
     differ = [r for r, e in enumerate(everyone) if e != first]
     tail = f"; ranks {differ} saw otherwise" if differ else ""
-    return f"host syncs: {first['call']} steady call: {first['error_mode']}; warn pass: {count} sync(s): {where}{tail}"
+    reads = first.get("host_reads", "?")
+    return (
+        f"host syncs: {first['call']} steady call: {first['error_mode']}; host_reads {reads}; "
+        f"warn pass: {count} sync(s): {where}{tail}"
+    )

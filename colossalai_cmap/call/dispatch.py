@@ -23,7 +23,7 @@ from ..integration.groups import resolve_group
 from ..wire import comm
 from ..wire.group import Group, first_device, group_device
 from ..wire.primitives import not_differentiable, requires_grad
-from ..wire.protocol import Link
+from ..wire.protocol import Link, link_for
 from . import exit
 from .execute import Shard, run_shard
 from .options import check_placement
@@ -49,7 +49,7 @@ def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> A
         if fast is not None:
             link, planned = fast.link, Planned(fast.plan, leaves, kwargs)
         else:
-            link = Link(group, group_device(group, first_device(leaves)), opts.call, opts.timeout)
+            link = link_for(group, group_device(group, first_device(leaves)), opts.call, opts.timeout)
             planned = _plan(site, group, args, kwargs, leaves, link)
         plan = None if isinstance(planned, Failed) else planned.plan
         result, out = _run_and_conclude(site, planned, link, fast.layout if fast is not None else None, leaves)

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..digests import digest, tensor_crc
+from ..digests import digest
 from ..errors import CmapError
 from ..wire import comm
 from ..wire.exchange import Exit, JoinSpec, Learned, join_values, report_failure
@@ -76,14 +76,14 @@ def _dst(opts: Options) -> int:
 def _all_checksums(out: Outputs, link: Link) -> Any:
     """Every rank's out_dims=None checksums (the error path of check_inputs)."""
     mine = () if out.empty else replicated_checksums(out.flat, out.layout)
-    return comm.all_gather_object(mine, link.group, link.call, link.timeout, link.device)
+    return comm.all_gather_object(mine, link.round_group, link.call, link.timeout, link.round_device)
 
 
 def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:
     input_sig, values = plan.input_sig, 0
     if opts.check_inputs:  # value checks: the inputs' bytes, and the out_dims=None outputs' bytes
         leaves = inputs.leaves if opts.src is None else [v for v, d in zip(inputs.leaves, plan.dims) if d is None]
-        input_sig = tensor_crc(leaves + tree_flatten(inputs.kwargs)[0], input_sig) or 1
+        input_sig = comm.checksum(leaves + tree_flatten(inputs.kwargs)[0], input_sig) or 1
         if not out.empty:
             values = digest(replicated_checksums(out.flat, out.layout))
     status = Status.EMPTY if out.empty else Status.OK

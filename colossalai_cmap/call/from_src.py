@@ -52,7 +52,7 @@ def plan_from_src(
             meta = _meta_of(local)
         except Exception as exc:  # sent to every rank in the broadcast; each one's exit reports it
             meta, failure = SourceMeta(failure=group.failure(exc)), Failed(group.failure(exc), exc)
-    meta = comm.broadcast_object(meta, src, group, opts.call, opts.timeout, link.device)
+    meta = comm.broadcast_object(meta, src, link.round_group, opts.call, opts.timeout, link.round_device)
     if meta.failure is not None:
         return failure or Failed(None, None)
     sizes = shares(meta.batch, group.size, opts.gathers)

@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import TreeSpec
 
-from ..digests import digest, tensor_crc
+from ..digests import digest
+from ..wire import comm
 
 BATCHED, REPLICATED, CONSTANT = "batched", "replicated", "constant"
 
@@ -71,7 +72,7 @@ def replicated_checksums(flat_out: Sequence[Any], layout: OutLayout) -> Tuple[Tu
     sums = []
     for i, (value, leaf) in enumerate(zip(flat_out, layout.leaves)):
         if leaf.kind == REPLICATED:
-            sums.append((i, tensor_crc([value])))
+            sums.append((i, comm.checksum([value])))
     return tuple(sums)
 
 

@@ -11,14 +11,14 @@ from ..axis.frame import AxisFrame, axis_scope
 from ..call import closures
 from ..call.entry import tracking
 from ..call.rank import _CONTROL_FLOW, SPLITTING, inside
-from ..digests import digest, tensor_crc
+from ..digests import digest
 from ..errors import CmapError
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec
 from ..wire.group import first_device, group_device
 from ..wire.primitives import split
-from ..wire.protocol import Link
+from ..wire.protocol import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut
 from .exit import Outcome, conclude
@@ -153,8 +153,8 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
         )
     leaves, tree = tree_flatten(args)
     device = group_device(view.whole, first_device(leaves + tree_flatten(kwargs)[0]))
-    whole = Link(view.whole, device, site.call, opts.timeout)
-    where = Where(view, {n: Link(view.axes[n], device, site.call, opts.timeout) for n in view.names}, whole)
+    whole = link_for(view.whole, device, site.call, opts.timeout)
+    where = Where(view, {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}, whole)
     outcome, out, out_places = _run_f(site, where, args, kwargs)
     table = conclude(site.call, view, where.links, whole, outcome)
     flat, out_tree = tree_flatten(out)
@@ -183,7 +183,7 @@ def _run_f(
         out_places = _placements(site, "out", opts.out_specs, out, view)
         flat = tree_flatten(out)[0]
         graph_sig = closures.watch(flat, owner, start, whole) if tracking() else 0
-        lengths = None if opts.local else block_lengths(flat, out_places, whole.device)
+        lengths = None if opts.local else block_lengths(flat, out_places)
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
         if opts.check:
             outcome.checksums, outcome.replicated = _checksums(flat, out_places, view)
@@ -260,6 +260,6 @@ def _checksums(flat: Sequence[Any], places: Sequence[Placement], view: MeshView)
     for n in view.names:
         picked = [(v, p) for v, p in zip(flat, places) if n in p.replicated]
         if picked:
-            sums[n] = tensor_crc([v for v, _ in picked]) or 1
+            sums[n] = comm.checksum([v for v, _ in picked]) or 1
             paths[n] = [p.path for _, p in picked]
     return sums, paths

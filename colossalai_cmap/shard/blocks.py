@@ -34,14 +34,15 @@ def cut(
     return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, owner), xs))
 
 
-def block_lengths(values: Sequence[Any], places: Sequence[Placement], device: torch.device) -> Optional[torch.Tensor]:
-    """This rank's block length along every split dim of every output, as one row ``[1, k]`` (None: nothing is
-    split). Blocks need not be equal, so every rank's row travels in the exit's round over the whole mesh."""
+def block_lengths(values: Sequence[Any], places: Sequence[Placement]) -> Optional[torch.Tensor]:
+    """This rank's block length along every split dim of every output, as one row ``[1, k]`` on the host (None:
+    nothing is split). Blocks need not be equal, so every rank's row travels in the exit's round over the whole
+    mesh, as host-side metadata."""
     lengths = [v.shape[d] for v, p in zip(values, places) if isinstance(v, torch.Tensor) for d, _ in p.split]
     if not lengths:
         return None
     with torch._C._DisableFuncTorch():  # plain ints, whatever function transform is around the call
-        return torch.tensor([lengths], dtype=torch.int64, device=device)
+        return torch.tensor([lengths], dtype=torch.int64)
 
 
 def assemble(

@@ -60,7 +60,7 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
     try:
         with torch._C._DisableFuncTorch():  # the lengths are plain ints, whatever transform is around the call
-            got = join_values(JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_), lengths)
+            got = join_values(JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host=True), lengths)
             return got[0].tolist() if got else []
     except Disagreement as found:
         raise CmapError(_explain(call, found, last, outcome)) from None

@@ -28,7 +28,7 @@ from ..wire.exchange import JoinSpec
 from ..wire.group import Group
 from ..wire.native import Copy, summed
 from ..wire.primitives import join, needs_function
-from ..wire.protocol import Link
+from ..wire.protocol import Link, link_for
 from ..wire.roles import Rows, tensor_split_sizes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Slice"]
@@ -99,7 +99,7 @@ class _Sharded(nn.Module):
         self.timeout = default_timeout()
 
     def link(self, t: torch.Tensor) -> Link:
-        return Link(self.group, t.device, CALL, self.timeout)
+        return link_for(self.group, t.device, CALL, self.timeout)
 
     def summed(self, partial: torch.Tensor) -> torch.Tensor:
         """Megatron's g: the sum over the group of every rank's partial result; backward is the identity."""

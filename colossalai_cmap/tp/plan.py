@@ -15,14 +15,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..digests import digest, tensor_crc
+from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import resolve_group
+from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec
-from ..wire.group import Group, group_device
+from ..wire.group import Group
 from ..wire.primitives import join
-from ..wire.protocol import Link
+from ..wire.protocol import link_for
 from ..wire.roles import Rows, tensor_split_sizes
 from .layers import CALL, Entries
 from .styles import SHORTHANDS, ParallelStyle, resolve_style
@@ -206,10 +207,10 @@ class InputCheck:
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        device = group_device(self.group)  # the backend's device: the checksum is ours, wherever the inputs are
-        mine = torch.tensor([_checksum(leaves)], dtype=torch.int64, device=device)
-        link = Link(self.group, device, CALL, default_timeout())
-        spec = JoinSpec(link, (Rows(0, (1,) * self.group.size),), "the input check (check_inputs=True)")
+        # the checksum is host-side metadata, wherever the inputs are: it rides in the round, over the host group
+        mine = torch.tensor([_checksum(leaves)], dtype=torch.int64)
+        link = link_for(self.group, mine.device, CALL, default_timeout())
+        spec = JoinSpec(link, (Rows(0, (1,) * self.group.size),), "the input check (check_inputs=True)", host=True)
         sums = join(spec, [mine])[0].tolist()
         if len(set(sums)) > 1:
             seen = ", ".join(f"group rank {r}: crc32 {s:#010x}" for r, s in enumerate(sums))
@@ -220,4 +221,4 @@ class InputCheck:
 
 
 def _checksum(leaves: List[torch.Tensor]) -> int:
-    return tensor_crc(leaves, digest([(tuple(t.shape), t.dtype) for t in leaves]))
+    return comm.checksum(leaves, digest([(tuple(t.shape), t.dtype) for t in leaves]))

@@ -15,7 +15,7 @@ from torch import nn
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, join_values
 from ..wire.group import Group
-from ..wire.protocol import Link
+from ..wire.protocol import link_for
 from ..wire.roles import Rows
 from .layers import CALL, PARALLEL_LAYERS, Slice
 
@@ -67,7 +67,7 @@ def full_state_dict(model: nn.Module, dst: int = -1) -> Optional[Dict[str, torch
         for (sizes, device), names in batches.items():
             roles = tuple(Rows(slices[n].dim, sizes) for n in names)
             spec = JoinSpec(
-                Link(group, device, "full_state_dict", default_timeout()), roles, "the full state dict", dst=dst
+                link_for(group, device, "full_state_dict", default_timeout()), roles, "the full state dict", dst=dst
             )
             for name, full in zip(names, join_values(spec, [state[n] for n in names])):
                 state[name] = full

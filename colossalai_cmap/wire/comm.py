@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import stats
+from ..digests import tensor_crc
 from ..errors import CmapError
 from . import presence
 from .group import Group, state_of
@@ -214,6 +215,13 @@ def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float
     )
 
 
+def checksum(values: Sequence[Any], start: int = 0) -> int:
+    """crc32 of the tensors among ``values`` (:func:`~colossalai_cmap.digests.tensor_crc`), its copies of device
+    memory to the host counted (:func:`colossalai_cmap.stats.host_read`): the value checks read the data itself."""
+    stats.host_read(sum(1 for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"))
+    return tensor_crc(values, start)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -223,7 +231,14 @@ def _encode(obj: Any, device: torch.device) -> torch.Tensor:
 
 
 def _decode(t: torch.Tensor) -> Any:
-    return pickle.loads(t.cpu().numpy().tobytes())
+    return pickle.loads(_on_host(t).numpy().tobytes())
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory, counted (:func:`colossalai_cmap.stats.host_read`) when that copies device memory."""
+    if t.device.type != "cpu":
+        stats.host_read()
+    return t.cpu()
 
 
 def broadcast_object(obj: Any, src: int, group: Group, call: str, timeout: Optional[float], device: Any) -> Any:
@@ -232,7 +247,7 @@ def broadcast_object(obj: Any, src: int, group: Group, call: str, timeout: Optio
     length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
     broadcast(length, src, group, call, timeout)
     if data is None:
-        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        data = torch.empty(int(_on_host(length).item()), dtype=torch.uint8, device=device)
     broadcast(data, src, group, call, timeout)
     return obj if group.rank == src else _decode(data)
 
@@ -243,7 +258,7 @@ def all_gather_object(obj: Any, group: Group, call: str, timeout: Optional[float
     lengths = torch.empty(group.size, dtype=torch.int64, device=device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     all_gather_into(lengths, length, group, call, timeout, "all_gather of objects")
-    sizes = lengths.tolist()
+    sizes = _on_host(lengths).tolist()
     cap = max(sizes)
     send = torch.zeros(cap, dtype=torch.uint8, device=device)
     send[: data.numel()] = data

@@ -13,7 +13,6 @@ import torch
 from .. import faults
 from ..errors import RankFailure
 from . import protocol, transfer
-from .channel import channel
 from .protocol import Header, Kind, Link, Round, Status
 from .roles import FIRST, KEEP, SAME, Role, Rows, is_rows
 from .route import pack, unpack
@@ -58,6 +57,7 @@ class JoinSpec(NamedTuple):
     exit: Optional[Exit] = None
     sync: bool = False  # a round even when nothing travels on this rank (its peers may have something)
     learned: Optional[Learned] = None  # with an exit: filled in by its round
+    host: bool = False  # the tensors are host-side metadata (on the CPU): they may ride in a host group's round
 
     def sized_roles(self) -> Tuple[Role, ...]:
         """The roles with the row counts an exit learned from its round (``src="local"``) filled in."""
@@ -119,12 +119,14 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
 
 def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
     """Per-rank values to global ones: one round, and a data phase for what does not fit its payload."""
+    if spec.host:
+        spec = spec._replace(link=spec.link.host_side())
     link = spec.link
     group = link.group
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
-    rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors)
+    rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors, host=spec.host)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -139,7 +141,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = transfer.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    ch = channel(group, link.device)
+    ch = link.channel()
     if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
         _open_backward(ch)
     early = transfer.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
@@ -176,7 +178,7 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors, rnd)
+        rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host)
         if not rnd.inline:
             prep = transfer.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
@@ -214,7 +216,7 @@ def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -
     link = spec.link
     header = Header(Kind.STATUS, Status.FAILED, inline=1)
     rnd = protocol.status_round(link, header)
-    transfer.meet_early(rnd, channel(link.group, link.device), link)
+    transfer.meet_early(rnd, link.channel(), link)
     protocol.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 

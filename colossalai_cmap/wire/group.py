@@ -1,6 +1,13 @@
 """Where collectives run: a process group as a :class:`Group` record, and the one :class:`GroupState` this process
-keeps for it (its round channels, its count of collectives, and whether they fell out of step)."""
+keeps for it (its round channels, its count of collectives, whether they fell out of step, and its host group).
 
+A group whose backend is not gloo (nccl, on GPUs) gets a **host group**: a gloo group on the same ranks, made once,
+collectively, when the group is first resolved. Status rounds go over it in host memory, so they never wait on the
+device, and CPU tensors in an nccl world travel over it (nccl refuses them). ``COLOSSALAI_CMAP_STATUS_PLANE=host``
+gives every group one, so that the layout GPUs take runs on CPU too.
+"""
+
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -33,6 +40,7 @@ class Group:
 
 
 SINGLE = Group(None, 0, 1, (0,))
+STATUS_PLANE_ENV = "COLOSSALAI_CMAP_STATUS_PLANE"  # "auto" (the default) or "host"
 
 
 @dataclass(eq=False)
@@ -45,6 +53,7 @@ class GroupState:
         broken: why the group is unusable (a wait failed, so its collective sequence may be out of step), or None.
         failure: the error of the wait that failed on it, raised again by any later collective on it.
         track: this process's count of cmap collectives on the group, and the latest (:mod:`.presence`).
+        host: the gloo group on the same ranks that status rounds (and CPU tensors in an nccl world) take, or None.
     """
 
     group: Group
@@ -52,19 +61,43 @@ class GroupState:
     channels: Dict[torch.device, Any] = field(default_factory=dict)
     broken: Optional[str] = None
     failure: str = ""
+    host: Optional[Group] = None
 
 
 _STATES: Dict[int, Tuple[Any, GroupState]] = {}  # id(pg) -> (pg, state): the pg kept alive, so ids are not reused
+_HOSTS: Dict[Tuple[int, ...], dist.ProcessGroup] = {}  # global ranks -> their host gloo group, shared by their groups
 
 
 def state_of(pg: dist.ProcessGroup) -> GroupState:
-    """This process's state for ``pg``, made on first use."""
+    """This process's state for ``pg``, made on first use (with its host group, where it needs one)."""
     found = _STATES.get(id(pg))
     if found is None or found[0] is not pg:
         group = Group(pg, dist.get_rank(pg), dist.get_world_size(pg), tuple(dist.get_process_group_ranks(pg)))
         track = presence.track(str(getattr(pg, "group_name", group.ranks)), group.ranks)
         found = _STATES[id(pg)] = (pg, GroupState(group, track))
+        if host_plane_forced() or "gloo" not in group.backend():
+            host_of(group)
     return found[1]
+
+
+def host_plane_forced() -> bool:
+    """``COLOSSALAI_CMAP_STATUS_PLANE=host``: status rounds take a host group even on CPU, as they do on GPUs."""
+    return os.environ.get(STATUS_PLANE_ENV, "auto") == "host"
+
+
+def host_of(group: Group) -> Group:
+    """The group's host group: gloo, same ranks, made on first need (collectively: every rank of ``group`` resolves
+    it at the same call) and shared by every group over the same ranks."""
+    state = state_of(group.pg)
+    if state.host is None:
+        pg = _HOSTS.get(group.ranks)
+        if pg is None:
+            pg = _HOSTS[group.ranks] = dist.new_group(list(group.ranks), backend="gloo", use_local_synchronization=True)
+        host = group_of(pg)
+        if host.ranks != group.ranks:  # rounds index their table by group rank: the orders must agree
+            raise RuntimeError(f"the host group's ranks {host.ranks} are not in the order of its group's {group.ranks}")
+        state.host = host
+    return state.host
 
 
 def group_of(pg: dist.ProcessGroup) -> Group:

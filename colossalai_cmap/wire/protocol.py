@@ -18,21 +18,63 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .. import stats
 from ..errors import CmapError, CollectiveAborted, RankFailure
 from . import comm
 from . import route as routes
-from .channel import channel
-from .group import Group
+from .channel import Channel, channel
+from .group import Group, host_of, host_plane_forced
 from .route import Route
+
+_HOST = torch.device("cpu")
 
 
 class Link(NamedTuple):
-    """Where an exchange communicates, and how its errors are named."""
+    """Where an exchange communicates, and how its errors are named.
+
+    ``group`` and ``device`` are the data's: where its collectives run. ``status`` is the host group its rounds take
+    instead (with nothing of the data inline), or None when rounds run on ``group`` itself; see :func:`link_for`.
+    """
 
     group: Group
     device: torch.device
     call: str
     timeout: Optional[float]
+    status: Optional[Group] = None
+
+    @property
+    def round_group(self) -> Group:
+        return self.group if self.status is None else self.status
+
+    @property
+    def round_device(self) -> torch.device:
+        return self.device if self.status is None else _HOST
+
+    def host_side(self) -> "Link":
+        """The link for host-side metadata (CPU tensors): everything over the group the rounds take."""
+        return self._replace(group=self.round_group, device=self.round_device)
+
+    def channel(self) -> Channel:
+        """The round buffers and agreed state of this link's rounds."""
+        return channel(self.round_group, self.round_device)
+
+
+def link_for(group: Group, device: torch.device, call: str, timeout: Optional[float]) -> Link:
+    """Where a call on ``group`` with data on ``device`` communicates.
+
+    - Data on an accelerator (or any data, with ``COLOSSALAI_CMAP_STATUS_PLANE=host``): data collectives on
+      ``group``, rounds on its host gloo group, in host memory, so a round never reads device memory (no sync).
+    - CPU data on a group whose backend cannot move CPU tensors (nccl): everything on the host group.
+    - CPU data on gloo: everything on ``group``, and small data rides inline in the rounds.
+    """
+    if group.pg is None:
+        return Link(group, device, call, timeout)
+    cpu = device.type == "cpu"
+    if cpu and "gloo" not in group.backend():
+        return Link(host_of(group), device, call, timeout)
+    if not cpu or host_plane_forced():
+        return Link(group, device, call, timeout, host_of(group))
+    return Link(group, device, call, timeout)
 
 
 class Kind(IntEnum):
@@ -86,27 +128,36 @@ class Round(NamedTuple):
 _ROUTES_MAX = 512
 
 
-def route(link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], after: Optional[Round] = None) -> Route:
+def route(
+    link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], after: Optional[Round] = None, host: bool = False
+) -> Route:
     """The route of an exchange on this group (:mod:`route`), kept with the group's round buffers; or, ``after`` a
-    round (when only the round told the row counts), through that round's payloads, whatever buffers come next."""
-    ch = channel(link.group, link.device)
+    round (when only the round told the row counts), through that round's payloads, whatever buffers come next.
+
+    Over a host group, only ``host`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
+    own collective on the data's group, so the round never copies device memory."""
+    ch, inline = link.channel(), host or link.status is None
     if after is not None:
-        return routes.route({}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors)
+        return routes.route(
+            {}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors, inline
+        )
     if len(ch.routes) > _ROUTES_MAX:
         ch.routes.clear()
-    return routes.route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors)
+    return routes.route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors, inline)
 
 
 def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = None, what: Optional[str] = None) -> Round:
     """One round: every rank's header and payload (packed beforehand, through a :class:`Route`). ``also`` issues a
     collective right behind the round (data sent early), left in flight in the returned round's ``early``. ``what``
     names the collective an ``OP`` or ``SYNC`` round precedes, for a peer's error should this rank stop here."""
-    ch = channel(link.group, link.device)
+    ch, group = link.channel(), link.round_group
     ch.write_header(header)
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
-    work = comm.issue_all_gather(ch.recv.view(-1), ch.send, link.group, link.call, name)
+    work = comm.issue_all_gather(ch.recv.view(-1), ch.send, group, link.call, name)
     early = also() if also is not None else None
-    comm.wait_for(work, link.group, link.call, link.timeout)
+    comm.wait_for(work, group, link.call, link.timeout)
+    if link.status is None:  # the table sits in the data's own buffers
+        stats.host_read()
     rnd = Round(tuple(Header._make(row) for row in ch.read_rows()), ch.payloads, early)
     ch.agree(max(h.block for h in rnd.table))
     return rnd
@@ -160,7 +211,8 @@ def raise_failures(rnd: Round, failure: Optional[RankFailure], cause: Optional[B
     """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``."""
     if not rnd.failed:
         return
-    failures = [f for f in comm.all_gather_object(failure, link.group, link.call, link.timeout, link.device) if f]
+    found = comm.all_gather_object(failure, link.round_group, link.call, link.timeout, link.round_device)
+    failures = [f for f in found if f]
     real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
     raise CmapError.from_failures(link.call, real or failures, link.group.rank) from cause
 

@@ -98,30 +98,38 @@ def route(
     views: Tuple[torch.Tensor, torch.Tensor],
     key: Tuple[Any, ...],
     tensors: Sequence[torch.Tensor],
+    inline: bool = True,
 ) -> Route:
     """The route for ``key = (what, roles, sizes)`` and these tensors, from ``cache`` or worked out now.
 
     ``views`` are the group's payload area and gathered payloads ``[P, bytes]``, whose views the route keeps.
+    Without ``inline`` nothing rides in the round (its buffers are not where the tensors live): the data phase moves
+    everything.
     """
-    full = key + tuple((t.dtype, t.shape) for t in tensors)
+    full = key + (inline,) + tuple((t.dtype, t.shape) for t in tensors)
     found = cache.get(full)
     if found is None:
         with torch.inference_mode(False):  # views kept for later calls under any mode are never inference tensors
-            found = cache[full] = _work_out(rank, views, key, tensors)
+            found = cache[full] = _work_out(rank, views, key, tensors, inline)
     return found
 
 
 def _work_out(
-    rank: int, views: Tuple[torch.Tensor, torch.Tensor], key: Tuple[Any, ...], tensors: Sequence[torch.Tensor]
+    rank: int,
+    views: Tuple[torch.Tensor, torch.Tensor],
+    key: Tuple[Any, ...],
+    tensors: Sequence[torch.Tensor],
+    inline_ok: bool,
 ) -> Route:
     what, roles, sizes = key
     payload, payloads = views
+    room = payload.numel() if inline_ok else -1
     items = travelling(roles, tensors)
     rows = next((t.shape[r.dim] for r, t in zip(roles, tensors) if is_rows(r)), 0)
     mine, block = offsets(items, rows)
-    fits = block <= payload.numel()
+    fits = block <= room
     send = tuple(typed(payload, off, it.dtype, it.rows_shape(rows)) for it, off in zip(items, mine)) if fits else ()
-    inline = None if sizes is None else all(offsets(items, n)[1] <= payload.numel() for n in sizes)
+    inline = None if sizes is None else all(offsets(items, n)[1] <= room for n in sizes)
     recv: Tuple[Tuple[torch.Tensor, ...], ...] = ()
     if inline:
         layouts = [offsets(items, n)[0] for n in sizes]
@@ -130,7 +138,8 @@ def _work_out(
             for k, it in enumerate(items)
         )
     sig = digest((what, [(it.role, it.dtype, it.shape) for it in items]))
-    return Route(items, sizes, rows, block, fits, inline, sig, send, recv)
+    # block: what the round's payload would need for this rank's items (0 when none can ride in it)
+    return Route(items, sizes, rows, block if inline_ok else 0, fits, inline, sig, send, recv)
 
 
 def pack(rt: Route, tensors: Sequence[torch.Tensor]) -> None:

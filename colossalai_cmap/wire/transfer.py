@@ -175,7 +175,7 @@ def _gather(
 ) -> None:
     """``recv`` holds every rank's ``send`` in group-rank order along dim 0 (None off ``dst``)."""
     if dst == -1:  # gloo takes the concatenated form only
-        comm.all_gather_into(recv.view(-1, *send.shape[1:]), send, group, call, timeout)
+        comm.all_gather_into(recv.view(group.size * send.shape[0], *send.shape[1:]), send, group, call, timeout)
         return
     outs = None if recv is None else list(recv.view(group.size, *send.shape).unbind(0))
     comm.gather_to(send, outs, dst, group, call, timeout)

@@ -1,0 +1,160 @@
+"""The layout GPUs take, run on CPU: status rounds over a host gloo group, data over the data's own group.
+
+On an accelerator every round goes over a gloo group on the same ranks, in host memory, and nothing of the data
+rides in it, so no round reads device memory (``CallStats.host_reads`` stays 0). ``COLOSSALAI_CMAP_STATUS_PLANE=host``
+(the ``host_worlds`` fixture) gives CPU groups the same layout, so that the suite runs it here: the core matrix, the
+collectives, faults at every phase, shard_map and shard_model, all against the same oracles as the default layout.
+"""
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Tuple
+
+import shard_cases as sc
+import test_collectives
+import test_core
+import test_faults
+import test_tp_plan
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import colossalai_cmap as cm
+
+DEADLINE = 240
+
+
+# ------------------------------------------------------------------------------------------------ host reads
+def _steady(fn) -> Any:
+    """``fn`` twice (the first call sizes the rounds and plans), the second one's log."""
+    fn()
+    with cm.record_collectives() as log:
+        fn()
+    return log
+
+
+def workloads() -> Dict[str, Any]:
+    """Steady-state calls of every kind, each a function of no arguments that runs forward and backward."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(8, 3, generator=g, requires_grad=True)
+    big = torch.randn(8, 4000, generator=g, requires_grad=True)
+    ops = {
+        "psum": lambda v: cm.psum(v, "i") * v,
+        "all_gather": lambda v: cm.all_gather(v, "i").sum(0) * v,
+        "psum_scatter": lambda v: cm.psum_scatter(v.expand(8, 3), "i").sum(0) * v,
+        "all_to_all": lambda v: cm.all_to_all(v.expand(8, 3), "i", 0, 0).sum(0) * v,
+        "ppermute": lambda v: cm.ppermute(v, "i", [(i, (i + 1) % 8) for i in range(8)]) * v,
+    }
+    found = {
+        "sin": lambda: cm.cmap(torch.sin)(x).sum().backward(),
+        "sin, 128 KiB out": lambda: cm.cmap(torch.sin)(big).sum().backward(),
+        "dst=local": lambda: cm.cmap(torch.sin, dst="local")(x).sum().backward(),
+        "src=local": lambda: cm.cmap(torch.sin, src="local")(x).sum().backward(),
+        "src=0": lambda: cm.cmap(torch.sin, src=0)(x.detach()),
+    }
+    for name, f in ops.items():
+        found[name] = lambda f=f: cm.cmap(f, axis_name="i")(x).sum().backward()
+    mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("i",))
+    blocks = torch.randn(2 * dist.get_world_size(), 3, generator=g, requires_grad=True)  # equal blocks, as psum needs
+    psum = cm.shard_map(lambda v: cm.psum(v, "i"), mesh, cm.P("i"), cm.P())
+    found["shard_map psum"] = lambda: psum(blocks).sum().backward()
+    mlp = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 3))
+    tp = cm.shard_model(mlp, plan={"0": "colwise", "2": "rowwise"})
+    found["shard_model"] = lambda: tp(x).sum().backward()
+    return found
+
+
+def check_host_reads() -> Dict[str, Tuple[int, int]]:
+    """Each workload's (host reads, collectives) in steady state."""
+    return {name: (log.host_reads, log.count) for name, log in ((n, _steady(fn)) for n, fn in workloads().items())}
+
+
+def test_no_host_reads_of_the_data_side(host_worlds):
+    for found in host_worlds(3).run(check_host_reads, deadline=DEADLINE):
+        assert {name: reads for name, (reads, _) in found.items()} == dict.fromkeys(found, 0)
+
+
+def test_the_count_sees_the_reads_of_the_default_layout(worlds):
+    """On CPU by default a round's table sits in the data's own buffers, and every round reads it: counted, so the
+    zero above is a measurement."""
+    for found in worlds(2).run(check_host_reads, deadline=DEADLINE):
+        assert all(reads >= 1 for name, (reads, _) in found.items() if name != "shard_model"), found
+        assert found["shard_model"][0] == 0  # Megatron's f and g: no round at all
+
+
+# ------------------------------------------------------------------------------------------------ where it goes
+@contextlib.contextmanager
+def by_group() -> Iterator[List[Tuple[str, Any, torch.dtype]]]:
+    """(function, process group, dtype) of every all-gather and all-reduce in the block, by wrapping torch.distributed."""
+    seen: List[Tuple[str, Any, torch.dtype]] = []
+    saved = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_reduce")}
+
+    def wrap(name, fn):
+        def recorded(*args, **kwargs):
+            group = kwargs.get("group") or dist.group.WORLD
+            seen.append((name, group, args[1].dtype if name == "all_gather_into_tensor" else args[0].dtype))
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def check_planes() -> Dict[str, Any]:
+    x = torch.randn(8, 3, requires_grad=True)
+    f = cm.cmap(lambda v: cm.psum(v, "i") * v, axis_name="i")
+    f(x).sum().backward()
+    with by_group() as seen:
+        f(x).sum().backward()
+    world = dist.group.WORLD
+    rounds = [g for name, g, dtype in seen if dtype == torch.uint8]
+    data = [g for name, g, dtype in seen if dtype != torch.uint8]
+    return {
+        "rounds": len(rounds),
+        "rounds on the world": sum(g is world for g in rounds),
+        "rounds' groups are gloo": all(dist.get_backend(g) == "gloo" for g in rounds),
+        "data": len(data),
+        "data on the world": sum(g is world for g in data),
+    }
+
+
+def test_rounds_take_the_host_group_and_data_the_data_group(host_worlds, worlds):
+    for found in host_worlds(2).run(check_planes, deadline=DEADLINE):
+        # forward: a round before the psum, its all_reduce, the exit round, the data's all_gather; backward: the
+        # gathered output's round (the cotangent's rows go back with no communication) and the psum's all_reduce
+        assert found["rounds"] >= 3 and found["rounds on the world"] == 0 and found["rounds' groups are gloo"], found
+        assert found["data"] >= 2 and found["data on the world"] == found["data"], found
+    for found in worlds(2).run(check_planes, deadline=DEADLINE):
+        # the default layout on CPU: rounds on the data's group, small data inline in them
+        assert found["rounds on the world"] == found["rounds"] >= 3 and found["data"] == 0, found
+
+
+# ----------------------------------------------------------------------- the suite's oracles, in this layout
+def test_every_src_dst_combination(host_worlds):
+    counts = host_worlds(3).run(test_core.check_placements, [0, 1, 4, 7], deadline=DEADLINE)
+    assert all(c == 4 * 8 * 9 for c in counts)
+
+
+def test_collectives_values_and_gradients(host_worlds):
+    assert all(c > 0 for c in host_worlds(3).run(test_collectives.check_ops, [0, 1, 5, 8], deadline=DEADLINE))
+    assert all(c > 0 for c in host_worlds(3).run(test_collectives.check_grads, [0, 1, 5, 8], deadline=DEADLINE))
+
+
+def test_fault_at_every_phase_reaches_every_rank(host_worlds):
+    counts = host_worlds(3).run(test_faults.check_fault_matrix, deadline=DEADLINE)
+    assert counts == [len(test_faults.cases(3))] * 3
+
+
+def test_shard_map_collectives_and_uneven_blocks(host_worlds):
+    assert host_worlds(3).run(sc.check_collectives, (3,), ("i",), "i", deadline=DEADLINE) == [True] * 3
+    assert host_worlds(4).run(sc.check_uneven_and_tuple_specs, deadline=DEADLINE) == [True] * 4
+
+
+def test_shard_model_llama(host_worlds):
+    got = host_worlds(2).run(test_tp_plan.check_llama, deadline=DEADLINE)
+    assert len(set(got)) == 1
