@@ -9,7 +9,7 @@ cases, which isolates cmap's software overhead), one thread per rank, prints a s
 renders the report (``render.py``). What each world runs is ``suite.py``; how time and memory are measured is
 written into results.json (``timing.TIMING_METHOD``, ``measure.MEMORY_METHOD``) and into the report.
 
-What cmap sends: every call makes one status round, an all_gather of a 96-byte header plus a payload per rank (256
+What cmap sends: every call makes one status round, an all_gather of a 48-byte header plus a payload per rank (256
 bytes at first, growing to what calls on the group needed, up to 1 KiB, alike on every rank). Outputs that fit in the
 payload ride in it (one collective per call); larger outputs take a second collective (with ``dst=-1``, one
 all_gather of the padded rows straight into the result buffer, issued right behind the round when the call repeats).

@@ -22,7 +22,7 @@ TIMING_METHOD = (
     "`all_gather_into_tensor` into an output allocated for that call; uneven B: pad the send to the largest shard "
     "and cut the padding out with one `torch.cat` of views); `baseline+status` (the baseline plus one int64 "
     "all_gather of a 5-field header and a `.tolist()`, i.e. what a second, small status collective costs); "
-    "`fused_header` (one all_gather of a 96-byte int64 header and the padded rows packed into one byte buffer, the "
+    "`fused_header` (one all_gather of a 48-byte int64 header and the padded rows packed into one byte buffer, the "
     "header table read back and the rows cut out with one `torch.cat`: the leanest one-collective design that still "
     "carries every rank's status); `gather_only` (only the baseline's communication, of a precomputed shard); "
     "`vmap_full` (single-process `torch.vmap` on the whole batch, timed on rank 0 while the other ranks wait in a "

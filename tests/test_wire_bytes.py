@@ -25,7 +25,7 @@ def test_native_bytes(worlds, kind, size):
         for op, n, fwd, bwd, nf_calls, nb_calls in rank_rows:
             native_fwd, native_bwd = native_bound(op, n, size)
             where = f"{kind} {op} n={n} P={size}: forward {fwd:.0f} B in {nf_calls}, backward {bwd:.0f} B in {nb_calls}"
-            if n <= ROUND_CAP - 96:  # rounds at their largest, each (P - 1) payloads, plus the data's native bytes
+            if n <= ROUND_CAP - 48:  # rounds at their largest, each (P - 1) payloads, plus the data's native bytes
                 assert fwd <= native_fwd + nf_calls * (size - 1) * ROUND_CAP, where
                 assert bwd <= native_bwd + nb_calls * (size - 1) * ROUND_CAP, where
                 continue

@@ -200,7 +200,7 @@ def _frame_and_seed(
     seed = None
     sizes = plan.sizes
     if opts.randomness != "error":
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())  # it rides in a 32-bit header field
     if need_sizes or opts.randomness == "same":
         header = protocol.Header(protocol.Kind.OP, rows=plan.rows, input_sig=seed or 0, digest=1)
         rnd = protocol.checked_round(link, header, "the call's start")

@@ -3,7 +3,9 @@
 Every round on a group has the same size on every rank, whatever each rank is doing. The size adapts, but only as a
 function of the tables every rank has seen, in the same order, so every rank always agrees on it: it grows at once
 to fit the largest block any rank needed (up to :data:`PAYLOAD_MAX`, 1 KiB), and shrinks by half after
-:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. Repeated calls with outputs up to 1 KiB
+:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. A round is an all-gather, so each rank
+sends P - 1 headers and payloads: on larger groups the payload is capped lower (:func:`payload_bounds`) so that a
+round stays within :data:`ROUND_BUDGET` bytes per rank up to P = 64. Repeated calls with outputs up to 1 KiB
 per rank then make one collective, and a group that goes back to small outputs goes back to small rounds. Larger
 data takes its own collective, at its native cost: every round would carry the payload area of every rank, so a
 payload grown to the size of one large call would tax every later round on the group, however small.
@@ -21,11 +23,19 @@ import torch
 
 from .group import Group, state_of
 
-HEADER_LEN = 12
+HEADER_LEN = 6  # int64 (:func:`~colossalai_cmap.wire.protocol.pack`)
 HEADER_BYTES = HEADER_LEN * 8  # keeps the payload 16-byte aligned
 PAYLOAD_BASE = max(16, int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16)
 PAYLOAD_MAX = max(PAYLOAD_BASE, int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", "1024")) // 16 * 16)
+ROUND_BUDGET = 4096  # bytes one rank sends in a round, (P - 1) (header + payload), held up to P = 64
 _QUIET_ROUNDS = 8
+
+
+def payload_bounds(size: int) -> Tuple[int, int]:
+    """A group of ``size`` ranks' first and largest payload per rank: :data:`PAYLOAD_BASE` and :data:`PAYLOAD_MAX`,
+    capped so that a round sends at most :data:`ROUND_BUDGET` bytes per rank (16 bytes at least)."""
+    fit = max(16, (ROUND_BUDGET // max(size - 1, 1) - HEADER_BYTES) // 16 * 16)
+    return min(PAYLOAD_BASE, fit), min(PAYLOAD_MAX, fit)
 
 
 class Channel:
@@ -34,7 +44,8 @@ class Channel:
 
     def __init__(self, group: Group, device: torch.device) -> None:
         self.size, self.device, self.cpu = group.size, device, device.type == "cpu"
-        self.payload_bytes = PAYLOAD_BASE
+        self.base, self.max = payload_bounds(group.size)
+        self.payload_bytes = self.base
         self.quiet = 0  # rounds in a row that needed a quarter of the payload or less
         self.last_data: Optional[Tuple[Any, ...]] = None  # (rows per rank, row shape, dtype) of the last exit's data
         self.backward_open = False  # this rank started a backward exchange that has not finished
@@ -66,12 +77,12 @@ class Channel:
     def agree(self, need: int) -> None:
         """After a round: the payload size of the next one, from the largest block any rank needed in this one."""
         size = self.payload_bytes
-        if size < need <= PAYLOAD_MAX:
-            size = max(PAYLOAD_BASE, 1 << (need - 1).bit_length())
-        elif need <= self.payload_bytes // 4 and self.payload_bytes > PAYLOAD_BASE:
+        if size < need <= self.max:
+            size = min(self.max, max(self.base, 1 << (need - 1).bit_length()))
+        elif need <= self.payload_bytes // 4 and self.payload_bytes > self.base:
             self.quiet += 1
             if self.quiet >= _QUIET_ROUNDS:
-                size = max(PAYLOAD_BASE, self.payload_bytes // 2)
+                size = max(self.base, self.payload_bytes // 2)
         else:
             self.quiet = 0
         if size != self.payload_bytes:

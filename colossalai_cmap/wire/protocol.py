@@ -1,7 +1,7 @@
 """The status protocol: every collective a peer might be waiting in is a round of one fixed size.
 
-A round is one ``all_gather`` of a header (:class:`Header`, twelve int64) and a payload area per rank (256 bytes to
-start with; :mod:`channel` says how it adapts, always alike on every rank). Small data rides in the payload, so a
+A round is one ``all_gather`` of a header (:class:`Header`, six int64 on the wire) and a payload area per rank (256
+bytes to start with; :mod:`channel` says how it adapts, always alike on every rank). Small data rides in the payload, so a
 small call costs this one collective. Because every round on a group has the same size on every rank, whatever two
 ranks are doing, their rounds pair up: a rank that failed,
 finished early or left a backward meets its peers in a round, they read its header, and all of them raise or retry
@@ -93,7 +93,10 @@ class Status(IntEnum):
 
 
 class Header(NamedTuple):
-    """One rank's row of a round. ``digest`` identifies the collective (``OP``/``SYNC``) or the output layout."""
+    """One rank's row of a round. ``digest`` identifies the collective (``OP``/``SYNC``) or the output layout.
+
+    On the wire it is six int64 (:func:`pack`): the signatures and checksums are 32-bit digests, so a round's
+    header is 48 bytes per rank."""
 
     kind: int
     status: int = Status.OK
@@ -107,6 +110,40 @@ class Header(NamedTuple):
     flags: int = 0  # bit k: func changed the k-th mapped input in place
     values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty shard)
     early: int = 0  # 1: this rank sent its data together with this round (:mod:`transfer`)
+
+
+_M32 = 0xFFFFFFFF
+_BLOCK_MAX = 1 << 40  # a block is compared with the payload's size (1 KiB at most): larger ones only need to read large
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def pack(h: Header) -> Tuple[int, ...]:
+    """A header as the six int64 of its row: the flags and small fields share one, the 32-bit digests pair up."""
+    small = h.kind | h.status << 4 | h.inline << 8 | h.early << 9 | min(h.block, _BLOCK_MAX) << 10
+    sigs = _signed((h.input_sig & _M32) | (h.values & _M32) << 32)
+    layout = _signed((h.digest & _M32) | (h.graph_sig & _M32) << 32)
+    return (small, h.rows, h.batch, sigs, layout, h.flags)
+
+
+def unpack(row: Sequence[int]) -> Header:
+    small, rows, batch, sigs, layout, flags = row
+    return Header(
+        small & 15,
+        (small >> 4) & 15,
+        rows,
+        sigs & _M32,
+        layout & _M32,
+        batch,
+        small >> 10,
+        (small >> 8) & 1,
+        (layout >> 32) & _M32,
+        flags,
+        (sigs >> 32) & _M32,
+        (small >> 9) & 1,
+    )
 
 
 class Round(NamedTuple):
@@ -151,14 +188,14 @@ def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = Non
     collective right behind the round (data sent early), left in flight in the returned round's ``early``. ``what``
     names the collective an ``OP`` or ``SYNC`` round precedes, for a peer's error should this rank stop here."""
     ch, group = link.channel(), link.round_group
-    ch.write_header(header)
+    ch.write_header(pack(header))
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
     work = comm.issue_all_gather(ch.recv.view(-1), ch.send, group, link.call, name)
     early = also() if also is not None else None
     comm.wait_for(work, group, link.call, link.timeout)
     if link.status is None:  # the table sits in the data's own buffers
         stats.host_read()
-    rnd = Round(tuple(Header._make(row) for row in ch.read_rows()), ch.payloads, early)
+    rnd = Round(tuple(unpack(row) for row in ch.read_rows()), ch.payloads, early)
     ch.agree(max(h.block for h in rnd.table))
     return rnd
 
