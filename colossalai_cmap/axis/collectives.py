@@ -155,7 +155,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int
     sources = _sources(perm, axis_size(axis_name))
     if _native(axis_name):
         return axes.apply(x, _names(axis_name)[0], "permute", tuple(sources))
-    table = torch.tensor(sources, dtype=torch.int64, device=x.device)
+    table = axes.index_table(tuple(sources), x.device)
     everyone = all_gather(x, axis_name)
 
     def pick(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:

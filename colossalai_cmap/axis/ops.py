@@ -14,6 +14,7 @@ Under ``torch.compile`` the exchange is a functional collective instead (traceab
 backward is made of functional collectives too: differentiable once inside a compiled function.
 """
 
+import functools
 import itertools
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -56,6 +57,21 @@ def _local_reduce(op: str, rows: torch.Tensor) -> torch.Tensor:
     if rows.dtype == torch.bool:
         return rows.any(0) if op == "max" else rows.all(0)
     return rows.amax(0) if op == "max" else rows.amin(0)
+
+
+def index_table(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, made once: a table copied to an accelerator at every call would
+    wait for the device each time (inside torch.compile, a constant of the graph). Only ever read."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return _kept_table(values, device)
+
+
+@functools.lru_cache(maxsize=512)
+def _kept_table(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # plain, whatever mode or function transform the first call ran under
+    with torch.inference_mode(False), torch._C._DisableFuncTorch():
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _alone(frame: AxisFrame) -> bool:
@@ -167,13 +183,13 @@ def _permute_rows(
     sent = [[s - offsets[me] for s, j in pairs if owner[s] == me and owner[j] == r] for r in range(len(sizes))]
     got = [[j - offsets[me] for s, j in pairs if owner[s] == r and owner[j] == me] for r in range(len(sizes))]
     flat_sent = [i for part in sent for i in part]
-    send = rows.index_select(0, torch.tensor(flat_sent, dtype=torch.int64, device=rows.device))
+    send = rows.index_select(0, index_table(tuple(flat_sent), rows.device))
     if _alone(frame):
         received = send
     else:
         spec = _spec(frame, name, "permute", 0, tuple(len(p) for p in sent), tuple(len(p) for p in got))
         received = wire_native.run(AllToAll, spec, send)
-    where = torch.tensor([j for part in got for j in part], dtype=torch.int64, device=rows.device)
+    where = index_table(tuple(j for part in got for j in part), rows.device)
     return rows.new_zeros(rows.shape).index_copy(0, where, received)
 
 

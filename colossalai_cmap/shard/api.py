@@ -8,6 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..axis.frame import AxisFrame, axis_scope
+from ..axis.ops import index_table
 from ..call import closures
 from ..call.entry import tracking
 from ..call.rank import _CONTROL_FLOW, SPLITTING, inside
@@ -229,7 +230,7 @@ def _frames(where: Where) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for n in view.names:
             size, coord = view.sizes[n], view.coords[n]
-            index = torch.tensor(coord, dtype=torch.int64, device=where.whole.device)
+            index = index_table((coord,), where.whole.device)[0].clone()  # a copy made on the device, not the host
             frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index)
             stack.enter_context(axis_scope(n, frame))
         yield
