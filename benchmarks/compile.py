@@ -9,10 +9,14 @@ repetition:
 * ``eager batched``: ``cmap(f, mode="batched")``, the reference.
 * ``compiled f, batched``: ``cmap(torch.compile(f, fullgraph=True), mode="batched")``: func is one graph, its
   collectives functional collectives.
-* ``compile(cmap)``: ``torch.compile(cmap(f, mode="batched"))``: cmap's orchestration runs eagerly (a graph break).
+* ``compile(cmap)``: ``torch.compile(cmap(f, mode="batched"))``: the whole call is one graph (cmap lowers itself
+  to traceable ops and functional collectives while dynamo traces it; no status round).
 * ``eager vmap`` and ``compiled f, vmap``: mode "vmap" maps the original function of a compiled f.
+* ``compile(cmap) fullgraph``: ``torch.compile(cmap(f), fullgraph=True)`` in mode "vmap": one graph, against
+  ``eager vmap``.
 
-It prints the median time per call (max over ranks) and each variant's ratio to its eager reference, and the first
+It prints the median time per call (max over ranks), each variant's ratio to its eager reference (of the medians, and
+the range of the repetitions' own ratios), and the first
 call's time (the compile). With ``aot_eager`` (the CPU default here) the graph runs the same ops, so the ratios
 show what the orchestration costs, not what a code generator would gain. ``--quick`` is a smoke test (3
 repetitions of 2 calls).
@@ -67,11 +71,13 @@ def measure(args: argparse.Namespace) -> None:
         "compile(cmap)": torch.compile(cm.cmap(f, axis_name="i", mode="batched"), backend=args.backend),
         "eager vmap": cm.cmap(f, axis_name="i"),
         "compiled f, vmap": cm.cmap(compiled, axis_name="i"),
+        "compile(cmap) fullgraph": torch.compile(cm.cmap(f, axis_name="i"), fullgraph=True, backend=args.backend),
     }
     reference = {
         "compiled f, batched": "eager batched",
         "compile(cmap)": "eager batched",
         "compiled f, vmap": "eager vmap",
+        "compile(cmap) fullgraph": "eager vmap",
     }
 
     def step(fn: Callable) -> Callable[[], None]:
@@ -93,13 +99,18 @@ def measure(args: argparse.Namespace) -> None:
             times[name].append(_timed(step(variants[name]), args.inner))
     if rank == 0:
         print(f"world {size}, batch {args.batch}, backend {args.backend}, {args.reps} repetitions of {args.inner}")
-        print(f"{'variant':<22}{'median us':>12}{'range us':>20}{'ratio':>8}{'first call ms':>16}")
+        print(f"{'variant':<26}{'median us':>12}{'range us':>20}{'ratio':>8}{'ratio range':>14}{'first call ms':>16}")
         for name in names:
             med = statistics.median(times[name]) * 1e6
             lo, hi = min(times[name]) * 1e6, max(times[name]) * 1e6
             ref = reference.get(name)
+            # each repetition's own ratio (the variants are interleaved, so a repetition shares the machine's load)
+            ratios = [t / r for t, r in zip(times[name], times[ref])] if ref else [1.0]
             ratio = med / (statistics.median(times[ref]) * 1e6) if ref else 1.0
-            print(f"{name:<22}{med:>12.0f}{f'{lo:.0f}-{hi:.0f}':>20}{ratio:>8.2f}{first[name] * 1e3:>16.0f}")
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            print(
+                f"{name:<26}{med:>12.0f}{f'{lo:.0f}-{hi:.0f}':>20}{ratio:>8.2f}{spread:>14}{first[name] * 1e3:>16.0f}"
+            )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -50,19 +50,34 @@ _FRAMES: Dict[str, List[AxisFrame]] = {}
 _FINISHED: Dict[str, AxisFrame] = {}
 
 
+def push(name: str, frame: AxisFrame) -> None:
+    """Open ``frame`` as the innermost of ``name``. A plain push and :func:`pop` (no generator) is what dynamo
+    traces, so a compiled call opens its frame this way, in a ``try``/``finally``."""
+    _FRAMES.setdefault(name, []).append(frame)
+
+
+def pop(name: str, finished: bool = True) -> AxisFrame:
+    """Close the innermost frame of ``name``; with ``finished``, keep it for a backward that recomputes func (a
+    compiled call does not: its backward is in the graph, and dynamo would have to rebuild the frame)."""
+    stack = _FRAMES[name]
+    frame = stack.pop()
+    if finished:
+        _FINISHED[name] = frame
+    if not stack:
+        del _FRAMES[name]
+    return frame
+
+
 @contextlib.contextmanager
 def axis_scope(name: Optional[str], frame: Optional[AxisFrame]) -> Iterator[None]:
     if name is None or frame is None:
         yield
         return
-    stack = _FRAMES.setdefault(name, [])
-    stack.append(frame)
+    push(name, frame)
     try:
         yield
     finally:
-        _FINISHED[name] = stack.pop()
-        if not stack:
-            del _FRAMES[name]
+        pop(name)
 
 
 def lookup(name: str, op: str) -> AxisFrame:

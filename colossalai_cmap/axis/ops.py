@@ -27,6 +27,7 @@ from ..wire.native import AllGather, AllToAll, NativeSpec, ReduceScatter
 from ..wire.primitives import join, split
 from ..wire.protocol import Kind
 from ..wire.roles import COPY, MAX, MIN
+from ..wire.traced import gather_under_vmap
 from .frame import AxisFrame, lookup
 
 _ROLES = {"sum": COPY, "max": MAX, "min": MIN}
@@ -287,9 +288,41 @@ def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
         return out if op in PER_EXAMPLE else out.unsqueeze(0).expand(x.shape[0], *out.shape)
     if frame.mode == "loop" and not torch._C._functorch.is_batchedtensor(x):
         return frame.loop.run(x, lambda stacked: physical(frame, stacked, name, op))
+    if torch.compiler.is_compiling():
+        return _traced_vmap(frame, x, name, op, arg)
     if op in PER_EXAMPLE:
         x = batched_at_axis(frame, x)
     return AxisOp.apply(x, name, op, arg)
+
+
+def _traced_vmap(frame: AxisFrame, x: torch.Tensor, name: str, op: str, arg: Any) -> torch.Tensor:
+    """Mode "vmap" inside ``torch.compile``, where dynamo follows no vmap rule of an autograd Function and functorch
+    runs no autograd Function of a compiled graph: this run's rows come out of the batch at the axis's vmap level (a
+    value every example shares is expanded to them), go through the all-gather op with its own autograd kernel
+    (:func:`~colossalai_cmap.wire.traced.gather_under_vmap`; a psum adds up the gathered partial sums), and the
+    result, the same for every example, goes back as a plain tensor. The per-example ops never reach here (they are
+    made of psum and all_gather under compile); a vmap that func itself opens between them and the axis is not
+    followed."""
+    if op in PER_EXAMPLE:
+        raise NotImplementedError(f"{_NAMES[op]}({name!r}) has no traced vmap rule.")
+    count = 1 if frame.dummy else frame.sizes[0 if frame.link is None else frame.link.group.rank]
+    rows = torch._C._functorch._remove_batch_dim(x, frame.level, count, 0)
+    real = rows[:0] if frame.dummy else rows
+    if op == "gather":
+        if _alone(frame):
+            return real
+        cap = max(frame.sizes)
+        padded = torch.cat([real, real.new_zeros((cap - real.shape[0], *real.shape[1:]))])
+        full = gather_under_vmap(padded, frame.link.group.pg)
+        return torch.cat([full.narrow(0, r * cap, k) for r, k in enumerate(frame.sizes) if k])
+    local = _local_reduce(op, real)
+    if _alone(frame):
+        return local
+    if op == "sum":  # every rank's partial sum, added up: the gather's backward sums the cotangents over the ranks
+        return gather_under_vmap(local.unsqueeze(0), frame.link.group.pg).sum(0)
+    import torch.distributed._functional_collectives as fc
+
+    return fc.all_reduce(local.detach().contiguous(), op, frame.link.group.pg)  # pmax and pmin carry no gradient
 
 
 def batched_at_axis(frame: AxisFrame, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in ``dispatch``."""
 
 import functools
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -9,6 +9,7 @@ import torch.distributed as dist
 from ..integration.groups import resolve_group
 from ..stats import CallStats, describe
 from ..wire.comm import default_timeout
+from .compiled import run_compiled
 from .dispatch import dispatch
 from .options import Options, make_options
 from .site import CallSite
@@ -130,7 +131,7 @@ class Cmapped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return _outside_graph(self._site, args, kwargs)
+            return run_compiled(self._site, args, kwargs)
         return dispatch(self._site, args, kwargs)
 
     def __repr__(self) -> str:
@@ -146,9 +147,3 @@ class Cmapped:
     def cached_plans(self) -> int:
         """How many argument signatures' plans this cmap keeps for repeated calls (at most 64)."""
         return len(self._site.plans)
-
-
-@torch._disable_dynamo
-def _outside_graph(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``torch.compile(cmap(f))``: the orchestration runs eagerly, as a graph break (compile f itself instead)."""
-    return dispatch(site, args, kwargs)

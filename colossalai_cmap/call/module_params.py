@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 try:  # the context manager behind torch.func.functional_call
     from torch.nn.utils.stateless import _reparametrize_module
@@ -53,6 +54,19 @@ class References:
         yield from self.fixed
         yield from (_contents(c) for c in self.cells)
         yield from (self.namespace.get(n) for n in self.names)
+
+    def trainable(self) -> bool:
+        """Whether a tensor or a module's parameter found here requires grad."""
+        for value in self.values():
+            if isinstance(value, nn.Module):
+                if any(p.requires_grad for p in value.parameters()):
+                    return True
+            elif isinstance(value, (list, tuple, dict)):
+                if any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_leaves(value)):
+                    return True
+            elif isinstance(value, torch.Tensor) and value.requires_grad:
+                return True
+        return False
 
 
 def _contents(cell: Any) -> Any:

@@ -33,6 +33,7 @@ class CallSite:
         options: the cmap's options.
         plans: the fast path's records.
         refs: where func's closures, globals and partial arguments live (modules found there enter with the args).
+        captures_trainable: whether ``refs`` hold a tensor that requires grad, read once per compiled graph.
         captures: whether the last call that tracked gradients met closure-captured tensors (None: no such call).
         last: what the last call did.
     """
@@ -44,6 +45,7 @@ class CallSite:
     refs: References = None  # type: ignore[assignment]
     captures: Optional[bool] = None
     last: Optional[LastCall] = None
+    captures_trainable: Callable[[], bool] = None  # type: ignore[assignment]
     _vmapped: Optional[Callable] = None
 
     def __post_init__(self) -> None:
@@ -51,6 +53,12 @@ class CallSite:
         # torch.vmap cannot run a compiled function (dynamo refuses it): vmap mode maps the original
         self.body = original if self.options.mode == "vmap" else self.func
         self.refs = References(original)
+
+        def captures_trainable() -> bool:
+            return self.refs.trainable()
+
+        # Read when dynamo traces a call (it cannot read closure cells itself), as a constant of that graph.
+        self.captures_trainable = torch.compiler.assume_constant_result(captures_trainable)
 
     def vmapped(self) -> Callable:
         """``torch.vmap(func, ...)`` with this cmap's options, built once (it costs a few microseconds)."""

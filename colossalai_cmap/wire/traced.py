@@ -1,0 +1,104 @@
+"""``Split`` and ``Join`` inside ``torch.compile``: each role of :mod:`.roles` written with functional collectives
+(``torch.distributed._functional_collectives``), which dynamo traces into the graph, as an autograd Function whose
+backward is the other one's role (its transpose), so a compiled cmap's gradients are the eager ones.
+
+No status round, no bounded wait, no presence tracking and no count of collectives: inside a graph a collective is
+one op on the process group, waiting as long as the group's own timeout. Every rank must reach every collective; a
+rank that failed before one leaves its peers waiting (docs/collectives.md, "torch.compile").
+"""
+
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+
+from .roles import COPY, FIRST, KEEP, SAME, Role, is_rows, join_transpose, split_transpose
+
+SPLIT, JOIN = "split", "join"
+
+
+def rows_at(sizes: Sequence[int], rank: int) -> Tuple[int, int]:
+    """Rank ``rank``'s first row and row count, from every rank's row count."""
+    return sum(sizes[:rank]), sizes[rank]
+
+
+def _gather_rows(t: torch.Tensor, dim: int, sizes: Tuple[int, ...], pg: Any) -> torch.Tensor:
+    """Every rank's rows along ``dim``, in rank order: one all-gather of shares padded to the largest."""
+    import torch.distributed._functional_collectives as fc
+
+    cap, n = max(sizes), t.shape[dim]
+    if n < cap:
+        pad = list(t.shape)
+        pad[dim] = cap - n
+        t = torch.cat([t, t.new_zeros(pad)], dim)
+    # the op under fc.all_gather_tensor, whose contiguity assert dynamo cannot trace in a backward
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(
+        t.movedim(dim, 0).contiguous(), len(sizes), fc._resolve_group_name(pg, "")
+    )
+    full = fc.wait_tensor(gathered).movedim(0, dim)
+    full_ranks = len(sizes) - len([k for k in sizes if k < cap])
+    if all(k == cap for k in sizes[:full_ranks]) and all(k == 0 for k in sizes[full_ranks + 1 :]):
+        # torch.chunk's shares (full ones, then one short, then empty): the result is the buffer's first rows
+        return full.narrow(dim, 0, sum(sizes))
+    return torch.cat([full.narrow(dim, r * cap, k) for r, k in enumerate(sizes) if k], dim)
+
+
+def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Tensor:
+    """``t`` through a ``Split`` (global to per rank) or a ``Join`` (per rank to global) of ``role`` on ``pg``."""
+    import torch.distributed._functional_collectives as fc
+
+    if is_rows(role):
+        if way == JOIN:
+            return _gather_rows(t, role.dim, tuple(role.sizes), pg)
+        return t.narrow(role.dim, *rows_at(role.sizes, rank))
+    if way == JOIN and role == COPY:
+        return fc.all_reduce(t.contiguous(), "sum", pg)
+    if role == FIRST:
+        return t.clone() if rank == 0 else torch.zeros_like(t)
+    if role in (COPY, KEEP, SAME):
+        return t.clone()
+    raise RuntimeError(f"a {role} over ranks has no traced {way}.")
+
+
+class _Moved(torch.autograd.Function):
+    """One tensor through a traced Split or Join; backward is the other, of the transposed role. ``forward(ctx, ...)``
+    style with plain calls in backward: dynamo traces neither ``setup_context`` nor ``Function.apply`` there."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, way: str, role: Role, pg: Any, rank: int) -> torch.Tensor:
+        ctx.way, ctx.role, ctx.pg, ctx.rank = way, role, pg, rank
+        return move(way, role, t, pg, rank)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None]:
+        if ctx.way == SPLIT:
+            back = move(JOIN, split_transpose(ctx.role), grad, ctx.pg, ctx.rank)
+        else:
+            back = move(SPLIT, join_transpose(ctx.role), grad, ctx.pg, ctx.rank)
+        return back, None, None, None, None
+
+
+def traced_split(t: torch.Tensor, role: Role, pg: Any, rank: int) -> torch.Tensor:
+    """A global value's per-rank part (``narrow`` for rows, the value itself otherwise); backward is the Join."""
+    return _Moved.apply(t, SPLIT, role, pg, rank)
+
+
+def traced_join(t: torch.Tensor, role: Role, pg: Any, rank: int) -> torch.Tensor:
+    """Per-rank values to the global one (rows all-gathered, sums all-reduced); backward is the Split."""
+    return _Moved.apply(t, JOIN, role, pg, rank)
+
+
+def gather_under_vmap(t: torch.Tensor, pg: Any) -> torch.Tensor:
+    """Every rank's ``t`` stacked along dim 0, differentiable inside a ``torch.vmap`` level, where no autograd
+    Function can run in a compiled graph (functorch asks for ``setup_context``, which dynamo does not trace): the
+    all-gather op with its own autograd kernel (backward: a reduce-scatter of the cotangents), waited on outside
+    autograd, which has no kernel for the wait."""
+    import torch.distributed._functional_collectives as fc
+
+    size = torch.distributed.get_world_size(pg)
+    pending = torch.ops._c10d_functional_autograd.all_gather_into_tensor(
+        t.contiguous(), size, fc._resolve_group_name(pg, "")
+    )
+    done = fc.wait_tensor(pending.detach())
+    # done's values with pending's gradient: the difference is exactly zero where finite, and done is kept as is
+    # where it is not (an infinite sum stays infinite, with no gradient, instead of inf - inf)
+    return torch.where(done.isfinite(), pending + (done - pending).detach(), done)
