@@ -69,9 +69,11 @@ RING: Dict[str, Callable[..., float]] = {
 
 @dataclass
 class WireLog:
-    """The collectives seen, as (function, bytes sent by this rank), in order."""
+    """The collectives seen, as (function, bytes sent by this rank), in order; and where each went, as (function,
+    process group, dtype of the tensor sent)."""
 
     calls: List[Tuple[str, float]] = field(default_factory=list)
+    where: List[Tuple[str, Any, Any]] = field(default_factory=list)
 
     @property
     def sent(self) -> float:
@@ -94,6 +96,8 @@ def counting() -> Iterator[WireLog]:
     def wrap(name: str, fn: Callable) -> Callable:
         def counted(*args: Any, **kwargs: Any) -> Any:
             log.calls.append((name, float(RING[name](*args, **kwargs))))
+            sent = [a for a in args if isinstance(a, torch.Tensor)][-1:]
+            log.where.append((name, kwargs.get("group") or dist.group.WORLD, sent[0].dtype if sent else None))
             return fn(*args, **kwargs)
 
         return counted

@@ -6,8 +6,7 @@ rides in it, so no round reads device memory (``CallStats.host_reads`` stays 0).
 collectives, faults at every phase, shard_map and shard_model, all against the same oracles as the default layout.
 """
 
-import contextlib
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Tuple
 
 import shard_cases as sc
 import test_collectives
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import colossalai_cmap as cm
+from benchmarks.wire_bytes import counting
 
 DEADLINE = 240
 
@@ -82,35 +82,13 @@ def test_the_count_sees_the_reads_of_the_default_layout(worlds):
 
 
 # ------------------------------------------------------------------------------------------------ where it goes
-@contextlib.contextmanager
-def by_group() -> Iterator[List[Tuple[str, Any, torch.dtype]]]:
-    """(function, process group, dtype) of every all-gather and all-reduce in the block, by wrapping torch.distributed."""
-    seen: List[Tuple[str, Any, torch.dtype]] = []
-    saved = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_reduce")}
-
-    def wrap(name, fn):
-        def recorded(*args, **kwargs):
-            group = kwargs.get("group") or dist.group.WORLD
-            seen.append((name, group, args[1].dtype if name == "all_gather_into_tensor" else args[0].dtype))
-            return fn(*args, **kwargs)
-
-        return recorded
-
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield seen
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def check_planes() -> Dict[str, Any]:
     x = torch.randn(8, 3, requires_grad=True)
     f = cm.cmap(lambda v: cm.psum(v, "i") * v, axis_name="i")
     f(x).sum().backward()
-    with by_group() as seen:
+    with counting() as log:
         f(x).sum().backward()
+    seen = log.where
     world = dist.group.WORLD
     rounds = [g for name, g, dtype in seen if dtype == torch.uint8]
     data = [g for name, g, dtype in seen if dtype != torch.uint8]
