@@ -206,6 +206,43 @@ def check_eager_options() -> List[str]:
     return messages
 
 
+class _Holder:
+    """A plain object holding a trainable tensor (no module, no closure cell)."""
+
+    def __init__(self) -> None:
+        self.w = W.clone().requires_grad_()
+
+
+HOLDER = _Holder()
+
+
+def _through_helper(v: torch.Tensor) -> torch.Tensor:
+    return v.sin() @ HOLDER.w
+
+
+def check_reached_trainable() -> List[bool]:
+    """A trainable tensor func reaches through a helper function and a plain object's attribute: the compiled call
+    runs eagerly, so its gradient is summed over the ranks as eager cmap's is (compiled, it would be this rank's)."""
+    x = randn(5, 3, seed=2, dtype=DOUBLE)
+    found = []
+    for func in (_through_helper, lambda v: _through_helper(v) + 1):
+        mapped = cm.cmap(func)
+        HOLDER.w.grad = None
+        mapped(x).sum().backward()
+        eager = HOLDER.w.grad.clone()
+        HOLDER.w.grad = None
+        torch._dynamo.reset()
+        torch.compile(mapped, backend="aot_eager")(x).sum().backward()
+        _close(HOLDER.w.grad, eager, "the reached tensor's gradient")
+        _close(eager, (torch.sin(x).T @ torch.ones(5, 4, dtype=DOUBLE)), "the gradient over the whole batch")
+        found.append(True)
+    return found
+
+
+def test_a_trainable_tensor_reached_through_helpers_runs_eagerly(worlds):
+    assert worlds(2).run(check_reached_trainable, deadline=180) == [[True, True]] * 2
+
+
 def test_eager_options_break_the_graph(worlds):
     got = worlds(2).run(check_eager_options, deadline=180)
     assert got[0] == got[1]

@@ -10,11 +10,11 @@ every parameter's gradient. Anything not found here is still caught by the closu
 
 import contextlib
 import functools
-from typing import Any, Callable, Dict, Iterator, List
+import types
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 try:  # the context manager behind torch.func.functional_call
     from torch.nn.utils.stateless import _reparametrize_module
@@ -55,18 +55,69 @@ class References:
         yield from (_contents(c) for c in self.cells)
         yield from (self.namespace.get(n) for n in self.names)
 
-    def trainable(self) -> bool:
-        """Whether a tensor or a module's parameter found here requires grad."""
-        for value in self.values():
-            if isinstance(value, nn.Module):
-                if any(p.requires_grad for p in value.parameters()):
-                    return True
-            elif isinstance(value, (list, tuple, dict)):
-                if any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_leaves(value)):
-                    return True
-            elif isinstance(value, torch.Tensor) and value.requires_grad:
-                return True
-        return False
+
+_PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, types.BuiltinFunctionType)
+_LIBRARIES = {"torch", "numpy", "math", "functools", "builtins", "typing", "collections", "colossalai_cmap"}
+
+
+def _library(v: Any) -> bool:
+    """Code of torch and the standard library holds no tensor of the caller's."""
+    name = v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None)
+    return isinstance(name, str) and name.split(".")[0] in _LIBRARIES
+
+
+def reaches_trainable(func: Callable, depth: int = 3) -> bool:
+    """Whether func may read a tensor that requires grad without being given it: one found through its closure
+    cells, partial arguments, bound instance, the globals its code names (and the attributes it names of a Python
+    module among them), the functions it names in turn (``depth`` levels), and the attributes of other objects. On
+    doubt (a level too deep) it says yes: a compiled call refuses what it cannot see."""
+    seen: set = set()
+
+    def of_value(v: Any, names: Sequence[str], level: int) -> bool:
+        if id(v) in seen or isinstance(v, _PLAIN):
+            return False
+        seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            return v.requires_grad
+        if isinstance(v, nn.Module):
+            return any(p.requires_grad for p in v.parameters())
+        if isinstance(v, (list, tuple, dict, set, frozenset)):
+            return any(of_value(x, names, level) for x in (v.values() if isinstance(v, dict) else v))
+        if isinstance(v, (functools.partial, types.MethodType)):  # their parts are the caller's, whoever made them
+            return level <= 0 or of_func(v, level - 1)
+        if _library(v):
+            return False
+        if isinstance(v, (types.ModuleType, type)):  # ``pkg.W``, ``Config.W``: the attributes func's code names
+            return any(of_value(getattr(v, n, None), (), level) for n in names)
+        if callable(v) and hasattr(v, "__code__"):
+            return level <= 0 or of_func(v, level - 1)
+        attrs = getattr(v, "__dict__", None)
+        if not isinstance(attrs, dict) or not attrs:
+            return False
+        return level <= 0 or any(of_value(x, names, level - 1) for x in attrs.values())
+
+    def of_func(f: Any, level: int) -> bool:
+        if isinstance(f, functools.partial):
+            parts = (*f.args, *f.keywords.values())
+            return any(of_value(x, (), level) for x in parts) or of_value(f.func, (), level)
+        if isinstance(f, types.MethodType) and of_value(f.__self__, (), level):
+            return True
+        code, namespace = getattr(f, "__code__", None), getattr(f, "__globals__", None) or {}
+        names = _names(code) if code is not None else ()
+        cells = [_contents(c) for c in getattr(f, "__closure__", None) or ()]
+        found = [namespace[n] for n in names if n in namespace] + cells
+        return any(of_value(x, names, level) for x in found)
+
+    return of_value(func, (), depth + 1)
+
+
+def _names(code: types.CodeType) -> Tuple[str, ...]:
+    """The names a function's code reads, its nested functions' (lambdas, comprehensions) included."""
+    found = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += _names(const)
+    return tuple(found)
 
 
 def _contents(cell: Any) -> Any:

@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from ..stats import CollectiveLog
-from .module_params import References
+from .module_params import References, reaches_trainable
 from .options import Options
 from .plan import CallPlan, PlanCache
 
@@ -33,7 +33,8 @@ class CallSite:
         options: the cmap's options.
         plans: the fast path's records.
         refs: where func's closures, globals and partial arguments live (modules found there enter with the args).
-        captures_trainable: whether ``refs`` hold a tensor that requires grad, read once per compiled graph.
+        captures_trainable: whether func may read a tensor that requires grad without being given it
+            (:func:`~.module_params.reaches_trainable`), read once per compiled graph.
         captures: whether the last call that tracked gradients met closure-captured tensors (None: no such call).
         last: what the last call did.
     """
@@ -55,7 +56,7 @@ class CallSite:
         self.refs = References(original)
 
         def captures_trainable() -> bool:
-            return self.refs.trainable()
+            return reaches_trainable(original)
 
         # Read when dynamo traces a call (it cannot read closure cells itself), as a constant of that graph.
         self.captures_trainable = torch.compiler.assume_constant_result(captures_trainable)
