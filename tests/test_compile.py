@@ -243,6 +243,41 @@ def test_a_trainable_tensor_reached_through_helpers_runs_eagerly(worlds):
     assert worlds(2).run(check_reached_trainable, deadline=180) == [[True, True]] * 2
 
 
+def _with_nested(v: torch.Tensor) -> torch.Tensor:
+    return cm.cmap(lambda r: r.sin() * cm.psum(r, "j"), axis_name="j")(v.unsqueeze(0).expand(2, 3)) + cm.psum(v, "i")
+
+
+def _with_break(v: torch.Tensor) -> torch.Tensor:
+    y = v.sin()
+    torch._dynamo.graph_break()  # what print() or data-dependent Python control flow in func does
+    return y * cm.psum(v, "i")
+
+
+def check_breaks_inside_func() -> List[str]:
+    """A cmap nested in func (it runs eagerly, as plain torch.vmap over this rank's examples) and a graph break in
+    func itself: the compiled call gives eager cmap's values and gradients."""
+    x = randn(7, 3, seed=4, dtype=DOUBLE)
+    for func in (_with_nested, _with_break):
+        mapped = cm.cmap(func, axis_name="i")
+        want, want_grad = _value_and_grad(mapped, x)
+        torch._dynamo.reset()
+        got, got_grad = _value_and_grad(torch.compile(mapped, backend="aot_eager"), x)
+        _close(got, want, f"{func.__name__} value")
+        _close(got_grad, want_grad, f"{func.__name__} gradient")
+    return [f.__name__ for f in (_with_nested, _with_break)]
+
+
+def _value_and_grad(fn: Callable, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    x = x.clone().requires_grad_()
+    out = fn(x)
+    out.square().sum().backward()
+    return out.detach(), x.grad
+
+
+def test_a_nested_cmap_and_a_graph_break_in_func(worlds):
+    assert worlds(3).run(check_breaks_inside_func, deadline=180) == [["_with_nested", "_with_break"]] * 3
+
+
 def test_eager_options_break_the_graph(worlds):
     got = worlds(2).run(check_eager_options, deadline=180)
     assert got[0] == got[1]

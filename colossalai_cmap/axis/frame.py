@@ -50,6 +50,11 @@ _FRAMES: Dict[str, List[AxisFrame]] = {}
 _FINISHED: Dict[str, AxisFrame] = {}
 
 
+def active() -> bool:
+    """Whether any named axis is mapped now (a cmap or shard_map is running func)."""
+    return bool(_FRAMES)
+
+
 def push(name: str, frame: AxisFrame) -> None:
     """Open ``frame`` as the innermost of ``name``. A plain push and :func:`pop` (no generator) is what dynamo
     traces, so a compiled call opens its frame this way, in a ``try``/``finally``."""

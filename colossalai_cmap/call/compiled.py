@@ -3,8 +3,8 @@
 
 The pipeline (:func:`run_compiled`), with the eager path's split and roles but no round of its own:
 
-1. Refuse what needs the eager orchestration (:func:`refuse_unsupported`): ``src``, ``dst=r``, loop mode, random
-   draws, ``check_inputs``, and closure-captured tensors that need a gradient.
+1. Refuse what needs the eager orchestration (:func:`unsupported`): ``src``, ``dst=r``, loop mode, random draws,
+   ``check_inputs``, a cmap nested in another's func, and closure-captured tensors that need a gradient.
 2. Plan from static shapes: the eager plan's shares (:func:`~.plan.shares`), so each rank maps the same rows.
 3. Enter: mapped inputs cut with ``narrow``; tensors that need a gradient go through a traced ``Split``
    (:mod:`~colossalai_cmap.wire.traced`): rows all-gathered in backward, other tensors' gradients summed.
@@ -35,6 +35,7 @@ from ..wire.traced import rows_at, traced_join, traced_split
 from .dispatch import dispatch
 from .options import Options
 from .plan import shares
+from .rank import SPLITTING
 from .site import CallSite
 from .specs import flatten, flatten_args, flatten_out_dims, normalise_out_dim, unflatten
 
@@ -63,11 +64,15 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
         link = None if pg is None else Link(Group(pg, rank, size, ()), _device(leaves), opts.call, opts.timeout)
         frame = AxisFrame(link, flat.batch_size, offset, sizes, opts.mode, stand_in)
         frames.push(opts.axis_name, frame)
+    # A cmap nested in func runs eagerly (a graph break) and, seeing this, as plain torch.vmap here. Every rank is
+    # marked: this rank's group members are not known inside the graph, and a plain vmap gives the same values.
+    SPLITTING.append(tuple(range(dist.get_world_size())) if size > 1 else ())
     try:
         out = map_share(
             opts, site.body, (leaves, flat.dims, flat.spec), kwargs, frame, max(rows, 1) if stand_in else rows
         )
     finally:
+        SPLITTING.pop()
         if frame is not None:
             frames.pop(opts.axis_name, finished=False)
     return leave(opts, out, sizes, pg if size > 1 else None, rank)
@@ -86,6 +91,8 @@ def unsupported(site: CallSite) -> Optional[str]:
         return "randomness"
     if opts.check_inputs:
         return "check_inputs"
+    if frames.active():  # its traced collectives would run under the outer map's vmap, which has no rule for them
+        return "nested"
     if torch.is_grad_enabled() and site.captures_trainable():
         return "captured"
     return None
@@ -97,6 +104,7 @@ _REASONS = {
     "loop": "mode='loop' runs its examples in threads",
     "randomness": "randomness='same' or 'different' agrees on a seed in a round",
     "check_inputs": "check_inputs=True compares checksums in the status round",
+    "nested": "a cmap inside the func of another cmap or shard_map maps over that call's examples",
     "captured": (
         "a closure-captured tensor or module parameter requires grad and its gradient is summed over the ranks; "
         "pass it as an argument with in_dims=None"
