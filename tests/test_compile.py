@@ -158,13 +158,14 @@ def check_case(name: str, B: int, dsts: Tuple[Any, ...], explain: bool) -> int:
 
 
 # (world size, batch, cases, dsts, explain): the collectives, in_dims and pytrees at 3 ranks with uneven shares
-# (7 = 3 + 3 + 1, or 3 + 2 + 2 with dst="local"); an empty share (B = 2 < 3: one stand-in example); 2 ranks; one
-# process. Each compile costs seconds on a loaded machine, so the matrix is a cover, not a product.
+# (7 = 3 + 3 + 1, or 3 + 2 + 2 with dst="local"); an empty share (B = 2 < 3: one stand-in example); 4 ranks (2 + 2
+# + 2 + 1); 2 ranks; one process. Each compile costs seconds on a loaded machine, so the matrix is a cover, not a product.
 MATRIX = [
     (3, 7, ("pmean/psum", "in_dims=(1, None)", "pytree out_dims"), (-1,), False),
     (3, 7, ("pytree out_dims",), ("local",), False),
     (3, 2, ("pmean/psum",), ("local",), False),
     (2, 7, ("plain", "batched"), (-1,), False),
+    (4, 7, ("pmean/psum",), (-1,), False),
     (2, 7, ("pmean/psum",), (-1,), True),
     (1, 7, ("pmean/psum",), (-1,), True),
 ]
