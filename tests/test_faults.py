@@ -134,3 +134,46 @@ def check_user_backward_failure():
 @pytest.mark.parametrize("P", [2, 3])
 def test_failure_in_user_backward(worlds, P):
     assert worlds(P).run(check_user_backward_failure, deadline=60) == ["peer"] * (P - 1) + ["own"]
+
+
+# ------------------------------------------------------------------------------------------- the native collectives
+def _native_ops(size):
+    """Each op that takes its native collective inside func, over the axis of B = 2 size + 1 examples."""
+    B = 2 * size + 1
+    ring = [(i, (i + 1) % B) for i in range(B)]
+    return {
+        "psum_scatter": lambda v: cm.psum_scatter(v.expand(B, 3), "i"),
+        "all_gather": lambda v: cm.all_gather(v, "i").sum(0) * v,
+        "all_to_all": lambda v: cm.all_to_all(v.expand(B, 3), "i", 0, 0),
+        "ppermute": lambda v: cm.ppermute(v, "i", ring) * v,
+    }
+
+
+def check_native_op_faults():
+    """A fault on one rank as it enters a native collective inside func (phase "pack"), or its transpose in backward
+    (phase "backward"), is the same CmapError on every rank, naming that rank, with its traceback there; the group
+    stays usable."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    victim = size - 1
+    x = torch.arange((2 * size + 1) * 3, dtype=torch.float64).view(-1, 3).tensor_split(size)[rank] / 10
+    seen = []
+    for name, f in _native_ops(size).items():
+        mapped = cm.cmap(f, axis_name="i", src="local", dst="local")  # no other exchange in backward
+        for phase in ("pack", "backward"):
+            xs = x.clone().requires_grad_(phase == "backward")
+            with inject_fault(phase, [victim]), pytest.raises(cm.CmapError) as info:
+                out = mapped(xs)
+                if phase == "backward":
+                    out.sum().backward()
+            failing = [f.group_rank for f in info.value.failures if f.exc_type == InjectedFault.__qualname__]
+            assert failing == [victim], (name, phase, str(info.value))
+            assert "in _meet" in info.value.failures[0].traceback, (name, phase)  # raised entering the native op
+            seen.append((name, phase))
+            mapped(x)  # the group is still usable, on every rank
+    return seen
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_fault_in_each_native_collective_reaches_every_rank(worlds, P):
+    got = worlds(P).run(check_native_op_faults, deadline=120)
+    assert got == [[(op, phase) for op in _native_ops(P) for phase in ("pack", "backward")]] * P

@@ -149,7 +149,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if spec.exit is not None:
         transfer.meet_early(rnd, ch, link)
     if rnd.failed:
-        protocol.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)))
+        protocol.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
     if spec.exit is not None:
         if spec.learned is not None:
             spec.learned.table = rnd.table

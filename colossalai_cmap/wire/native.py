@@ -62,7 +62,7 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
     group, failure, cause = spec.link.group, None, None
     try:
         if faults.ACTIVE:
-            faults.check("pack", group)
+            faults.check("backward" if spec.kind == Kind.SYNC else "pack", group)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
     if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
@@ -72,7 +72,8 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
     header = Header(spec.kind, Status.FAILED if failure else Status.OK, digest=sig, inline=1)
     rnd = protocol.checked_round(spec.link, header, spec.what)
     if rnd.failed:
-        protocol.raise_failures(rnd, failure, cause, spec.link._replace(call=f"{spec.link.call}: {spec.what}"))
+        link = spec.link._replace(call=f"{spec.link.call}: {spec.what}")
+        protocol.raise_failures(rnd, failure, cause, link, in_func=spec.kind == Kind.OP)
 
 
 def _first(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -244,10 +244,19 @@ def check_agreement(table: Tuple[Header, ...], agree: Sequence[str], agree_nonem
             raise Disagreement(field, table)
 
 
-def raise_failures(rnd: Round, failure: Optional[RankFailure], cause: Optional[BaseException], link: Link) -> None:
-    """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``."""
+def raise_failures(
+    rnd: Round, failure: Optional[RankFailure], cause: Optional[BaseException], link: Link, in_func: bool = False
+) -> None:
+    """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``. ``in_func``
+    (a collective inside func, whose call's exit tells every rank): the failing rank raises its own error and the
+    others ``CollectiveAborted``, so that the exit reports the failure once, as it is."""
     if not rnd.failed:
         return
+    if in_func:
+        if cause is not None:
+            raise cause
+        failed = [r for r, h in enumerate(rnd.table) if h.status == Status.FAILED]
+        raise CollectiveAborted(f"{link.call}: group rank(s) {failed} failed as they entered it.")
     found = comm.all_gather_object(failure, link.round_group, link.call, link.timeout, link.round_device)
     failures = [f for f in found if f]
     real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
