@@ -6,6 +6,8 @@ rides in it, so no round reads device memory (``CallStats.host_reads`` stays 0).
 collectives, faults at every phase, shard_map and shard_model, all against the same oracles as the default layout.
 """
 
+import time
+from datetime import timedelta
 from typing import Any, Dict, Tuple
 
 import shard_cases as sc
@@ -110,6 +112,35 @@ def test_rounds_take_the_host_group_and_data_the_data_group(host_worlds, worlds)
     for found in worlds(2).run(check_planes, deadline=DEADLINE):
         # the default layout on CPU: rounds on the data's group, small data inline in them
         assert found["rounds on the world"] == found["rounds"] >= 3 and found["data"] == 0, found
+
+
+# --------------------------------------------------------------------------------------------- a timeout
+def check_a_missing_rank_then_a_new_group(skipper: int) -> Tuple[str, bool]:
+    """``skipper`` skips a call on a fresh group: its peers' host round times out and names it. Then every rank makes
+    a new group, whose own host group is a fresh start: a call on it works."""
+    timeout = 3.0
+    group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=4 * timeout))
+    f = cm.cmap(torch.sin, group=group, timeout=timeout)
+    x = torch.randn(5, 2)
+    f(x)
+    text = "skipped"
+    if dist.get_rank() == skipper:
+        time.sleep(timeout + 1)  # the peers give up meanwhile
+    else:
+        try:
+            f(x)
+        except cm.CmapError as err:
+            text = str(err)
+    fresh = dist.new_group([0, 1, 2])
+    return text, torch.equal(cm.cmap(torch.sin, group=fresh)(x), x.sin())
+
+
+def test_a_timeout_names_the_missing_rank_and_a_new_group_works(host_worlds):
+    got = host_worlds(3).run(check_a_missing_rank_then_a_new_group, 2, deadline=120)
+    assert got[2] == ("skipped", True)
+    for text, fresh_works in got[:2]:
+        assert "exit round" in text and "group rank 2 (global rank 2) did not arrive" in text, text
+        assert fresh_works
 
 
 # ----------------------------------------------------------------------- the suite's oracles, in this layout

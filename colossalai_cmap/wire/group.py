@@ -1,15 +1,15 @@
 """Where collectives run: a process group as a :class:`Group` record, and the one :class:`GroupState` this process
 keeps for it (its round channels, its count of collectives, whether they fell out of step, and its host group).
 
-A group whose backend is not gloo (nccl, on GPUs) gets a **host group**: a gloo group on the same ranks, made once,
-collectively, when the group is first resolved. Status rounds go over it in host memory, so they never wait on the
+A group whose backend is not gloo (nccl, on GPUs) gets a **host group**: a gloo group on the same ranks, its own,
+made once, collectively, when the group is first resolved. Status rounds go over it in host memory, so they never wait on the
 device, and CPU tensors in an nccl world travel over it (nccl refuses them). ``COLOSSALAI_CMAP_STATUS_PLANE=host``
 gives every group one, so that the layout GPUs take runs on CPU too.
 """
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ class GroupState:
 
 
 _STATES: Dict[int, Tuple[Any, GroupState]] = {}  # id(pg) -> (pg, state): the pg kept alive, so ids are not reused
-_HOSTS: Dict[Tuple[int, ...], dist.ProcessGroup] = {}  # global ranks -> their host gloo group, shared by their groups
+_HOSTS: Set[int] = set()  # ids of the host groups made here (each is its own host; kept alive in _STATES)
 
 
 def state_of(pg: dist.ProcessGroup) -> GroupState:
@@ -75,7 +75,7 @@ def state_of(pg: dist.ProcessGroup) -> GroupState:
         group = Group(pg, dist.get_rank(pg), dist.get_world_size(pg), tuple(dist.get_process_group_ranks(pg)))
         track = presence.track(str(getattr(pg, "group_name", group.ranks)), group.ranks)
         found = _STATES[id(pg)] = (pg, GroupState(group, track))
-        if host_plane_forced() or "gloo" not in group.backend():
+        if id(pg) not in _HOSTS and (host_plane_forced() or "gloo" not in group.backend()):
             host_of(group)
     return found[1]
 
@@ -87,13 +87,14 @@ def host_plane_forced() -> bool:
 
 def host_of(group: Group) -> Group:
     """The group's host group: gloo, same ranks, made on first need (collectively: every rank of ``group`` resolves
-    it at the same call) and shared by every group over the same ranks."""
+    it at the same call). Each group has its own, so that a wait that fails on one (which leaves its collective
+    sequence out of step) leaves the others usable, and a new group is a fresh start, as on gloo."""
     state = state_of(group.pg)
     if state.host is None:
-        pg = _HOSTS.get(group.ranks)
-        if pg is None:
-            pg = _HOSTS[group.ranks] = dist.new_group(list(group.ranks), backend="gloo", use_local_synchronization=True)
+        pg = dist.new_group(list(group.ranks), backend="gloo", use_local_synchronization=True)
+        _HOSTS.add(id(pg))
         host = group_of(pg)
+        state_of(pg).host = host  # its own rounds run on itself
         if host.ranks != group.ranks:  # rounds index their table by group rank: the orders must agree
             raise RuntimeError(f"the host group's ranks {host.ranks} are not in the order of its group's {group.ranks}")
         state.host = host
