@@ -1,4 +1,5 @@
-"""One group's side of the status protocol on this rank: its reusable round buffers, and what its rounds agreed.
+"""One group's side of the status protocol on this rank: its reusable round buffers, always in host memory (rounds
+of device data take the group's host group), and what its rounds agreed.
 
 Every round on a group has the same size on every rank, whatever each rank is doing. The size adapts, but only as a
 function of the tables every rank has seen, in the same order, so every rank always agrees on it: it grows at once
@@ -43,7 +44,9 @@ class Channel:
     agreed state: the payload size, the last data phase's shape, and whether a backward was left unfinished."""
 
     def __init__(self, group: Group, device: torch.device) -> None:
-        self.size, self.device, self.cpu = group.size, device, device.type == "cpu"
+        if device.type != "cpu":  # link_for sends the rounds of device data over the host group
+            raise ValueError(f"status rounds run in host memory, not on {device}")
+        self.size, self.device = group.size, device
         self.base, self.max = payload_bounds(group.size)
         self.payload_bytes = self.base
         self.quiet = 0  # rounds in a row that needed a quarter of the payload or less
@@ -60,19 +63,15 @@ class Channel:
             self.recv = torch.empty((self.size, total), dtype=torch.uint8, device=self.device)
             self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
             self.payloads = self.recv.narrow(1, HEADER_BYTES, self.payload_bytes)
-            if self.cpu:
-                self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)
-                self.table = self.recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
+            self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)
+            self.table = self.recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
         self.routes: Dict[Any, Any] = {}  # views into these buffers (:mod:`route`)
 
     def write_header(self, header: Sequence[int]) -> None:
-        if self.cpu:
-            self.head[:] = header
-        else:
-            self.send[:HEADER_BYTES].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
+        self.head[:] = header
 
     def read_rows(self) -> list:
-        return self.table.tolist() if self.cpu else self.recv[:, :HEADER_BYTES].view(torch.int64).tolist()
+        return self.table.tolist()
 
     def agree(self, need: int) -> None:
         """After a round: the payload size of the next one, from the largest block any rank needed in this one."""
