@@ -41,18 +41,18 @@ bench: install
 	$(PY) -m benchmarks.wire_bytes
 
 # On a GPU machine: the checks on CUDA over nccl (one rank per GPU, up to 8), which steady calls synchronize the host,
-# and cmap's all_gather / all_reduce against torch.distributed's (also benchmarks/gpu_results.json). Under 10 minutes.
+# and cmap's all_gather / all_reduce against torch.distributed's (also checks/gpu_results.json). Under 10 minutes.
 # Without CUDA it says so and exits 0. GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--nproc 2 --no-bench".
 gpu-check: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m checks.gpu $(GPU_CHECK_ARGS)
 
 lint: install-test
-	$(PY) -m black --check -l 120 colossalai_cmap tests examples benchmarks setup.py
-	$(PY) -m isort --check-only --profile black -l 120 colossalai_cmap tests examples benchmarks setup.py
+	$(PY) -m black --check -l 120 colossalai_cmap tests examples benchmarks checks setup.py
+	$(PY) -m isort --check-only --profile black -l 120 colossalai_cmap tests examples benchmarks checks setup.py
 
 format: install-test
-	$(PY) -m black -l 120 colossalai_cmap tests examples benchmarks setup.py
-	$(PY) -m isort --profile black -l 120 colossalai_cmap tests examples benchmarks setup.py
+	$(PY) -m black -l 120 colossalai_cmap tests examples benchmarks checks setup.py
+	$(PY) -m isort --profile black -l 120 colossalai_cmap tests examples benchmarks checks setup.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

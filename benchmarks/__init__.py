@@ -7,12 +7,12 @@ Run from the repository root (``make bench`` runs the first two)::
     python -m benchmarks.compile [--quick]    # torch.compile and cmap side by side
     python -m benchmarks.tp_side_by_side      # shard_model against parallelize_module and shardformer
     python -m benchmarks.render [RESULTS] [DOCS]  # re-render the report from a results file
-    python -m benchmarks.gpu_check            # make gpu-check: the checks and nccl rows on CUDA (gpu_results.json)
 
 Modules: ``cases`` (every case, declared once), ``baselines`` (the hand-written variants), ``timing`` and
 ``memory`` (what is measured per case), ``measure`` (the instruments), ``attribution`` (where cmap's time goes,
 by cProfile), ``suite`` (what each rank of a world runs), ``world`` (spawning a gloo world), ``machine`` (what ran
 where), ``run`` (the command line), ``render`` with ``plots``, ``scaling`` and ``performance.md.tmpl`` (the report).
 The benchmarks use only the package's public API and its public introspection (``cmap(f).stats``,
-``colossalai_cmap.record_collectives()``).
+``colossalai_cmap.record_collectives()``), and the tests' wire counter (``tests/wire_tap.py``). The GPU
+correctness check is not a benchmark: it lives in ``checks/gpu`` (``make gpu-check``).
 """

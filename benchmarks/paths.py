@@ -10,6 +10,7 @@ RESULTS = ROOT / "benchmarks" / "results.json"  # what ``python -m benchmarks.ru
 DOCS = ROOT / "docs"  # where ``performance.md`` and ``img/perf_*.png`` are rendered
 TEMPLATE = Path(__file__).resolve().with_name("performance.md.tmpl")
 EXAMPLES = ROOT / "examples"
+TESTS = ROOT / "tests"
 
 
 def load_example(name: str) -> ModuleType:
@@ -31,3 +32,11 @@ def load_example(name: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def test_support(name: str) -> ModuleType:
+    """``tests/<name>.py``, a module of the tests' own support (the wire counter, a world's environment), which
+    the benchmarks measure with too. The tests directory goes on ``sys.path``, which spawned ranks inherit."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    return importlib.import_module(name)

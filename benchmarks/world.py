@@ -1,40 +1,24 @@
 """One gloo world on 127.0.0.1 for one job: a free port, the launcher's environment, and the spawned ranks.
 
-Every benchmark starts its processes here (``spawn``); the test harness takes ``free_port`` and ``rank_env`` from
-here too. Importing this module imports nothing but the standard library: torch is imported in the ranks.
+Every benchmark starts its processes here (``spawn``); the port and each rank's environment come from the tests'
+``world_env``. Importing this module imports nothing but the standard library: torch is imported in the ranks.
 """
 
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-LOCALHOST = "127.0.0.1"
+from benchmarks.paths import test_support
+
+_env = test_support("world_env")
+LOCALHOST, free_port, rank_env = _env.LOCALHOST, _env.free_port, _env.rank_env
+
 # One thread per rank for torch's intra-op pool (set before torch is imported, in the parent and so in every rank).
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def free_port(host: str = LOCALHOST) -> int:
-    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def rank_env(rank: int, size: int, port: int, host: str = LOCALHOST) -> Dict[str, str]:
-    """The variables a launcher such as torchrun sets for one rank of a world of ``size`` on one machine."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(size),
-        "LOCAL_WORLD_SIZE": str(size),
-        "MASTER_ADDR": host,
-        "MASTER_PORT": str(port),
-    }
 
 
 def spawn(

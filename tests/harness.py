@@ -14,7 +14,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
 
-from benchmarks.world import LOCALHOST, free_port, rank_env  # noqa: F401  (free_port: also the tests' import)
+from world_env import LOCALHOST, free_port, rank_env  # noqa: F401  (free_port: also the tests' import)
 
 DEFAULT_DEADLINE = float(os.environ.get("CMAP_TEST_DEADLINE", "90"))
 # Starting a world imports torch and colossalai in every process: slow when the machine is loaded.

@@ -1,12 +1,15 @@
 """Checks that run inside the worker processes for the shard_map tests: each compares shard_map's values and
 gradients with a single-process reference that computes the same global function, in float64 (cases.F64)."""
 
+import importlib
 from functools import partial
 from typing import Any, Callable, Dict, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from cases import F64, assert_same
+from torch.utils._pytree import tree_leaves, tree_map
 
 import colossalai_cmap as cm
 from colossalai_cmap import P, shard_map
@@ -416,3 +419,75 @@ def check_spec_property(shape: Tuple[int, ...], entries: Tuple[Any, ...]) -> boo
     total = shard_map(block_sum, m, spec, P())
     compare(f"sum {spec} {shape}", values_and_grads(total, x), values_and_grads(torch.sum, x))
     return True
+
+
+# ------------------------------------------------------------------- jax's tutorial and its port, side by side
+def run_jax(examples: Any, example: str, args: Any, cotangents: Any = None, **kwargs: Any) -> Any:
+    """``examples.jax_<example>(*args)`` (``examples``: the module of the ports): its outputs' leaves, and with ``cotangents`` (one per output leaf) the vjp's gradient
+    for each leaf of args, all as numpy arrays. One jit for both: jax's eager mode takes minutes on the pipeline."""
+    import jax
+    import jax.numpy as jnp
+
+    fn = partial(getattr(examples, "jax_" + example), **kwargs)
+
+    @jax.jit
+    def values_and_grads(args, cotangents):
+        ys, vjp = jax.vjp(fn, *args)
+        return ys, (None if cotangents is None else vjp(jax.tree.unflatten(jax.tree.structure(ys), cotangents)))
+
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)  # halves the compile time of these tiny programs
+    try:
+        ys, grads = values_and_grads(jax.tree.map(jnp.asarray, args), cotangents and list(map(jnp.asarray, cotangents)))
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
+    return [np.asarray(y) for y in jax.tree.leaves(ys)], grads and [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def jax_shapes(examples: Any, example: str, args: Any) -> Any:
+    """The shapes of ``examples.jax_<example>(*args)``'s output leaves (traced, not run)."""
+    import jax
+
+    return [y.shape for y in jax.tree.leaves(jax.eval_shape(getattr(examples, "jax_" + example), *args))]
+
+
+def run_cm(module: str, example: str, args: Any, cotangents: Any = None, **kwargs: Any) -> Any:
+    """On each rank: ``cm_<example>(*args)`` of the module named ``module`` on the same global tensors, and with ``cotangents`` the gradient that
+    backward leaves in each leaf of args (every leaf requires grad), all as numpy arrays."""
+    fn = partial(getattr(importlib.import_module(module), "cm_" + example), **kwargs)
+    args = tree_map(lambda a: torch.from_numpy(np.array(a)), args)
+    leaves = tree_leaves(args)
+    for leaf in leaves:
+        leaf.requires_grad_(cotangents is not None)
+    ys = tree_leaves(fn(*args))
+    if cotangents is None:
+        return [y.numpy() for y in ys], None
+    torch.autograd.backward(ys, [torch.from_numpy(np.array(c)) for c in cotangents])
+    grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+    return [y.detach().numpy() for y in ys], [g.numpy() for g in grads]
+
+
+def integers(shape: Any, seed: int) -> np.ndarray:
+    """Integer-valued float32 cotangents: every sum a vjp makes of them (and of the tutorial's integers) is exact."""
+    return np.random.RandomState(seed).randint(-4, 5, size=shape).astype(np.float32)
+
+
+def compare_with_jax(got: Any, want: Any, tol: Any, what: str) -> None:
+    """Each rank's (values, gradients) against jax's: equal, or with ``tol(kind, k) = (atol, rtol)`` within
+    atol + rtol |jax's| entrywise (atol may be an array of bounds), with NaN exactly where jax has NaN."""
+    for rank, result in enumerate(got):
+        for kind, g_leaves, w_leaves in (("values", result[0], want[0]), ("gradients", result[1], want[1])):
+            if w_leaves is None:
+                continue
+            assert len(g_leaves) == len(w_leaves), f"{what} rank {rank}: {kind}: {len(g_leaves)} != {len(w_leaves)}"
+            for k, (g, w) in enumerate(zip(g_leaves, w_leaves)):
+                where = f"{what}, rank {rank}: {kind}[{k}]"
+                assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
+                if tol is None:
+                    np.testing.assert_array_equal(g, w, err_msg=where)
+                    continue
+                atol, rtol = tol(kind, k)
+                g64, w64 = g.astype(np.float64), w.astype(np.float64)
+                assert np.array_equal(np.isnan(g64), np.isnan(w64)), f"{where}: NaN in other places\n{g}\n{w}"
+                off = np.abs(g64 - w64) > atol + rtol * np.abs(w64)
+                assert not off.any(), f"{where}: {off.sum()} entries off by more than the bound\n{g}\n{w}"

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "benchmarks" / "gpu_check"
+PACKAGE = ROOT / "checks" / "gpu"
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # hides any GPU: torch.cuda.is_available() is False
-    command = [sys.executable, "-m", "benchmarks.gpu_check", *args]
+    command = [sys.executable, "-m", "checks.gpu", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

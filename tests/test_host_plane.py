@@ -18,9 +18,9 @@ import test_tp_plan
 import torch
 import torch.distributed as dist
 from torch import nn
+from wire_tap import counting
 
 import colossalai_cmap as cm
-from benchmarks.wire_bytes import counting
 
 DEADLINE = 240
 

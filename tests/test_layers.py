@@ -67,3 +67,16 @@ def test_each_subpackage_says_what_it_is_for(name: str) -> None:
 def test_top_level_holds_only_the_public_names_and_leaf_modules() -> None:
     top = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
     assert top == LEAVES, f"top-level modules {sorted(top - LEAVES)} belong in a subpackage"
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.glob("*.py")), ids=lambda p: p.name)
+def test_no_test_imports_the_benchmarks(path: Path) -> None:
+    """Test support lives in ``tests/``; the benchmarks may use it, never the other way round."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        bad = [n for n in names if n == "benchmarks" or n.startswith("benchmarks.")]
+        assert not bad, f"tests/{path.name} imports {bad}: move what it needs into tests/"

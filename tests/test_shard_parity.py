@@ -37,29 +37,29 @@ Tolerances, derived, never fitted:
   NaN in the same places (and equal numbers elsewhere), and the same pipeline filled with zeros instead gives the
   whole gradient, checked too.
 
-``LINES``: the code lines (blank lines, comments and docstrings left out) of each example's jax and cm.shard_map
-function, as ``test_line_table`` counts them.
+The runner (each side's values and vjp, and the comparison) is the shard tests' helper ``shard_cases``; the table
+of each example's code lines on both sides is ``test_shard_port_lines.py``.
 """
 
-import ast
 import functools
-import inspect
 import os
-import textwrap
+import sys
 from functools import partial
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import shard_cases as sc  # noqa: E402
 import torch  # noqa: E402
 from cases import F64, gamma  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import colossalai_cmap as cm  # noqa: E402
 from colossalai_cmap import P, shard_map  # noqa: E402
+
+EXAMPLES = sys.modules[__name__]  # the jax_* and cm_* examples, which the runner looks up by name
 
 if torch.distributed.is_initialized():  # a gloo rank, importing this module for the ports: it never runs jax
     jax = jnp = lax = Auto = None
@@ -68,39 +68,6 @@ else:
     jnp = pytest.importorskip("jax.numpy")
     lax = pytest.importorskip("jax.lax")
     Auto = jax.sharding.AxisType.Auto
-
-# example: (code lines of jax_<example>, of cm_<example>), blank lines, comments and docstrings left out
-LINES = {
-    "matmul_basic": (9, 9),
-    "specs_f1": (7, 7),
-    "specs_f2": (7, 7),
-    "specs_f3": (6, 6),
-    "specs_f4": (6, 6),
-    "specs_f5": (6, 6),
-    "specs_untile": (6, 6),
-    "psum_f1": (7, 7),
-    "psum_f2": (7, 7),
-    "psum_f3": (7, 7),
-    "all_gather_f4": (7, 7),
-    "all_gather_f5": (7, 7),
-    "psum_scatter_f6": (7, 7),
-    "ppermute_f7": (8, 8),
-    "ppermute_psum_scatter_f8": (17, 17),
-    "all_to_all_f9": (7, 7),
-    "matmul_allgather": (9, 9),
-    "matmul_allgather_overlapped": (17, 17),
-    "matmul_allgather_overlapped_bidi": (26, 26),
-    "matmul_psumscatter": (9, 9),
-    "matmul_psumscatter_overlapped": (16, 16),
-    "matmul_psumscatter_overlapped_bidi": (21, 21),
-    "predict, loss (the model)": (9, 9),
-    "dp": (9, 9),
-    "fsdp": (17, 17),
-    "tp": (20, 20),
-    "fsdp_tp": (18, 18),
-    "pp": (48, 48),
-    "the port's helpers": (0, 15),  # make_mesh, set_at, add_at, remat
-}
 
 
 # =============================================================================================== jax: the tutorial
@@ -1159,73 +1126,6 @@ def cm_bug_closure_returned(x):
     return shard_map(lambda: x, mesh=mesh, in_specs=(), out_specs=P("i"))()
 
 
-# ====================================================================================================== running
-def run_jax(example, args, cotangents=None, **kwargs):
-    """jax_<example>(*args): its outputs' leaves, and with ``cotangents`` (one per output leaf) the vjp's gradient
-    for each leaf of args, all as numpy arrays. One jit for both: jax's eager mode takes minutes on the pipeline."""
-    fn = partial(globals()["jax_" + example], **kwargs)
-
-    @jax.jit
-    def values_and_grads(args, cotangents):
-        ys, vjp = jax.vjp(fn, *args)
-        return ys, (None if cotangents is None else vjp(jax.tree.unflatten(jax.tree.structure(ys), cotangents)))
-
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)  # halves the compile time of these tiny programs
-    try:
-        ys, grads = values_and_grads(jax.tree.map(jnp.asarray, args), cotangents and list(map(jnp.asarray, cotangents)))
-    finally:
-        jax.config.update("jax_disable_most_optimizations", previous)
-    return [np.asarray(y) for y in jax.tree.leaves(ys)], grads and [np.asarray(g) for g in jax.tree.leaves(grads)]
-
-
-def jax_shapes(example, args):
-    """The shapes of jax_<example>(*args)'s output leaves (traced, not run)."""
-    return [y.shape for y in jax.tree.leaves(jax.eval_shape(globals()["jax_" + example], *args))]
-
-
-def run_cm(example, args, cotangents=None, **kwargs):
-    """On each rank: cm_<example>(*args) on the same global tensors, and with ``cotangents`` the gradient that
-    backward leaves in each leaf of args (every leaf requires grad), all as numpy arrays."""
-    fn = partial(globals()["cm_" + example], **kwargs)
-    args = tree_map(lambda a: torch.from_numpy(np.array(a)), args)
-    leaves = tree_leaves(args)
-    for leaf in leaves:
-        leaf.requires_grad_(cotangents is not None)
-    ys = tree_leaves(fn(*args))
-    if cotangents is None:
-        return [y.numpy() for y in ys], None
-    torch.autograd.backward(ys, [torch.from_numpy(np.array(c)) for c in cotangents])
-    grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-    return [y.detach().numpy() for y in ys], [g.numpy() for g in grads]
-
-
-def integers(shape, seed):
-    """Integer-valued float32 cotangents: every sum a vjp makes of them (and of the tutorial's integers) is exact."""
-    return np.random.RandomState(seed).randint(-4, 5, size=shape).astype(np.float32)
-
-
-def compare(got, want, tol, what):
-    """Each rank's (values, gradients) against jax's: equal, or with ``tol(kind, k) = (atol, rtol)`` within
-    atol + rtol |jax's| entrywise (atol may be an array of bounds), with NaN exactly where jax has NaN."""
-    for rank, result in enumerate(got):
-        for kind, g_leaves, w_leaves in (("values", result[0], want[0]), ("gradients", result[1], want[1])):
-            if w_leaves is None:
-                continue
-            assert len(g_leaves) == len(w_leaves), f"{what} rank {rank}: {kind}: {len(g_leaves)} != {len(w_leaves)}"
-            for k, (g, w) in enumerate(zip(g_leaves, w_leaves)):
-                where = f"{what}, rank {rank}: {kind}[{k}]"
-                assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
-                if tol is None:
-                    np.testing.assert_array_equal(g, w, err_msg=where)
-                    continue
-                atol, rtol = tol(kind, k)
-                g64, w64 = g.astype(np.float64), w.astype(np.float64)
-                assert np.array_equal(np.isnan(g64), np.isnan(w64)), f"{where}: NaN in other places\n{g}\n{w}"
-                off = np.abs(g64 - w64) > atol + rtol * np.abs(w64)
-                assert not off.any(), f"{where}: {off.sum()} entries off by more than the bound\n{g}\n{w}"
-
-
 # ------------------------------------------------------------------------------------------------ the examples
 ARANGE_12x12 = np.arange(12 * 12).reshape(12, 12)
 TUTORIAL_16 = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 1, 2])
@@ -1270,10 +1170,14 @@ def test_exact(worlds, example):
     cotangents: all exact, so jax's float32 values are the integers' values too."""
     ints = EXACT[example]
     floats = tuple(a.astype(np.float32) for a in ints)
-    cotangents = [integers(shape, 10 + k) for k, shape in enumerate(jax_shapes(example, floats))]
-    want = run_jax(example, floats, cotangents)
-    compare(worlds(4).run(run_cm, example, ints), (want[0], None), None, f"{example} (integers)")
-    compare(worlds(4).run(run_cm, example, floats, cotangents), want, None, f"{example} (float32)")
+    cotangents = [sc.integers(shape, 10 + k) for k, shape in enumerate(sc.jax_shapes(EXAMPLES, example, floats))]
+    want = sc.run_jax(EXAMPLES, example, floats, cotangents)
+    sc.compare_with_jax(
+        worlds(4).run(sc.run_cm, __name__, example, ints), (want[0], None), None, f"{example} (integers)"
+    )
+    sc.compare_with_jax(
+        worlds(4).run(sc.run_cm, __name__, example, floats, cotangents), want, None, f"{example} (float32)"
+    )
 
 
 MATMULS = [
@@ -1298,10 +1202,10 @@ def test_collective_matmul(worlds, example):
         ("gradients", 0): 2 * gamma(4) * (C @ X.T),  # d lhs = W @ rhs.T
         ("gradients", 1): 2 * gamma(8) * (A.T @ C),  # d rhs = lhs.T @ W
     }
-    want = run_jax(example, (lhs, rhs), [W])
+    want = sc.run_jax(EXAMPLES, example, (lhs, rhs), [W])
     np.testing.assert_allclose(want[0][0], lhs @ rhs, rtol=0, atol=float(eps_bound["values", 0].max()))
-    got = worlds(4).run(run_cm, example, (lhs, rhs), [W])
-    compare(got, want, lambda kind, k: (eps_bound[kind, k], 0.0), example)
+    got = worlds(4).run(sc.run_cm, __name__, example, (lhs, rhs), [W])
+    sc.compare_with_jax(got, want, lambda kind, k: (eps_bound[kind, k], 0.0), example)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1317,7 +1221,7 @@ def tutorial_model():
 def reference_loss_and_grad():
     """The reference model's loss and gradient (the tutorial's ``loss``, unsharded), in float64."""
     with jax.enable_x64(True):
-        return run_jax("loss", tutorial_model(), [np.float64(1.0)])
+        return sc.run_jax(EXAMPLES, "loss", tutorial_model(), [np.float64(1.0)])
 
 
 NETWORKS = {  # test id: (example, kwargs)
@@ -1336,15 +1240,15 @@ def test_network(worlds, name):
     example, kwargs = NETWORKS[name]
     params, batch = tutorial_model()
     with jax.enable_x64(True):
-        want = run_jax(example, (params, batch), [np.float64(1.0)], **kwargs)
+        want = sc.run_jax(EXAMPLES, example, (params, batch), [np.float64(1.0)], **kwargs)
     reference = reference_loss_and_grad()
     tol = (F64["atol"], F64["rtol"])
     np.testing.assert_allclose(want[0][0], reference[0][0], **F64, err_msg=f"{name}: jax against the reference")
     if not (example == "pp" and "fill" not in kwargs):  # the tutorial's NaN-filled pipeline has NaN gradients
         for k, (g, r) in enumerate(zip(want[1], reference[1])):
             np.testing.assert_allclose(g, r, **F64, err_msg=f"{name}: jax's gradient[{k}] against the reference")
-    got = worlds(4).run(run_cm, example, (params, batch), [np.array(1.0)], **kwargs)
-    compare(got, want, lambda kind, k: tol, name)
+    got = worlds(4).run(sc.run_cm, __name__, example, (params, batch), [np.array(1.0)], **kwargs)
+    sc.compare_with_jax(got, want, lambda kind, k: tol, name)
 
 
 def test_f64_premise():
@@ -1371,30 +1275,3 @@ def test_f64_premise():
         g = (g @ W.T) * (x > 0)
     assert max(n for n, _ in sums) <= 1000 and max(s for _, s in sums) <= 1000, sums
     assert min(float(np.abs(p).min()) for p in pre[:-1]) > F64["atol"]
-
-
-def code_lines(*fns):
-    """Lines of the functions' sources that hold code: blank lines, comment lines and docstrings left out."""
-    total = 0
-    for fn in fns:
-        source = textwrap.dedent(inspect.getsource(fn))
-        defs = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
-        docs = [
-            d.body[0] for d in defs if isinstance(d.body[0], ast.Expr) and isinstance(d.body[0].value, ast.Constant)
-        ]
-        skip = {k for doc in docs for k in range(doc.lineno, doc.end_lineno + 1)}
-        lines = enumerate(source.splitlines(), 1)
-        total += sum(1 for k, line in lines if k not in skip and line.strip() and not line.strip().startswith("#"))
-    return total
-
-
-def test_line_table():
-    """``LINES`` is what the examples' sources count."""
-    counted = {
-        "predict, loss (the model)": (code_lines(jax_predict, jax_loss), code_lines(cm_predict, cm_loss)),
-        "the port's helpers": (0, code_lines(make_mesh, set_at, add_at, remat)),
-    }
-    for name in LINES:
-        if name not in counted:
-            counted[name] = (code_lines(globals()["jax_" + name]), code_lines(globals()["cm_" + name]))
-    assert counted == LINES

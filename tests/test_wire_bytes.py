@@ -1,5 +1,5 @@
 """Bytes on the wire: each collective inside func, forward and backward, sends at most 1.1x its native algorithm's
-bytes plus 16 KiB per call, counted by wrapping ``torch.distributed`` (benchmarks.wire_bytes) in real gloo worlds.
+bytes plus 16 KiB per call, counted by wrapping ``torch.distributed`` (tests/wire_tap.py) in real gloo worlds.
 
 The workload is jax.pmap's shape: one example of n bytes per rank, as ``cmap(f, axis_name="i", src="local",
 dst="local")`` and as ``shard_map(f, mesh, P("i"), P("i"), local=True)``. Steady state: the third call is counted.
@@ -11,8 +11,7 @@ ones shrinks it. There the bound is the data's native bytes plus the rounds at t
 """
 
 import pytest
-
-from benchmarks.wire_bytes import ROUND_CAP, measure, native_bound
+from wire_tap import ROUND_CAP, measure, native_bound
 
 SIZES = (1024, 4096, 64 * 1024, 1 << 20)
 ALLOWANCE = 16 * 1024

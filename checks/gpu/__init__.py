@@ -1,9 +1,9 @@
 """``make gpu-check``: cmap, its collectives, ``shard_map`` and ``shard_model`` on CUDA over nccl, in one command.
 
-    python -m benchmarks.gpu_check                 # all GPUs up to 8: torchrun --nproc_per_node=min(8, GPUs)
-    python -m benchmarks.gpu_check --nproc 2       # a world of 2
-    python -m benchmarks.gpu_check --no-bench      # the checks only
-    python -m benchmarks.gpu_check --cpu           # the same checks over gloo on CPU tensors (to test the script)
+    python -m checks.gpu                 # all GPUs up to 8: torchrun --nproc_per_node=min(8, GPUs)
+    python -m checks.gpu --nproc 2       # a world of 2
+    python -m checks.gpu --no-bench      # the checks only
+    python -m checks.gpu --cpu           # the same checks over gloo on CPU tensors (to test the script)
 
 Without CUDA it prints that it needs a GPU and exits 0. With CUDA it launches itself under ``torchrun`` from the
 same interpreter; every rank calls ``colossalai.launch_from_torch()`` (nccl, its own device) and runs, in order:
@@ -18,7 +18,7 @@ same interpreter; every rank calls ``colossalai.launch_from_torch()`` (nccl, its
 * last, host syncs (``syncs``): which steady-state calls synchronize the host, under
   ``torch.cuda.set_sync_debug_mode``. Informational: a "yes" is reported, never failed.
 
-Everything is also written to ``benchmarks/gpu_results.json`` (``--json``).
+Everything is also written to ``checks/gpu_results.json`` (``--json``).
 
 The exit status is non-zero when a value or gradient check failed, or the run did not finish in time.
 """

@@ -12,8 +12,8 @@ from torch import nn
 
 import colossalai_cmap as cm
 from benchmarks import paths
-from benchmarks.gpu_check.core import F64, Ctx
-from benchmarks.gpu_check.report import compare
+from checks.gpu.core import F64, Ctx
+from checks.gpu.report import compare
 from colossalai_cmap import P, shard_map
 
 K, M = 2, 3  # rows of each rank's block, and columns

@@ -10,9 +10,9 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from benchmarks.gpu_check import bandwidth, core, sharded, syncs
-from benchmarks.gpu_check.core import Ctx
-from benchmarks.gpu_check.report import PeerTimeout, Reporter, flush
+from checks.gpu import bandwidth, core, sharded, syncs
+from checks.gpu.core import Ctx
+from checks.gpu.report import PeerTimeout, Reporter, flush
 
 STATUS_ENV = "GPU_CHECK_STATUS"  # where rank 0 writes "pass" or "fail" for the launcher
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.gpu_check``: find the GPUs, then run the check under ``torchrun`` (see the package doc).
+"""``python -m checks.gpu``: find the GPUs, then run the check under ``torchrun`` (see the package doc).
 
 Run from the repository root. Exits 0 without CUDA (nothing to check), else with the ranks' status: 1 when a check
 failed, 124 when the run did not finish before ``--deadline``.
@@ -14,13 +14,13 @@ from typing import List, Optional, Sequence
 
 from benchmarks.paths import ROOT
 
-DEFAULT_JSON = str(ROOT / "benchmarks" / "gpu_results.json")
+DEFAULT_JSON = str(ROOT / "checks" / "gpu_results.json")
 MAX_RANKS = 8
 STATUS_ENV = "GPU_CHECK_STATUS"  # rank 0 writes "pass" or "fail" there (rank.STATUS_ENV; rank.py imports torch)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m checks.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None, help=f"ranks (default: min({MAX_RANKS}, GPUs); --cpu: 2)")
     parser.add_argument("--no-bench", action="store_true", help="skip the nccl rows")
     parser.add_argument("--sizes", default="1,16,64", help="MiB per rank of the nccl rows (default %(default)s)")
@@ -48,7 +48,7 @@ def no_gpu_message() -> str:
         f"gpu-check: needs a GPU: torch.cuda.is_available() is False here (torch {torch.__version__}, built for "
         f"CUDA {torch.version.cuda}{env}), so nothing was checked.\n"
         f"gpu-check: on a machine with NVIDIA GPUs it runs cmap, its collectives, shard_map and shard_model on "
-        f"min({MAX_RANKS}, GPUs) ranks over nccl; `python -m benchmarks.gpu_check --cpu` runs the same checks over "
+        f"min({MAX_RANKS}, GPUs) ranks over nccl; `python -m checks.gpu --cpu` runs the same checks over "
         "gloo here."
     )
 
@@ -58,7 +58,7 @@ def _command(opts: argparse.Namespace, nproc: int) -> List[str]:
     forward += ["--cpu"] * opts.cpu + ["--no-bench"] * opts.no_bench
     # torchrun from this interpreter (the venv's), as a module: no PATH lookup can pick another torch.
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return torchrun + ["-m", "benchmarks.gpu_check", "--as-rank"] + forward
+    return torchrun + ["-m", "checks.gpu", "--as-rank"] + forward
 
 
 def launch(opts: argparse.Namespace) -> int:
@@ -123,7 +123,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parse_args(argv)
     if opts.as_rank:
-        from benchmarks.gpu_check import rank
+        from checks.gpu import rank
 
         return rank.main(opts)
     return launch(opts)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import colossalai_cmap as cm
 from benchmarks import paths
-from benchmarks.gpu_check.core import Ctx
+from checks.gpu.core import Ctx
 from colossalai_cmap import P, shard_map
 
 SYNC_TEXT = "synchronizing CUDA operation"
@@ -75,7 +75,7 @@ def probes(ctx: Ctx) -> List[Tuple[str, Callable[[Optional[Any]], Thunk]]]:
         return lambda: f(a, b)
 
     def llama(g: Optional[Any]) -> Thunk:
-        from benchmarks.gpu_check.sharded import llama as build
+        from checks.gpu.sharded import llama as build
 
         plan = paths.load_example("tensor_parallel_llama").PLAN
         model, ids = cm.shard_model(build(ctx), group=g, plan=plan), torch.randint(0, 1000, (2, 8)).to(dev)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import colossalai_cmap as cm
-from benchmarks.gpu_check.report import Reporter, compare
+from checks.gpu.report import Reporter, compare
 
 # Checks compute in float64: a sum split over ranks adds in another order, and in float64 that moves it by far less
 # than this at these sizes (n terms: about n * 1.1e-16 * sum|terms|), whereas no fixed float32 tolerance would hold.

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import colossalai_cmap as cm
-from benchmarks.gpu_check.core import Ctx
-from benchmarks.gpu_check.report import compare
+from checks.gpu.core import Ctx
+from checks.gpu.report import compare
 
 MIB = 1 << 20
 ROWS = 64  # rows per rank: cmap maps over them
