@@ -9,7 +9,7 @@ from typing import Dict, Set
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "colossalai_cmap"
-LEAVES = {"errors", "faults", "stats", "digests"}
+LEAVES = {"errors", "faults", "stats", "digests", "nesting"}
 # what each part of the package may import from the package (besides itself)
 ALLOWED: Dict[str, Set[str]] = {
     "wire": LEAVES,
@@ -80,3 +80,40 @@ def test_no_test_imports_the_benchmarks(path: Path) -> None:
         names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
         bad = [n for n in names if n == "benchmarks" or n.startswith("benchmarks.")]
         assert not bad, f"tests/{path.name} imports {bad}: move what it needs into tests/"
+
+
+def _imported_names(path: Path):
+    """(module part, name) for each ``from X import name`` in ``path`` that names a module of the package."""
+    here = list(path.relative_to(PKG).parent.parts)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            target = here[: len(here) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+        elif node.module and node.module.startswith("colossalai_cmap."):
+            target = node.module.split(".")[1:]
+        else:
+            continue
+        for alias in node.names:
+            yield (target[0].removesuffix(".py") if target else alias.name), alias.name
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PKG)) for p in MODULES])
+def test_no_private_name_crosses_a_subpackage(path: Path) -> None:
+    """A name with a leading underscore is its module's own: another part of the package never imports it."""
+    part = _part(path)
+    crossing = [name for where, name in _imported_names(path) if where != part and name.startswith("_")]
+    assert not crossing, f"{path.relative_to(PKG)} imports private names {crossing} from another part of the package"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PKG)) for p in MODULES])
+def test_colossalai_is_imported_only_in_integration(path: Path) -> None:
+    """Where cmap meets Colossal-AI is ``integration/``; every other part reaches colossalai through it."""
+    if _part(path) == "integration":
+        return
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [n for n in names if n == "colossalai" or n.startswith("colossalai.")]
+    assert not found, f"{path.relative_to(PKG)} imports {found}: colossalai belongs in integration/"

@@ -28,6 +28,7 @@ from torch._functorch import vmap as functorch_vmap
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
 from ..integration.groups import resolve_group
+from ..nesting import start_splitting, stop_splitting
 from ..wire.group import Group
 from ..wire.protocol import Link
 from ..wire.roles import COPY, SAME, Rows
@@ -35,7 +36,6 @@ from ..wire.traced import rows_at, traced_join, traced_split
 from .dispatch import dispatch
 from .options import Options
 from .plan import shares
-from .rank import SPLITTING
 from .site import CallSite
 from .specs import flatten, flatten_args, flatten_out_dims, normalise_out_dim, unflatten
 
@@ -66,13 +66,13 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
         frames.push(opts.axis_name, frame)
     # A cmap nested in func runs eagerly (a graph break) and, seeing this, as plain torch.vmap here. Every rank is
     # marked: this rank's group members are not known inside the graph, and a plain vmap gives the same values.
-    SPLITTING.append(tuple(range(dist.get_world_size())) if size > 1 else ())
+    start_splitting(tuple(range(dist.get_world_size())) if size > 1 else ())
     try:
         out = map_share(
             opts, site.body, (leaves, flat.dims, flat.spec), kwargs, frame, max(rows, 1) if stand_in else rows
         )
     finally:
-        SPLITTING.pop()
+        stop_splitting()
         if frame is not None:
             frames.pop(opts.axis_name, finished=False)
     return leave(opts, out, sizes, pg if size > 1 else None, rank)

@@ -19,16 +19,17 @@ from torch.utils._pytree import tree_flatten
 from .. import faults, stats
 from ..axis.frame import AxisFrame, axis_scope
 from ..errors import CmapError
-from ..integration.groups import resolve_group
+from ..integration.groups import collective_device, resolve_group
+from ..nesting import nested_in_split
 from ..wire import comm
-from ..wire.group import Group, first_device, group_device
+from ..wire.group import Group
 from ..wire.primitives import not_differentiable, requires_grad
 from ..wire.protocol import Link, link_for
 from . import exit
 from .execute import Shard, run_shard
 from .options import check_placement
 from .plan import FastPath, Planned, key_of, make_plan
-from .rank import Failed, Outputs, inside, run_rank
+from .rank import Failed, Outputs, run_rank
 from .site import CallSite, LastCall
 from .specs import flatten, flatten_args, unflatten
 
@@ -37,7 +38,7 @@ def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> A
     """Run one call of the cmap ``site``; returns its result on this rank, or raises what every rank raises."""
     opts = site.options
     group = resolve_group(opts.call, opts.group)
-    local = group.size == 1 or inside(group) or _meta(args)
+    local = group.size == 1 or nested_in_split(group.ranks) or _meta(args)
     log, fast, plan = stats.open_log(), None, None
     try:
         if local:
@@ -49,7 +50,7 @@ def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> A
         if fast is not None:
             link, planned = fast.link, Planned(fast.plan, leaves, kwargs)
         else:
-            link = link_for(group, group_device(group, first_device(leaves)), opts.call, opts.timeout)
+            link = link_for(group, collective_device(group, leaves), opts.call, opts.timeout)
             planned = _plan(site, group, args, kwargs, leaves, link)
         plan = None if isinstance(planned, Failed) else planned.plan
         result, out = _run_and_conclude(site, planned, link, fast.layout if fast is not None else None, leaves)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..nesting import tracking
 from ..wire.exchange import SplitSpec
 from ..wire.primitives import requires_grad, split
 from ..wire.protocol import Link
@@ -60,7 +61,3 @@ def _role(opts: Options, plan: CallPlan, i: int) -> Role:
     if d is None:
         return COPY
     return Rows(d, plan.sizes) if opts.src is None else KEEP
-
-
-def tracking() -> bool:
-    return torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None

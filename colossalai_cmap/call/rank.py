@@ -17,18 +17,17 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import TreeSpec
-from torch.utils.checkpoint import _StopRecomputationError
 
 from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
 from ..errors import RankFailure
+from ..nesting import CONTROL_FLOW, splitting, tracking
 from ..wire import protocol
 from ..wire.exchange import CallTag
-from ..wire.group import Group
 from ..wire.primitives import requires_grad
 from ..wire.protocol import Link
 from . import closures, module_params
-from .entry import enter, tracking
+from .entry import enter
 from .execute import Shard, rng_scope, run_shard
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
@@ -56,20 +55,6 @@ class Failed(NamedTuple):
 
     failure: Optional[RankFailure]
     cause: Optional[BaseException]
-
-
-# Exceptions torch uses for control flow: they pass through cmap as they pass through torch.vmap. Checkpoint's early
-# stop is raised at the same point of the recomputation on every rank (every rank builds the same graph).
-_CONTROL_FLOW = (_StopRecomputationError,)
-
-SPLITTING: List[Tuple[int, ...]] = []  # the ranks of each cmap now running its shard with P > 1, outermost first
-
-
-def inside(group: Group) -> bool:
-    """Whether a cmap already splitting a batch shares another rank with ``group``: those ranks hold different rows
-    of the outer batch, so this one cannot split again and runs as plain ``torch.vmap``."""
-    mine = set(group.ranks)
-    return any(len(mine.intersection(ranks)) > 1 for ranks in SPLITTING)
 
 
 def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
@@ -118,7 +103,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, returned)
     except Exception as exc:  # every rank learns of it in the status round
         owner.running = False
-        if isinstance(exc, _CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
+        if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
             raise
         return Failed(group.failure(exc), exc)
 
@@ -152,14 +137,11 @@ def _call_func(
     thread_modes: Tuple[Any, ...],
 ) -> Any:
     opts = site.options
-    SPLITTING.append(link.group.ranks)  # a cmap nested in func on these ranks runs locally
-    try:
+    with splitting(link.group.ranks):  # a cmap nested in func on these ranks runs locally
         if frame is None and seed is None:
             return run_shard(opts, site.body, shard, kwargs, None, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
             return run_shard(opts, site.body, shard, kwargs, frame, thread_modes=thread_modes)
-    finally:
-        SPLITTING.pop()
 
 
 def _extra_rows(opts: Options, plan: CallPlan) -> int:

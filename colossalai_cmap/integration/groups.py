@@ -1,8 +1,10 @@
-"""``group=`` to a :class:`~colossalai_cmap.wire.group.Group`: None, a ProcessGroup, a mesh axis, or a booster."""
+"""``group=`` to a :class:`~colossalai_cmap.wire.group.Group`: None, a ProcessGroup, a mesh axis, or a booster; and
+the device a call's collectives on it use."""
 
 import numbers
-from typing import Any
+from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..wire.group import SINGLE, Group, group_of
@@ -58,3 +60,16 @@ def resolve_group(call: str, group: Any) -> Group:
         f"{call}: group={group!r} is not supported; expected None, a torch.distributed ProcessGroup, "
         f"(ProcessGroupMesh, axis), or a colossalai Booster or booster Plugin."
     )
+
+
+def collective_device(group: Group, values: Sequence[Any]) -> torch.device:
+    """The device a call's collectives on ``group`` use: the first tensor's among ``values``, else the backend's
+    (the current accelerator on nccl, which refuses CPU tensors; the CPU otherwise)."""
+    found = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    if found is not None:
+        return found
+    if group.pg is not None and "nccl" in group.backend():
+        from colossalai.accelerator import get_accelerator
+
+        return get_accelerator().get_current_device()
+    return torch.device("cpu")

@@ -10,14 +10,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..axis.frame import AxisFrame, axis_scope
 from ..axis.ops import index_table
 from ..call import closures
-from ..call.entry import tracking
-from ..call.rank import _CONTROL_FLOW, SPLITTING, inside
 from ..digests import digest
 from ..errors import CmapError
+from ..integration.groups import collective_device
+from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec
-from ..wire.group import first_device, group_device
 from ..wire.primitives import split
 from ..wire.protocol import Link, link_for
 from ..wire.roles import KEEP
@@ -147,13 +146,13 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     if not view.member:
         return None
     comm.check_usable(view.whole, site.call)
-    if inside(view.whole):
+    if nested_in_split(view.whole.ranks):
         raise CmapError(
             f"{site.call}: called inside a cmap that splits its batch over ranks of this mesh, so the ranks hold "
             f"different examples, not the same global arguments. Map the cmap over another mesh axis (group=...)."
         )
     leaves, tree = tree_flatten(args)
-    device = group_device(view.whole, first_device(leaves + tree_flatten(kwargs)[0]))
+    device = collective_device(view.whole, leaves + tree_flatten(kwargs)[0])
     whole = link_for(view.whole, device, site.call, opts.timeout)
     where = Where(view, {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}, whole)
     outcome, out, out_places = _run_f(site, where, args, kwargs)
@@ -176,7 +175,7 @@ def _run_f(
         leaves, tree = tree_flatten(args)
         blocks = _enter_blocks(leaves, places, where, owner, opts.local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() else None
-        with _frames(where), _splitting(view), intercept or contextlib.nullcontext():
+        with _frames(where), splitting(view.whole.ranks), intercept or contextlib.nullcontext():
             out = site.f(*tree_unflatten(blocks, tree), **kwargs)
         if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
             out = tree_map(intercept.route, out)
@@ -191,7 +190,7 @@ def _run_f(
         return outcome, out, out_places
     except Exception as exc:  # every rank learns of it at the exit
         owner.running = False
-        if isinstance(exc, _CONTROL_FLOW):  # torch's own signal, raised alike on every rank
+        if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank
             raise
         return Outcome((view.whole.failure(exc), exc)), None, []
 
@@ -234,16 +233,6 @@ def _frames(where: Where) -> Iterator[None]:
             frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index)
             stack.enter_context(axis_scope(n, frame))
         yield
-
-
-@contextlib.contextmanager
-def _splitting(view: MeshView) -> Iterator[None]:
-    """A cmap inside ``f`` maps over the examples of this rank's block, here (its ranks hold different blocks)."""
-    SPLITTING.append(view.whole.ranks)
-    try:
-        yield
-    finally:
-        SPLITTING.pop()
 
 
 def _layout_sig(flat: Sequence[Any], places: Sequence[Placement]) -> int:

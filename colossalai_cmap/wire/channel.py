@@ -73,6 +73,16 @@ class Channel:
     def read_rows(self) -> list:
         return self.table.tolist()
 
+    def open_backward(self) -> None:
+        """Inside a backward: until it finishes, a peer may be left waiting in one of its exchanges if this rank's
+        backward raises, so this rank must not send data ahead of its next round."""
+        self.backward_open = True
+
+        def closed() -> None:
+            self.backward_open = False
+
+        torch.autograd.Variable._execution_engine.queue_callback(closed)
+
     def agree(self, need: int) -> None:
         """After a round: the payload size of the next one, from the largest block any rank needed in this one."""
         size = self.payload_bytes

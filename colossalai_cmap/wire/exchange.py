@@ -143,7 +143,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         failure, cause = group.failure(exc), exc
     ch = link.channel()
     if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
-        _open_backward(ch)
+        ch.open_backward()
     early = transfer.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if spec.exit is not None:
@@ -159,17 +159,6 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
         ch.backward_open, ch.last_data = False, transfer.early_shape(prep) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
-
-
-def _open_backward(ch: Any) -> None:
-    """Inside a backward: until it finishes, a peer may be left waiting in one of its exchanges if this rank's
-    backward raises, so this rank must not send data ahead of its next round."""
-    ch.backward_open = True
-
-    def closed() -> None:
-        ch.backward_open = False
-
-    torch.autograd.Variable._execution_engine.queue_callback(closed)
 
 
 def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:

@@ -9,7 +9,7 @@ gives every group one, so that the layout GPUs take runs on CPU too.
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -103,19 +103,3 @@ def host_of(group: Group) -> Group:
 
 def group_of(pg: dist.ProcessGroup) -> Group:
     return state_of(pg).group
-
-
-def first_device(values: Sequence[Any]) -> Optional[torch.device]:
-    """The device of the first tensor among ``values`` (None when there is none)."""
-    return next((v.device for v in values if isinstance(v, torch.Tensor)), None)
-
-
-def group_device(group: Group, fallback: Optional[torch.device] = None) -> torch.device:
-    """The device collectives on this group need: the inputs' own device, else the backend's device."""
-    if fallback is not None:
-        return fallback
-    if group.pg is not None and "nccl" in group.backend():
-        from colossalai.accelerator import get_accelerator
-
-        return get_accelerator().get_current_device()
-    return torch.device("cpu")

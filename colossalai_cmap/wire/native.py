@@ -32,7 +32,6 @@ import torch
 from .. import faults
 from ..digests import digest
 from . import comm, protocol
-from .exchange import _open_backward
 from .protocol import Header, Kind, Link, Status
 
 
@@ -66,7 +65,7 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
     except Exception as exc:
         failure, cause = group.failure(exc), exc
     if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
-        _open_backward(spec.link.channel())
+        spec.link.channel().open_backward()
     # what every rank of the group shares (an all-to-all's row counts are this rank's own)
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
     header = Header(spec.kind, Status.FAILED if failure else Status.OK, digest=sig, inline=1)
