@@ -16,9 +16,7 @@ from ..digests import digest
 from ..errors import RankFailure
 from ..wire import comm
 from ..wire.protocol import Link
-from ..wire.roles import Rows
-from ..wire.route import Item, offsets, typed
-from ..wire.transfer import pack_padded
+from ..wire.transfer import scatter_rows
 from .options import Options
 from .plan import CallPlan, Planned, shares
 from .rank import Failed
@@ -123,42 +121,14 @@ def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...
 def _send_shards(
     meta: SourceMeta, plan: CallPlan, full: Optional[List[Any]], src: int, link: Link
 ) -> Tuple[Dict[int, torch.Tensor], Optional[List[Any]]]:
-    """One scatter of every mapped leaf, packed per rank for the largest share; an empty share gets the first
-    example in its block, as its stand-in."""
-    group = link.group
+    """One scatter of every mapped leaf (:func:`~colossalai_cmap.wire.transfer.scatter_rows`); an empty share gets
+    the first example in its block, as its stand-in."""
     mapped = [i for i, (kind, _) in enumerate(meta.kinds) if kind == _MAPPED]
-    items = [_item(k, meta.kinds[i][1], plan) for k, i in enumerate(mapped)]
-    cap = max(max(plan.sizes), 1)
-    offs, block = offsets(items, cap)
-    recv = torch.empty(block, dtype=torch.uint8, device=link.device)
-    blocks = None
-    if full is not None:
-        rows = [[_rows_of(full[i], meta.kinds[i][1][2], plan, r) for i in mapped] for r in range(group.size)]
-        blocks = [torch.zeros(block, dtype=torch.uint8, device=link.device) for _ in range(group.size)]
-        for r in range(group.size):
-            pack_padded(items, rows[r], cap, blocks[r])
-    if block:
-        comm.scatter_from(recv, blocks, src, group, link.call, link.timeout)
-    shard, stand_in = {}, None
-    for it, i, off in zip(items, mapped, offs):
-        shard[i] = typed(recv, off, it.dtype, (plan.rows, *it.shape)).movedim(0, meta.kinds[i][1][2])
-    if plan.rows == 0 and plan.batch > 0:
+    sent = None if full is None else [full[i] for i in mapped]
+    got = scatter_rows(link, src, plan.sizes, [meta.kinds[i][1] for i in mapped], sent)
+    stand_in = None
+    if got.stand_in is not None:
         stand_in = [None] * len(meta.kinds)
-        for it, i, off in zip(items, mapped, offs):
-            stand_in[i] = typed(recv, off, it.dtype, (1, *it.shape)).movedim(0, meta.kinds[i][1][2]).clone()
-    return shard, stand_in
-
-
-def _item(k: int, kind: Tuple[Any, ...], plan: CallPlan) -> Item:
-    shape, dtype, _ = kind
-    numel = 1
-    for s in shape:
-        numel *= s
-    return Item(k, Rows(0, plan.sizes), dtype, shape, numel * dtype.itemsize)
-
-
-def _rows_of(leaf: torch.Tensor, d: int, plan: CallPlan, r: int) -> torch.Tensor:
-    """Rank r's rows, batch dim first; the first example for an empty share (its stand-in)."""
-    n, start = plan.sizes[r], sum(plan.sizes[:r])
-    rows = leaf.narrow(d, start, n) if n else leaf.narrow(d, 0, min(1, leaf.shape[d]))
-    return rows.movedim(d, 0)
+        for i, row in zip(mapped, got.stand_in):
+            stand_in[i] = row
+    return dict(zip(mapped, got.rows)), stand_in

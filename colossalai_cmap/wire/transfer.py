@@ -3,7 +3,7 @@
 One all-gather carries every gathered tensor, padded to the largest share because gloo aborts on unequal sizes (a
 single one travels in its own dtype, and the receive buffer's first rows are the result); one all-reduce per
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
-failure there travels in the round; :func:`finish` only runs the collectives and copies into those buffers.
+failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
 """
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -15,8 +15,8 @@ from . import comm
 from .channel import Channel
 from .group import Group
 from .protocol import Link, Round
-from .roles import COPY, MAX, MIN, Role, is_rows
-from .route import Item, offsets, rows_first, typed
+from .roles import COPY, MAX, MIN, Role, Rows, is_rows
+from .route import Item, numel, offsets, rows_first, typed
 
 _REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
 _EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
@@ -27,7 +27,7 @@ class Prepared(NamedTuple):
 
     items: Tuple[Item, ...]
     sizes: Tuple[int, ...]
-    results: Dict[int, torch.Tensor]  # rows first for rows items; filled by finish()
+    results: Dict[int, torch.Tensor]  # rows first for rows items; filled by run_data_phase()
     send: Optional[torch.Tensor]  # the gathered items' send buffer
     recv: Optional[torch.Tensor]  # their receive buffer; None off dst
     flats: Dict[Tuple[Role, torch.dtype], torch.Tensor]  # one buffer per reduction and dtype, reduced in place
@@ -214,3 +214,56 @@ def _split_flat(prep: Prepared, role: Role, dtype: torch.dtype, flat: torch.Tens
             n = it.nbytes // dtype.itemsize
             prep.results[it.index] = values.narrow(0, start, n).view(it.shape)
             start += n
+
+
+class Scattered(NamedTuple):
+    """What :func:`scatter_rows` gives this rank: its rows of each tensor, and on an empty share each tensor's first
+    example in its block instead (the share's stand-in), else None."""
+
+    rows: List[torch.Tensor]
+    stand_in: Optional[List[torch.Tensor]]
+
+
+def scatter_rows(
+    link: Link,
+    src: int,
+    sizes: Sequence[int],
+    kinds: Sequence[Tuple[Tuple[int, ...], torch.dtype, int]],
+    full: Optional[Sequence[torch.Tensor]],
+) -> Scattered:
+    """Group rank ``src``'s tensors (``full``, there only) cut into every rank's rows and sent in one ``scatter``,
+    all packed together per rank for the largest share. ``kinds`` gives each tensor's example shape, dtype and
+    batch dim on every rank, and ``sizes`` each rank's row count."""
+    group = link.group
+    items = [
+        Item(k, Rows(0, tuple(sizes)), dtype, shape, numel(shape) * dtype.itemsize)
+        for k, (shape, dtype, _) in enumerate(kinds)
+    ]
+    cap = max(max(sizes), 1)
+    offs, block = offsets(items, cap)
+    recv = torch.empty(block, dtype=torch.uint8, device=link.device)
+    blocks = None
+    if full is not None:
+        blocks = [torch.zeros(block, dtype=torch.uint8, device=link.device) for _ in range(group.size)]
+        for r in range(group.size):
+            pack_padded(items, [_rows_of(t, d, sizes, r) for t, (_, _, d) in zip(full, kinds)], cap, blocks[r])
+    if block:
+        comm.scatter_from(recv, blocks, src, group, link.call, link.timeout)
+    mine = sizes[group.rank]
+    rows = [
+        typed(recv, off, it.dtype, (mine, *it.shape)).movedim(0, d) for it, off, (_, _, d) in zip(items, offs, kinds)
+    ]
+    stand_in = None
+    if mine == 0 and sum(sizes) > 0:
+        stand_in = [
+            typed(recv, off, it.dtype, (1, *it.shape)).movedim(0, d).clone()
+            for it, off, (_, _, d) in zip(items, offs, kinds)
+        ]
+    return Scattered(rows, stand_in)
+
+
+def _rows_of(t: torch.Tensor, dim: int, sizes: Sequence[int], r: int) -> torch.Tensor:
+    """Rank r's rows, batch dim first; the first example for an empty share (its stand-in)."""
+    n, start = sizes[r], sum(sizes[:r])
+    rows = t.narrow(dim, start, n) if n else t.narrow(dim, 0, min(1, t.shape[dim]))
+    return rows.movedim(dim, 0)
