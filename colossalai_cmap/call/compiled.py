@@ -11,7 +11,7 @@ The pipeline (:func:`run_compiled`), with the eager path's split and roles but n
 4. Run func under ``torch.vmap`` (or batched) with the axis frame open, so the named-axis ops inside it lower to
    functional collectives (:mod:`~colossalai_cmap.axis.ops`). An empty share runs one stand-in example, as eagerly.
 5. Exit: batched outputs all-gathered along their out-dim through a traced ``Join`` (``dst=-1``), or kept
-   (``dst="local"``).
+   (``dst="local"``); ``out_dims=None`` outputs through a ``SAME`` or ``ONCE`` Join, counted once in backward.
 
 What changes against eager cmap (docs/collectives.md, "torch.compile"): no status round, so an error on one rank is
 not raised on the others (they wait in the next collective until the group's timeout); ranks are not checked to
@@ -31,7 +31,7 @@ from ..integration.groups import resolve_group
 from ..nesting import start_splitting, stop_splitting
 from ..wire.group import Group
 from ..wire.protocol import Link
-from ..wire.roles import COPY, SAME, Rows
+from ..wire.roles import COPY, ONCE, SAME, Rows
 from ..wire.traced import rows_at, traced_join, traced_split
 from .dispatch import dispatch
 from .options import Options
@@ -237,8 +237,9 @@ def _device(leaves: Sequence[Any]) -> torch.device:
 
 def leave(opts: Options, out: Any, sizes: Tuple[int, ...], pg: Any, rank: int) -> Any:
     """The result on this rank: batched outputs cut to this rank's rows (a stand-in's cut off), then all-gathered
-    along their out-dim (``dst=-1``) or kept (``dst="local"``); an ``out_dims=None`` output passes a ``SAME`` Join,
-    whose backward gives its gradient to one rank only, so that the sum over ranks counts it once."""
+    along their out-dim (``dst=-1``) or kept (``dst="local"``); an ``out_dims=None`` output passes a ``SAME`` Join
+    (``dst=-1``: its backward gives its gradient to one rank only) or a ``ONCE`` Join (``dst="local"``: each rank
+    its cotangent over P), so that the sum over ranks counts it once."""
     flat, spec = flatten(out)
     dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
     mine = sizes[rank]
@@ -250,10 +251,12 @@ def leave(opts: Options, out: Any, sizes: Tuple[int, ...], pg: Any, rank: int) -
         if d is not None:
             d = normalise_out_dim(opts.call, d, v.dim() - 1, i)
             v = v.narrow(d, 0, mine) if v.shape[d] != mine else v
-        if pg is None or opts.dst == "local":  # nothing moves: every rank keeps its own
+        if pg is None or (opts.dst == "local" and d is not None):  # nothing moves: every rank keeps its own
             result.append(v)
         elif d is not None:
             result.append(traced_join(v, Rows(d, sizes), pg, rank))
+        elif torch.is_grad_enabled() and _needs_grad(v):
+            result.append(traced_join(v, ONCE if opts.dst == "local" else SAME, pg, rank))
         else:
-            result.append(traced_join(v, SAME, pg, rank) if torch.is_grad_enabled() and _needs_grad(v) else v)
+            result.append(v)
     return unflatten(result, spec)

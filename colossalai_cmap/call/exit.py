@@ -1,8 +1,8 @@
 """A call's exit: one status round that also carries small outputs, the gather for ``dst``, and in-place updates.
 
 Batched outputs join as rows (every rank's, in group-rank order); ``out_dims=None`` outputs are the same on every
-rank and stay where they are (their gradient goes back through one rank only). With ``dst="local"`` nothing moves,
-but the round still runs: a failure anywhere must reach every rank.
+rank and stay where they are, and their cotangent counts once (one rank's; with ``dst="local"``, the ranks' mean).
+With ``dst="local"`` nothing moves, but the round still runs: a failure anywhere must reach every rank.
 """
 
 from typing import Any, Sequence
@@ -16,7 +16,7 @@ from ..wire import comm
 from ..wire.exchange import Exit, JoinSpec, Learned, join_values, report_failure
 from ..wire.primitives import join
 from ..wire.protocol import Disagreement, Kind, Link, Status
-from ..wire.roles import KEEP, SAME, Rows
+from ..wire.roles import KEEP, ONCE, SAME, Rows
 from .checks import agreed_fields, explain
 from .layout import BATCHED, replicated_checksums
 from .options import Options
@@ -57,15 +57,21 @@ def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: 
 
 
 def _roles(opts: Options, plan: CallPlan, out: Outputs, tensors: Sequence[int]) -> tuple:
-    if opts.dst == "local":
-        return (KEEP,) * len(tensors)
+    """Batched outputs: rows, gathered (or kept, with ``dst="local"``). ``out_dims=None`` outputs: one value, equal
+    on every rank, whose cotangent counts once: on rank 0 only (``SAME``), or with ``dst="local"``, where every rank
+    backpropagates its own, each rank's over P (``ONCE``)."""
+    local = opts.dst == "local"
     cache = out.layout.__dict__.setdefault("_exit_roles", {})  # a repeated call's roles, kept with its layout
-    found = cache.get(plan.sizes)
+    key = "local" if local else plan.sizes
+    found = cache.get(key)
     if found is None:
         leaves = out.layout.leaves
-        found = cache[plan.sizes] = tuple(
-            Rows(leaves[i].out_dim, plan.sizes) if leaves[i].kind == BATCHED else SAME for i in tensors
-        )
+        batched = [leaves[i].kind == BATCHED for i in tensors]
+        if local:
+            found = tuple(KEEP if b else ONCE for b in batched)
+        else:
+            found = tuple(Rows(leaves[i].out_dim, plan.sizes) if b else SAME for i, b in zip(tensors, batched))
+        cache[key] = found
     return found
 
 

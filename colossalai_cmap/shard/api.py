@@ -20,7 +20,7 @@ from ..wire.exchange import CallTag, SplitSpec
 from ..wire.primitives import split
 from ..wire.protocol import Link, link_for
 from ..wire.roles import KEEP
-from .blocks import assemble, block_lengths, cut
+from .blocks import assemble, block_lengths, cut, enter_local, leave_local
 from .exit import Outcome, conclude
 from .mesh import Mesh, MeshView, resolve_mesh
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
@@ -158,8 +158,11 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     outcome, out, out_places = _run_f(site, where, args, kwargs)
     table = conclude(site.call, view, where.links, whole, outcome)
     flat, out_tree = tree_flatten(out)
-    if not opts.local:
-        flat = assemble(flat, out_places, where.links, view, table, f"the outputs of {site.call}")
+    what = f"the outputs of {site.call}"
+    if opts.local:
+        flat = leave_local(flat, out_places, where.links, what)
+    else:
+        flat = assemble(flat, out_places, where.links, view, table, what)
     return tree_unflatten(flat, out_tree)
 
 
@@ -210,9 +213,11 @@ def _enter_blocks(
     leaves: List[Any], places: Sequence[Placement], where: Where, owner: CallTag, local: bool
 ) -> List[Any]:
     """The global arguments cut into this rank's blocks; or, with ``local``, the blocks as given, entered through
-    the call's entry (no communication either way; their gradients stay this rank's own)."""
+    the call's entry (no communication either way). With ``local``, a block's gradient is this rank's block of the
+    global gradient: its own along the split axes, summed over the axes its spec leaves out."""
     if not local:
         return cut(leaves, places, where.links, where.view, owner)
+    leaves = enter_local(leaves, places, where.links, owner)
     picked = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     spec = SplitSpec(where.whole, (KEEP,) * len(picked), owner)
     entered = split(spec, [leaves[i] for i in picked]) if picked else ()

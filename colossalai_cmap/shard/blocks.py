@@ -10,6 +10,11 @@ reads a replicated output from one device too); then every block, gathered along
 ``Split``: this rank's block of the output's cotangent, at coordinate 0 of the replicated axes and zeros elsewhere.
 Every rank holds the global output, and its cotangent counts once over the mesh: this is jax's transposition with
 ``check_vma=False``, where ``psum`` transposes to ``psum``.
+
+With ``local=True`` nothing is cut or assembled, but the gradients are the same: along an axis the spec leaves out,
+an argument enters through a ``Split(COPY)`` (its gradient summed over the axis, as a replicated global input's) and
+an output leaves through a ``Join(ONCE)`` (each rank its cotangent over the axis size, so the ranks' copies of one
+replicated value count once).
 """
 
 from typing import Any, Dict, List, Optional, Sequence
@@ -19,7 +24,7 @@ import torch
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec
 from ..wire.primitives import join, split
 from ..wire.protocol import Kind, Link
-from ..wire.roles import is_rows
+from ..wire.roles import COPY, ONCE, is_rows
 from .specs import Placement, Step
 
 
@@ -32,6 +37,26 @@ def cut(
         for v, p in zip(values, places)
     ]
     return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, owner), xs))
+
+
+def enter_local(
+    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], owner: CallTag
+) -> List[Any]:
+    """``local=True``: each block as given, through a ``Split(COPY)`` on every axis its spec leaves out (no
+    communication; backward sums the gradient over those axes)."""
+    steps = [
+        [Step(a, COPY) for a in p.replicated] if isinstance(v, torch.Tensor) else [] for v, p in zip(values, places)
+    ]
+    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, owner), xs))
+
+
+def leave_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], what: str) -> List[Any]:
+    """``local=True``: each output block as it is, through a ``Join(ONCE)`` on every axis its spec leaves out (no
+    communication; backward gives each rank its cotangent over the axis size, so the replicated value counts once)."""
+    steps = [
+        [Step(a, ONCE) for a in p.replicated] if isinstance(v, torch.Tensor) else [] for v, p in zip(values, places)
+    ]
+    return _run(list(values), steps, lambda axis, roles, xs: join(JoinSpec(links[axis], roles, what, Kind.SYNC), xs))
 
 
 def block_lengths(values: Sequence[Any], places: Sequence[Placement]) -> Optional[torch.Tensor]:

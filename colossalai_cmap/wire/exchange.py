@@ -14,7 +14,7 @@ from .. import faults
 from ..errors import RankFailure
 from . import protocol, transfer
 from .protocol import Header, Kind, Link, Round, Status
-from .roles import FIRST, KEEP, SAME, Role, Rows, is_rows
+from .roles import FIRST, IN_PLACE, SHARE, Role, Rows, is_rows
 from .route import pack, unpack
 
 
@@ -112,6 +112,8 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
             out.append(t.narrow(role.dim, sum(role.sizes[:rank]), role.sizes[rank]))
         elif role == FIRST and rank != 0:
             out.append(torch.zeros_like(t))
+        elif role == SHARE:
+            out.append(t / spec.link.group.size)
         else:
             out.append(t)
     return tuple(out)
@@ -197,7 +199,7 @@ def _shapes_only(
 def _output(role: Role, mine: torch.Tensor, found: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if found is not None:
         return found.movedim(0, role.dim) if is_rows(role) and role.dim else found
-    return mine if role in (SAME, KEEP) else None  # a travelling tensor off dst
+    return mine if role in IN_PLACE else None  # a travelling tensor off dst
 
 
 def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -> None:

@@ -13,11 +13,17 @@ COPY       the value itself                       the sum over ranks
 KEEP       the value itself                       the value itself (no sum: a per-shard value)
 FIRST      the value on rank 0, zeros elsewhere   rank 0's value
 SAME       (as FIRST)                             this rank's value, equal on every rank
+SHARE      the value over P (each rank's share)   (as ONCE)
+ONCE       (as SHARE)                             this rank's value, equal on every rank (the mean)
 MAX, MIN   (none: not differentiable)             the elementwise extremum over ranks
 =========  =====================================  ==========================================
 
-``SAME`` is ``FIRST`` where the values are known to be equal already (an ``out_dims=None`` output): nothing moves
-forward, and backward still gives the gradient to one rank only, so it is never counted P times.
+``SAME`` is ``FIRST`` where the values are known to be equal already (an ``out_dims=None`` output gathered for
+every rank): nothing moves forward, and backward still gives the gradient to one rank only, so it is never counted
+P times. ``ONCE`` is the same value left on each rank (an ``out_dims=None`` output with ``dst="local"``, a
+replicated ``shard_map`` output with ``local=True``): every rank backpropagates its own cotangent, and backward
+gives each rank its cotangent over P, so the ranks' parts add up to the mean cotangent, counted once. It is the
+mean over ranks of values that are equal; ``SHARE`` is its transpose, with no communication either way.
 """
 
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
@@ -43,10 +49,12 @@ def tensor_split_sizes(n: int, parts: int) -> Tuple[int, ...]:
 
 
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
+SHARE, ONCE = "share", "once"
 Role = Union[Rows, str]
 
-_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST}
-_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST}
+_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST, ONCE: SHARE}
+_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SHARE: ONCE}
+IN_PLACE = (KEEP, SAME, ONCE)  # Join roles whose result is this rank's own value: nothing travels
 
 
 def is_rows(role: Role) -> bool:

@@ -1,0 +1,180 @@
+"""The one gradient rule: with ``dst="local"`` (and in ``shard_map``), every rank's ``.grad`` is the gradient of one
+global loss, the ranks' losses of their own rows summed, where an ``out_dims=None`` (replicated) output counts once.
+
+jax's shard_map data-parallel example (the loss ``pmean``'d, ``out_specs=P()``) is written three ways, with
+``cmap(src="local", dst="local")``, with ``cm.shard_map`` on global arguments and with ``cm.shard_map(local=True)``;
+each must give jax's gradient of the same loss on the full batch on every rank at P = 1 to 4 (jax 0.10 in this
+process when it imports, else ``torch.func.grad``), and a few steps of a real optimizer must land where single-process
+training on the full batch lands. Then the first errors users meet: a mapped loop bound under vmap, and a backward
+through a ``src=r``/``dst=r`` output on the receiving rank.
+
+Tolerances: everything runs in float64; the loss chains two small matrix products (sums of at most 4 terms) and a
+mean of 12 examples, added per rank and then over the ranks in another order than the oracle's, far inside
+``cases.F64``.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import F64, assert_same
+from torch.distributed.device_mesh import init_device_mesh
+
+import colossalai_cmap as cm
+from colossalai_cmap import CmapError, P
+
+B, D_IN, D_H, D_OUT = 12, 3, 4, 2  # 12 rows: even blocks at every P from 1 to 4, as jax's shard_map requires
+
+
+def _data():
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(D_IN, D_H), (D_H,), (D_H, D_OUT), (D_OUT,)]
+    flat = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.5 for s in shapes]
+    params = [(flat[0], flat[1]), (flat[2], flat[3])]
+    x = torch.randn(B, D_IN, generator=gen, dtype=torch.float64)
+    t = torch.randn(B, D_OUT, generator=gen, dtype=torch.float64)
+    return params, x, t
+
+
+def predict(params, inputs):
+    """The tutorial's MLP, as written."""
+    for W, b in params:
+        outputs = inputs @ W + b
+        inputs = torch.relu(outputs)
+    return outputs
+
+
+def loss(params, batch):
+    """The tutorial's loss on a batch (a mean of the examples' squared errors)."""
+    inputs, targets = batch
+    predictions = predict(params, inputs)
+    return torch.mean(torch.sum((predictions - targets) ** 2, dim=-1))
+
+
+def _leaves(params):
+    return [v for layer in params for v in layer]
+
+
+def _fresh(params):
+    return [tuple(v.detach().clone().requires_grad_() for v in layer) for layer in params]
+
+
+def _mine(x):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    return x.tensor_split(size)[rank]
+
+
+def _ways():
+    """The data-parallel loss, three ways: each ``(params, x, t) -> replicated loss`` on every rank, and whether it
+    takes this rank's rows (True) or the global batch."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("i",))
+
+    def one(params, x, t):  # one example; pmean over the whole global batch
+        return cm.pmean(torch.sum((predict(params, x) - t) ** 2, dim=-1), "i")
+
+    cmapped = cm.cmap(one, in_dims=(None, 0, 0), out_dims=None, axis_name="i", src="local", dst="local")
+
+    def loss_dp(params, batch):  # the tutorial's block function, as written
+        local_loss = loss(params, batch)
+        return cm.pmean(local_loss, "i")
+
+    dp = cm.shard_map(loss_dp, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+    dp_local = cm.shard_map(loss_dp, mesh=mesh, in_specs=(P(), P("i")), out_specs=P(), local=True)
+    return {
+        "cmap": (cmapped, True),
+        "shard_map": (lambda p, x, t: dp(p, (x, t)), False),
+        "shard_map_local": (lambda p, x, t: dp_local(p, (x, t)), True),
+    }
+
+
+def gradients(name):
+    """One way's loss and gradient on this rank."""
+    params, x, t = _data()
+    fn, local = _ways()[name]
+    p = _fresh(params)
+    args = (_mine(x), _mine(t)) if local else (x, t)
+    value = fn(p, *args)
+    return value.detach(), torch.autograd.grad(value, _leaves(p))
+
+
+def ratio(grads, want_grads):
+    """The gradient over the oracle's, averaged over every element (P where a replicated loss counts P times)."""
+    return float(torch.cat([(g / w).flatten() for g, w in zip(grads, want_grads)]).mean())
+
+
+def check_data_parallel(want_loss, want_grads):
+    """Each way's loss and gradient against the oracle's; returns each way's gradient ratio."""
+    ratios = {}
+    for name in _ways():
+        value, grads = gradients(name)
+        assert_same(value, want_loss, F64, f"{name}: loss")
+        ratios[name] = ratio(grads, want_grads)
+        for k, (g, w) in enumerate(zip(grads, want_grads)):
+            assert_same(g, w, F64, f"{name}: gradient of params leaf {k} (ratio {ratios[name]:.3f})")
+    return ratios
+
+
+def check_training(steps, lr):
+    """A few steps of torch.optim.SGD (momentum) on the data-parallel loss, each way, against the same steps on the
+    full batch in one process: every rank's params after each step."""
+    params, x, t = _data()
+    ref = _fresh(params)
+    ref_opt = torch.optim.SGD(_leaves(ref), lr=lr, momentum=0.9)
+    ref_after = []
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        loss(ref, (x, t)).backward()
+        ref_opt.step()
+        ref_after.append([v.detach().clone() for v in _leaves(ref)])
+    for name, (fn, local) in _ways().items():
+        p = _fresh(params)
+        opt = torch.optim.SGD(_leaves(p), lr=lr, momentum=0.9)
+        args = (_mine(x), _mine(t)) if local else (x, t)
+        for step in range(steps):
+            opt.zero_grad()
+            fn(p, *args).backward()
+            opt.step()
+            for k, (got, want) in enumerate(zip(_leaves(p), ref_after[step])):
+                assert_same(got.detach(), want, F64, f"{name}: params leaf {k} after step {step + 1}")
+    return steps
+
+
+def _oracle():
+    """The loss and its gradient on the full batch in this process: jax's when jax imports, else torch.func's."""
+    params, x, t = _data()
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        value, grads = torch.func.grad_and_value(lambda ps: loss(ps, (x, t)))(params)
+        return value, _leaves(grads)
+    jax.config.update("jax_enable_x64", True)
+
+    def jax_loss(ps, batch):  # the tutorial's, as written
+        inputs, targets = batch
+        for W, b in ps:
+            outputs = jnp.dot(inputs, W) + b
+            inputs = jax.nn.relu(outputs)
+        return jnp.mean(jnp.sum((outputs - targets) ** 2, axis=-1))
+
+    jp = [tuple(jnp.asarray(v.numpy()) for v in layer) for layer in params]
+    value, grads = jax.value_and_grad(jax_loss)(jp, (jnp.asarray(x.numpy()), jnp.asarray(t.numpy())))
+    as_torch = lambda a: torch.tensor(jax.device_get(a).tolist(), dtype=torch.float64)  # noqa: E731
+    return as_torch(value), [as_torch(g) for layer in grads for g in layer]
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_data_parallel_gives_jax_gradients(worlds, P):
+    """cmap(src="local", dst="local") and shard_map (global and local=True) give jax's loss and gradients on every
+    rank: the replicated loss counts once (ratio 1, not P)."""
+    want_loss, want_grads = _oracle()
+    ratios = worlds(P).run(check_data_parallel, want_loss, want_grads)
+    assert all(abs(r - 1.0) < 1e-9 for per_rank in ratios for r in per_rank.values()), ratios
+
+
+def test_training_loop_matches_full_batch(worlds):
+    assert worlds(3).run(check_training, 3, 0.1) == [3] * 3
+
+
+def measure_one(name, want_grads):
+    """This rank's gradient ratio for one way (for reports)."""
+    return ratio(gradients(name)[1], want_grads)
