@@ -178,3 +178,70 @@ def test_training_loop_matches_full_batch(worlds):
 def measure_one(name, want_grads):
     """This rank's gradient ratio for one way (for reports)."""
     return ratio(gradients(name)[1], want_grads)
+
+
+# ----------------------------------------------------------------------------------- the first errors users meet
+def lorentz(state, t, sigma=10.0, beta=8.0 / 3, rho=28.0):
+    x, y, z = state
+    return torch.stack([sigma * (y - x), x * (rho - z) - y, x * y - beta * z])
+
+
+def rk4(ys, dt, N):
+    """jax's Lorentz ODE notebook's integrator, ported as written (its ``fori_loop(1, N, step, ys)``)."""
+    f = lorentz
+    ys = ys.clone()
+    for i in range(1, N):
+        h = dt
+        t = dt * i
+        k1 = h * f(ys[i - 1], t)
+        k2 = h * f(ys[i - 1] + k1 / 2.0, dt * i + h / 2.0)
+        k3 = h * f(ys[i - 1] + k2 / 2.0, t + h / 2.0)
+        k4 = h * f(ys[i - 1] + k3, t + h)
+        ys[i] = ys[i - 1] + 1.0 / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+    return ys
+
+
+def check_mapped_loop_bound():
+    """``cmap(rk4)(ys, dts, Ns)``: vmap's refusal, with cmap's way out; then both ways out give the loop's answer."""
+    n, steps = 5, 6
+    ys = torch.zeros(n, steps, 3, dtype=torch.float64)
+    ys[:, 0] = torch.linspace(1.0, 2.0, n, dtype=torch.float64)[:, None]
+    dts = torch.full((n,), 0.01, dtype=torch.float64)
+    Ns = torch.tensor([2, 3, 4, 5, 6])
+    with pytest.raises(CmapError) as caught:
+        cm.cmap(rk4)(ys, dts, Ns)
+    text = str(caught.value)
+    assert "vmap: It looks like you're calling .item() on a Tensor" in text, text  # vmap's own sentence, kept
+    assert "mode='loop'" in text and "in_dims=None" in text, text
+    want = torch.stack([rk4(ys[k], dts[k], int(Ns[k])) for k in range(n)])
+    assert torch.equal(cm.cmap(rk4, mode="loop")(ys, dts, Ns), want)
+    shared = torch.stack([rk4(ys[k], dts[k], 4) for k in range(n)])
+    torch.testing.assert_close(cm.cmap(rk4, in_dims=(0, 0, None))(ys, dts, torch.tensor(4)), shared)
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_mapped_loop_bound_says_what_to_do(worlds, P):
+    assert worlds(P).run(check_mapped_loop_bound) == [True] * P
+
+
+def check_scattered_output_refuses_backward(src, dst):
+    """``src=r``: every receiving rank's output refuses backward with cmap's message, even where no argument here
+    requires grad (the receiving rank was given nothing)."""
+    rank = dist.get_rank()
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    w = torch.linspace(-1, 1, 3, dtype=torch.float64)
+    out = cm.cmap(lambda a, b: (a * b).sin(), in_dims=(0, None), src=src, dst=dst)(x if rank == src else None, w)
+    if out is None:
+        return "none"
+    assert torch.equal(out.detach(), (x * w).sin().detach())
+    with pytest.raises(RuntimeError, match="is not differentiable") as caught:
+        out.sum().backward()
+    assert "src=None" in str(caught.value) and (dst == -1 or "dst=-1" in str(caught.value)), caught.value
+    return "refused"
+
+
+@pytest.mark.parametrize("src,dst", [(0, 1), (1, 1), (0, -1)])
+def test_scattered_output_refuses_backward(worlds, src, dst):
+    got = worlds(2).run(check_scattered_output_refuses_backward, src, dst)
+    assert got.count("refused") == (2 if dst == -1 else 1), got

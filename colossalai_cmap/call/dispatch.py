@@ -26,7 +26,7 @@ from ..wire.group import Group
 from ..wire.primitives import not_differentiable, requires_grad
 from ..wire.protocol import Link, link_for
 from . import exit
-from .execute import Shard, run_shard
+from .execute import Shard, run_shard, with_remedy
 from .options import check_placement
 from .plan import FastPath, Planned, key_of, make_plan
 from .rank import Failed, Outputs, run_rank
@@ -97,13 +97,17 @@ def _run_and_conclude(
     out = exit.conclude(opts, planned.plan, result, planned, link)
     if out is None or not opts.refuses_grad or not torch.is_grad_enabled():
         return result, out
-    return result, _refuse_grad(site, out, result.flat, leaves, planned.kwargs)
+    return result, _refuse_grad(site, out, result.flat, leaves, planned.kwargs, planned.source_needs_grad)
 
 
-def _refuse_grad(site: CallSite, out: Any, mine: Sequence[Any], leaves: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+def _refuse_grad(
+    site: CallSite, out: Any, mine: Sequence[Any], leaves: Sequence[Any], kwargs: Dict[str, Any], source: bool = False
+) -> Any:
     """``out`` with every leaf whose value on this rank (``mine``) required grad, or every leaf if an argument
-    does, marked to raise the not-differentiable error in backward."""
-    message, every = _not_differentiable(site.options), _any_requires_grad(leaves, kwargs, site.func)
+    does here or (``source``, with ``src=r``) on the source rank, marked to raise the not-differentiable error in
+    backward."""
+    message = _not_differentiable(site.options)
+    every = source or _any_requires_grad(leaves, kwargs, site.func)
     flat, spec = flatten(out)
     marked = [not_differentiable(v, message) if every or requires_grad(m) else v for v, m in zip(flat, mine)]
     return unflatten(marked, spec)
@@ -111,9 +115,11 @@ def _refuse_grad(site: CallSite, out: Any, mine: Sequence[Any], leaves: Sequence
 
 def _not_differentiable(opts: Any) -> str:
     if isinstance(opts.src, int):
+        also = f" and dst={opts.dst!r}" if isinstance(opts.dst, int) and opts.dst != -1 else ""
+        fix = " and dst=-1" if also else ""
         return (
-            f"{opts.call}: the output of a cmap with src={opts.src!r} is not differentiable: its inputs were "
-            f"scattered from one rank. Use src=None to backpropagate to the inputs."
+            f"{opts.call}: the output of a cmap with src={opts.src!r}{also} is not differentiable: its inputs were "
+            f"scattered from one rank. Use src=None{fix} to backpropagate to the inputs."
         )
     return (
         f"{opts.call}: the output of a cmap with dst={opts.dst!r} is not differentiable; use dst=-1 (every rank gets "
@@ -180,4 +186,5 @@ def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Excep
         flatten_args(site.func, args, site.options.in_dims, site.options.call)
     except Exception as arg_exc:
         exc = arg_exc
+    exc = with_remedy(site.options, exc)
     raise CmapError.from_failures(site.options.call, [group.failure(exc)], group.rank) from exc

@@ -19,6 +19,26 @@ RANDOM_IN_ERROR_MODE = (
 )
 
 
+# torch.vmap's sentences for a mapped tensor used as a Python number or in Python control flow
+_VALUE_UNDER_VMAP = (
+    "vmap: It looks like you're calling .item() on a Tensor",
+    "vmap: It looks like you're attempting to use a Tensor in some data-dependent control flow",
+)
+
+
+def with_remedy(opts: Options, exc: Exception) -> Exception:
+    """``exc`` with cmap's way out added where it is vmap's refusal of a mapped tensor's Python value (``.item()``,
+    ``range(n)``, ``if x > 0``): vmap's sentence kept, then what to do. Any other exception as it is."""
+    if opts.mode != "vmap" or not isinstance(exc, RuntimeError) or not str(exc).startswith(_VALUE_UNDER_VMAP):
+        return exc
+    remedy = (
+        f"{opts.call}: func reads a mapped tensor's value in Python (a loop bound, a branch, .item()), which "
+        f"torch.vmap cannot do per example. Use mode='loop' to call func once per example (per-example control "
+        f"flow), or pass the value with in_dims=None if every example shares it (one loop bound for the batch)."
+    )
+    return RuntimeError(f"{exc}\n{remedy}").with_traceback(exc.__traceback__)
+
+
 class Shard(NamedTuple):
     """This rank's arguments: the flat leaves (mapped ones cut to this rank's rows) and their in-dims."""
 

@@ -34,6 +34,7 @@ class SourceMeta(NamedTuple):
     kinds: Tuple[Tuple[str, Any], ...] = ()  # (_MAPPED, (shape, dtype, dim)) | (_TENSOR, None) | (_CONST, value)
     batch: int = 0
     failure: Optional[RankFailure] = None
+    needs_grad: bool = False  # a leaf required grad on the source: every rank's output refuses backward
 
 
 def plan_from_src(
@@ -69,7 +70,7 @@ def plan_from_src(
             failure = Failed(group.failure(exc), exc)
     if failure is not None:
         return failure
-    return Planned(plan, [shard.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in)
+    return Planned(plan, [shard.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in, meta.needs_grad)
 
 
 def _meta_of(flat: Any) -> SourceMeta:
@@ -81,7 +82,8 @@ def _meta_of(flat: Any) -> SourceMeta:
             kinds.append((_MAPPED, (tuple(shape), leaf.dtype, d)))
         else:
             kinds.append((_TENSOR, None) if isinstance(leaf, torch.Tensor) else (_CONST, leaf))
-    return SourceMeta(flat.spec, tuple(flat.dims), tuple(kinds), flat.batch_size)
+    needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in flat.leaves)
+    return SourceMeta(flat.spec, tuple(flat.dims), tuple(kinds), flat.batch_size, needs_grad=needs_grad)
 
 
 def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...]) -> List[Any]:

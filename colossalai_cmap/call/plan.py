@@ -40,12 +40,14 @@ class CallPlan(NamedTuple):
 
 class Planned(NamedTuple):
     """A plan and what this rank was given for it: the flat positional leaves (whole; with ``src=r``, this rank's
-    shard under the source's structure), the kwargs, and with ``src=r`` the example an empty shard runs instead."""
+    shard under the source's structure), the kwargs, and with ``src=r`` the example an empty shard runs instead and
+    whether an input required grad on the source (the receiving rank's output then refuses backward too)."""
 
     plan: CallPlan
     leaves: List[Any]
     kwargs: Dict[str, Any]
     stand_in: Any = None
+    source_needs_grad: bool = False
 
 
 class FastPath(NamedTuple):

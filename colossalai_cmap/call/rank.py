@@ -28,7 +28,7 @@ from ..wire.primitives import requires_grad
 from ..wire.protocol import Link
 from . import closures, module_params
 from .entry import enter
-from .execute import Shard, rng_scope, run_shard
+from .execute import Shard, rng_scope, run_shard, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .plan import CallPlan, Planned
@@ -105,6 +105,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         owner.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
             raise
+        exc = with_remedy(opts, exc)
         return Failed(group.failure(exc), exc)
 
 
