@@ -149,8 +149,9 @@ def check_case(name: str, B: int, dsts: Tuple[Any, ...], explain: bool) -> int:
         if dst == -1:
             _close(got, want, f"{what}: compiled vs vmap")
             _close(got_grads, want_grads, f"{what}: gradients, compiled vs vmap")
-        else:
+        else:  # each rank's loss of its own share, out_dims=None outputs counted once: vmap's gradients
             _close(got, _local(want, name), f"{what}: compiled vs this rank's share of vmap")
+            _close(got_grads, want_grads, f"{what}: gradients, compiled vs vmap")
         if explain:
             explained = torch._dynamo.explain(mapped)(*args)
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained

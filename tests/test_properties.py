@@ -1,10 +1,11 @@
 """Property test: for random P, B, in_dims, out_dims, src, dst and mode, every example comes back exactly once,
 in global order, equal to single-process torch.vmap."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from cases import assert_same
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import colossalai_cmap as cm
@@ -155,24 +156,44 @@ def _library(c: torch.Tensor) -> dict:
         "two": lambda x, w: ((x * w).sum(-1), x.cos()),
         "closure": lambda x, w: (x * c).tanh() * w,
         "matmul": lambda x, w: x @ w,
+        "shared": lambda x, w: ((x * w).sin(), (w * c).cos()),  # a batched output and a replicated one
     }
 
 
-def check_whole_call(name, B, src, dst, mode, chunk, grads):
+# each function's out_dims to draw from: every output at dim 0, 1 or -1; the replicated one at None
+OUT_DIMS = {
+    "affine": [0, 1, -1],
+    "two": [0, (1, 0), (0, -1)],
+    "closure": [0, 1, -1],
+    "matmul": [0, -1],
+    "shared": [(0, None), (1, None), (-1, None)],
+}
+
+
+def _along(t, d, part):
+    """``part`` (a slice of examples) of ``t`` along its out-dim ``d``; all of it for an out_dims=None leaf."""
+    return t if d is None else t.movedim(d, 0)[part].movedim(0, d)
+
+
+def check_whole_call(name, B, src, dst, mode, chunk, grads, out_dims=0):
     """One drawn call on every rank against single-process torch.vmap: values, and with ``grads`` the gradients of
-    the inputs, the unmapped weight and a closure-captured tensor."""
+    the inputs, the unmapped weight and a closure-captured tensor. With ``dst="local"`` each rank's loss is of its
+    own rows and of the replicated (out_dims=None) outputs, which count once: the gradients are vmap's of the one
+    loss. With ``src=r`` or ``dst=r`` backward is refused on every rank that gets an output."""
     rank, size = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(B * 31 + len(name))
     x0, w0 = torch.randn(B, 2, 3, generator=gen, dtype=torch.float64), torch.randn(
         3, generator=gen, dtype=torch.float64
     )
-    grads = grads and src in (None, "local") and dst in (-1, "local")
+    refused = grads and not (src in (None, "local") and dst in (-1, "local"))
+    grads = grads and not refused
     rows = [len(t) for t in torch.arange(B).tensor_split(size)] if "local" in (src, dst) else None
 
     def run(mapper, x, w, c, **opts):
         f = _library(c)[name]
-        func = torch.vmap(f, in_dims=(0, None)) if mapper is cm.cmap and opts.get("mode") == "batched" else f
-        return mapper(func, in_dims=(0, None), **opts)(x, w)
+        batched = mapper is cm.cmap and opts.get("mode") == "batched"
+        func = torch.vmap(f, in_dims=(0, None), out_dims=out_dims) if batched else f
+        return mapper(func, in_dims=(0, None), out_dims=out_dims, **opts)(x, w)
 
     def leaves(out):
         return [out] if isinstance(out, torch.Tensor) else list(out)
@@ -180,20 +201,26 @@ def check_whole_call(name, B, src, dst, mode, chunk, grads):
     def loss(out):
         return sum((t * t.new_tensor(1.5)).sin().sum() for t in leaves(out))
 
-    xr, wr, cr = x0.clone().requires_grad_(grads), w0.clone().requires_grad_(grads), C.clone().requires_grad_(grads)
+    track = grads or refused
+    xr, wr, cr = x0.clone().requires_grad_(track), w0.clone().requires_grad_(track), C.clone().requires_grad_(track)
     expected = run(torch.vmap, xr, wr, cr)
     start = sum(rows[:rank]) if rows else 0
     mine = slice(start, start + rows[rank]) if rows else slice(0, B)
     x = x0[mine] if src == "local" else x0
-    xc, wc, cc = x.clone().requires_grad_(grads), w0.clone().requires_grad_(grads), C.clone().requires_grad_(grads)
+    xc, wc, cc = x.clone().requires_grad_(track), w0.clone().requires_grad_(track), C.clone().requires_grad_(track)
     args_x = xc if not (isinstance(src, int) and rank != src) else None
     out = run(cm.cmap, args_x, wc, cc, src=src, dst=dst, mode=mode, chunk_size=chunk)
     if dst not in (-1, "local", rank):
         assert out is None
         return "none"
-    want = [t[mine] if dst == "local" else t for t in leaves(expected)]
+    dims = [out_dims] * len(leaves(expected)) if not isinstance(out_dims, tuple) else list(out_dims)
+    want = [_along(t, d, mine) if dst == "local" else t for t, d in zip(leaves(expected), dims)]
     for got, exp in zip(leaves(out), want):
         torch.testing.assert_close(got, exp.detach())  # float64: at most a dot of 3 in another kernel, far inside
+    if refused:
+        with pytest.raises(RuntimeError, match="is not differentiable"):
+            loss(out).backward()
+        return "refused"
     if not grads:
         return "values"
     loss(expected).backward()
@@ -201,7 +228,7 @@ def check_whole_call(name, B, src, dst, mode, chunk, grads):
     x_grad = xr.grad[mine] if src == "local" else xr.grad
     torch.testing.assert_close(xc.grad, x_grad)
     torch.testing.assert_close(wc.grad, wr.grad)  # float64 sums over at most 40 examples in another order
-    if name == "closure":
+    if name in ("closure", "shared"):
         torch.testing.assert_close(cc.grad, cr.grad)
     return "grads"
 
@@ -210,23 +237,29 @@ def check_whole_call(name, B, src, dst, mode, chunk, grads):
 def whole_calls(draw):
     P = draw(st.integers(1, 4))
     B = draw(st.integers(0, 12))
-    name = draw(st.sampled_from(["affine", "two", "closure", "matmul"]))
+    name = draw(st.sampled_from(sorted(OUT_DIMS)))
+    out_dims = draw(st.sampled_from(OUT_DIMS[name]))
     src = draw(st.sampled_from([None, "local", 0]))
     dst = draw(st.sampled_from([-1, "local", 0]))
     mode = draw(st.sampled_from(["vmap", "batched", "loop"]))
     chunk = draw(st.sampled_from([None, 1, 3]))
     grads = draw(st.booleans())
-    return P, name, B, src, dst, mode, chunk, grads
+    return P, name, B, src, dst, mode, chunk, grads, out_dims
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(whole_calls())
+@example((2, "shared", 5, "local", "local", "vmap", None, True, (0, None)))  # jax's out_specs=P() under dst="local"
+@example((3, "shared", 7, None, "local", "loop", 3, True, (1, None)))
+@example((4, "shared", 3, "local", "local", "batched", None, True, (-1, None)))  # B < P: a stand-in on one rank
+@example((2, "two", 5, 0, 1, "vmap", None, True, 0))  # src=r, dst=r': the receiving rank refuses backward
 def test_random_whole_calls(worlds, scenario):
-    """Random whole calls (function, B, src, dst, mode, chunk_size, gradients) equal single-process torch.vmap on
-    every rank: values, and the gradients of mapped, unmapped and closure-captured tensors."""
-    P, name, B, src, dst, mode, chunk, grads = scenario
-    results = worlds(P).run(check_whole_call, name, B, src, dst, mode, chunk, grads)
-    assert sum(r != "none" for r in results) == (1 if dst == 0 else P), results
+    """Random whole calls (function, B, src, dst, mode, chunk_size, out_dims, gradients) equal single-process
+    torch.vmap on every rank: values, and the gradients of mapped, unmapped and closure-captured tensors, on every
+    out_dims/src/dst combination (out_dims=None leaves under dst="local" counted once)."""
+    P, name, B, src, dst, mode, chunk, grads, out_dims = scenario
+    results = worlds(P).run(check_whole_call, name, B, src, dst, mode, chunk, grads, out_dims)
+    assert sum(r != "none" for r in results) == (1 if isinstance(dst, int) and dst >= 0 else P), results
 
 
 def check_random_call(B, randomness, mode, dst):
