@@ -193,14 +193,15 @@ def test_replicated_outputs(worlds, P):
 
 def check_local_dst_backward_with_empty_shards():
     """dst='local' with psum and B < P: every rank (the empty one too) backprops through its own outputs, so the
-    psum backward meets on every rank (no hang); shard_map semantics: the gradient of the sum of per-rank losses."""
+    psum backward meets on every rank (no hang); the gradient of one global loss: the per-rank losses summed, the
+    replicated (out_dims=None) output counted once."""
     rank, size = dist.get_rank(), dist.get_world_size()
     x = randn(size - 1, 4, seed=3).requires_grad_()
     total, doubled = cm.cmap(lambda v: (psum(v, "i"), v * 2), out_dims=(None, 0), axis_name="i", dst="local")(x)
     torch.testing.assert_close(total, x.detach().sum(0), **batch_sum_tolerance(x.detach()))
     (total.sum() + doubled.sum()).backward()
-    if rank < size - 1:  # this rank's row: 2 from its own output, plus one from each rank's loss through the psum
-        torch.testing.assert_close(x.grad[rank], torch.full((4,), 2.0 + size))
+    if rank < size - 1:  # this rank's row: 2 from its own output, plus 1 from the psum, counted once (not P times)
+        torch.testing.assert_close(x.grad[rank], torch.full((4,), 3.0))
     return True
 
 

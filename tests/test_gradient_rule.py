@@ -180,6 +180,32 @@ def measure_one(name, want_grads):
     return ratio(gradients(name)[1], want_grads)
 
 
+def check_second_order():
+    """A gradient penalty through a replicated ``dst="local"`` output (``create_graph=True``, then backward): both
+    orders count the replicated value once, equal to one process (src=None and src="local")."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 3, generator=gen, dtype=torch.float64)
+    w0 = torch.randn(3, generator=gen, dtype=torch.float64)
+
+    def penalised(y, w):
+        (g,) = torch.autograd.grad(y.square(), w, create_graph=True)
+        return y + g.square().sum()
+
+    w = w0.clone().requires_grad_()
+    penalised((x * w).sin().sum(-1).mean(), w).backward()
+    for src, xs in ((None, x), ("local", _mine(x))):
+        wc = w0.clone().requires_grad_()
+        one = lambda v, u: cm.pmean((v * u).sin().sum(), "i")  # noqa: E731
+        mapped = cm.cmap(one, in_dims=(0, None), out_dims=None, axis_name="i", src=src, dst="local")
+        penalised(mapped(xs, wc), wc).backward()
+        assert_same(wc.grad, w.grad, F64, f"src={src}: the second-order gradient")
+    return True
+
+
+def test_second_order_counts_once(worlds):
+    assert worlds(3).run(check_second_order) == [True] * 3
+
+
 # ----------------------------------------------------------------------------------- the first errors users meet
 def lorentz(state, t, sigma=10.0, beta=8.0 / 3, rho=28.0):
     x, y, z = state

@@ -64,8 +64,9 @@ def shard_map(
         check_rep: also check, at the exit, that the outputs declared replicated over an axis are equal across it
             (a checksum per axis, like jax's ``check_rep``/``check_vma`` but at run time). ``check_vma`` is an alias.
         local: the per-device style: the arguments are this rank's blocks already and the outputs stay blocks, so
-            nothing is cut or assembled (the specs are still checked). Tensors ``f`` closes over are still
-            replicated values whose gradient is summed over the mesh.
+            nothing is cut or assembled (the specs are still checked). The gradients are the global call's: a
+            block's gradient is summed over the axes its spec leaves out, an output replicated over an axis counts
+            once, and tensors ``f`` closes over are replicated values whose gradient is summed over the mesh.
         timeout: seconds each collective may wait before every rank raises ``CmapError`` (default as ``cmap``'s).
 
     Returns:
