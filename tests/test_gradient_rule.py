@@ -13,6 +13,8 @@ mean of 12 examples, added per rank and then over the ranks in another order tha
 ``cases.F64``.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -138,6 +140,7 @@ def check_training(steps, lr):
     return steps
 
 
+@functools.lru_cache(maxsize=None)
 def _oracle():
     """The loss and its gradient on the full batch in this process: jax's when jax imports, else torch.func's."""
     params, x, t = _data()
