@@ -90,7 +90,8 @@ def _geometry(
     if offset < 0:
         return None
     sizes, strides = list(v.shape), list(v.stride())
-    sizes[out_dim], strides[out_dim] = plan.batch, step
+    if plan.batch != 1:  # a batch of one keeps the stride vmap gave its size-one dim (every rank sees that row)
+        sizes[out_dim], strides[out_dim] = plan.batch, step
     itself = (
         as_dtype is None
         and v is given
@@ -148,8 +149,7 @@ def plain(v: Any) -> bool:
 
 
 def _storage(v: torch.Tensor) -> Optional[int]:
-    try:
-        where = v.untyped_storage().data_ptr()
+    try:  # the storage object itself: empty storages share data pointer 0
+        return v.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, sparse): no alias to return
         return None
-    return where or None  # empty storages all sit at 0
