@@ -47,6 +47,7 @@ VIEW_OPS = [
     ("real", lambda t: t.real, _complex, 0, 0),
     ("imag", lambda t: t.imag, _complex, 1, 0),
     ("view_as_real", torch.view_as_real, _complex, 0, 0),
+    ("conj", torch.conj, _complex, 2, 0),
     ("view_as_complex", torch.view_as_complex, _pairs, 0, 0),
     ("identity", lambda t: t, _real, 0, 0),
     ("identity_moved", lambda t: t, _real, 0, 2),

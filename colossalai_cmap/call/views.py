@@ -43,6 +43,8 @@ class View(NamedTuple):
     strides: Tuple[int, ...]
     offset: int
     itself: bool  # func returned the tensor it was given, unchanged in geometry: the result is the caller's tensor
+    conj: bool = False  # the view's lazy conjugate bit differs from the input's (``torch.conj``)
+    neg: bool = False  # likewise its lazy negation bit (the conjugate of a conjugate view's imaginary part)
 
 
 def applies(opts: Options) -> bool:
@@ -99,7 +101,9 @@ def _geometry(
         and tuple(strides) == x.stride()
         and offset == x.storage_offset()
     )
-    return View(i, j, as_dtype, tuple(sizes), tuple(strides), offset, itself)
+    conj, neg = v.is_conj() != x.is_conj(), v.is_neg() != x.is_neg()
+    itself = itself and not (conj or neg)
+    return View(i, j, as_dtype, tuple(sizes), tuple(strides), offset, itself, conj, neg)
 
 
 def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> Any:
@@ -137,6 +141,10 @@ def place(views: Tuple[View, ...], inputs: Sequence[Any], flat: List[Any]) -> No
             base = torch.view_as_complex(x)
         elif view.as_dtype == CAST:
             base = x.view(flat[view.leaf].dtype)
+        if view.conj:
+            base = base.conj()
+        if view.neg:
+            base = torch._neg_view(base)
         flat[view.leaf] = base.as_strided(view.sizes, view.strides, view.offset)
 
 
