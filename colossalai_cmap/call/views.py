@@ -60,7 +60,7 @@ def find_views(
     """The batched output leaves that view a mapped input. ``given`` are the leaves func was given (this rank's
     rows, or on an empty shard the first row), ``inputs`` the caller's."""
     found = []
-    sources = [j for j in plan.mapped if plain(inputs[j]) and not inputs[j].requires_grad]
+    sources = [j for j, x in enumerate(inputs) if plain(x) and not x.requires_grad]  # mapped first, as they come
     if not sources:
         return ()
     storages = {j: _storage(inputs[j]) for j in sources}
@@ -71,9 +71,9 @@ def find_views(
         for j in sources:
             if where is not None and where == storages[j]:
                 view = _geometry(i, j, v, leaf.out_dim, given[j], plan, inputs[j])
-                if view is not None:
+                if view is not None:  # else another input over the same storage may fit
                     found.append(view)
-                break
+                    break
     return tuple(found)
 
 
@@ -83,11 +83,12 @@ def _geometry(
     as_dtype = _as_dtype(x, v.dtype)
     if as_dtype is False:
         return None
-    unit = v.element_size()
-    step, rest = divmod(x.stride(plan.dims[j]) * x.element_size(), unit)  # one example along the batch, in v's units
+    unit, d = v.element_size(), plan.dims[j]
+    # one example along the batch, in v's units: an unmapped input's view is expanded along it (stride 0)
+    step, rest = divmod(x.stride(d) * x.element_size(), unit) if d is not None else (0, 0)
     if rest or (v.shape[out_dim] > 1 and v.stride(out_dim) != step):
         return None  # not the input's batch dim (func mixed the examples): gathered instead
-    start = plan.offset if plan.rows else 0  # an empty shard's stand-in is the first row
+    start = plan.offset if plan.rows and d is not None else 0  # an empty shard's stand-in is the first row
     offset = v.storage_offset() - start * step
     if offset < 0:
         return None
@@ -96,6 +97,7 @@ def _geometry(
         sizes[out_dim], strides[out_dim] = plan.batch, step
     itself = (
         as_dtype is None
+        and d is not None
         and v is given
         and tuple(sizes) == tuple(x.shape)
         and tuple(strides) == x.stride()
@@ -113,7 +115,7 @@ def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> Any:
     try:
         if x.is_complex() and torch.view_as_real(x).dtype == dtype:
             return REAL
-        if dtype.is_complex and not x.is_complex() and torch.view_as_complex(x).dtype == dtype:
+        if dtype.is_complex and not x.is_complex() and torch.view_as_complex(x.new_empty(0, 2)).dtype == dtype:
             return COMPLEX
         if x.element_size() == torch.empty((), dtype=dtype).element_size():
             return CAST
@@ -137,8 +139,9 @@ def place(views: Tuple[View, ...], inputs: Sequence[Any], flat: List[Any]) -> No
         base = x
         if view.as_dtype == REAL:
             base = torch.view_as_real(x)
-        elif view.as_dtype == COMPLEX:
-            base = torch.view_as_complex(x)
+        elif view.as_dtype == COMPLEX:  # the whole storage as pairs: the view's offset counts pairs
+            pairs = x.untyped_storage().nbytes() // (2 * x.element_size())
+            base = torch.view_as_complex(x.as_strided((pairs, 2), (2, 1), 0))
         elif view.as_dtype == CAST:
             base = x.view(flat[view.leaf].dtype)
         if view.conj:
