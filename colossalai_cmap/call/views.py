@@ -25,16 +25,14 @@ from .layout import BATCHED, OutLayout
 from .options import Options
 from .plan import CallPlan
 
-REAL, COMPLEX, CAST = (
-    "real",
-    "complex",
-    "cast",
-)  # the input seen as another dtype: view_as_real / view_as_complex / view
+# the input seen as another dtype: through view_as_real, view_as_complex (of its storage as pairs), or view(dtype)
+REAL, COMPLEX, CAST = "real", "complex", "cast"
 
 
 class View(NamedTuple):
-    """One output leaf that is a view of a mapped input leaf, with its geometry over the whole batch, in elements of
-    the input seen as the output's dtype (``as_dtype``: None where they are the same)."""
+    """One output leaf that is a view of an input leaf (mapped, or unmapped and expanded along the batch), with its
+    geometry over the whole batch, in elements of the input seen as the output's dtype (``as_dtype``: None where they
+    are the same)."""
 
     leaf: int
     source: int
@@ -57,10 +55,10 @@ def applies(opts: Options) -> bool:
 def find_views(
     flat: Sequence[Any], layout: OutLayout, given: Sequence[Any], plan: CallPlan, inputs: Sequence[Any]
 ) -> Tuple[View, ...]:
-    """The batched output leaves that view a mapped input. ``given`` are the leaves func was given (this rank's
-    rows, or on an empty shard the first row), ``inputs`` the caller's."""
+    """The batched output leaves that view an input. ``given`` are the leaves func was given (this rank's rows, or
+    on an empty shard the first row), ``inputs`` the caller's."""
     found = []
-    sources = [j for j, x in enumerate(inputs) if plain(x) and not x.requires_grad]  # mapped first, as they come
+    sources = [j for j, x in enumerate(inputs) if plain(x) and not x.requires_grad]
     if not sources:
         return ()
     storages = {j: _storage(inputs[j]) for j in sources}
