@@ -122,6 +122,13 @@ def check_in_place():
     z = torch.rand(3, 5)
     moved = cmap(lambda t: t.sub_(1), in_dims=1, out_dims=1)(z)
     assert moved is z
+    # fewer examples than ranks: the empty shards' stand-in is the first row itself, which they change too
+    one = torch.rand(1, 4)
+    one_ref = torch.vmap(lambda t: t.mul_(2).add_(1))(one.clone())
+    changed = cmap(lambda t: t.mul_(2).add_(1))(one)
+    assert changed is one and torch.equal(one, one_ref)
+    moved_one = cmap(lambda t: t.mul_(2), in_dims=1)(torch.ones(4, 1))
+    assert torch.equal(moved_one, torch.full((1, 4), 2.0)) and moved_one._base is not None
     # torch's in-place fallback (an op with no batching rule): its result is a view of the input too
     w = torch.rand(5, 2, 3)
     w_ref = w.clone()
