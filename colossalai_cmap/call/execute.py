@@ -144,6 +144,8 @@ def _vmap(
         flat, seen["spec"] = tree_flatten(out)
         seen["dims"] = flatten_out_dims(opts.call, opts.out_dims, seen["spec"], len(flat))
         seen["flat"] = flat
+        given = tree_flatten(a)[0]  # an output that is a batched input itself: vmap returns the input unmoved
+        seen["inputs"] = [next((k for k, g in enumerate(given) if v is g), None) for v in flat]
         _refuse_batched_none(opts, flat, seen["dims"])
         return [v for v in flat if isinstance(v, torch.Tensor)]
 
@@ -152,7 +154,7 @@ def _vmap(
     dims = (0 if frame is not None else None, *in_dims)
     mapped = torch.vmap(indexed, dims, 0 if place else opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
     out = mapped(indices, *args, **kwargs)
-    return _place(opts, out, seen) if place else out
+    return _place(opts, out, seen, shard) if place else out
 
 
 def _refuse_batched_none(opts: Options, flat: Sequence[Any], dims: Sequence[Any]) -> None:
@@ -171,19 +173,23 @@ def _refuse_batched_none(opts: Options, flat: Sequence[Any], dims: Sequence[Any]
             )
 
 
-def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any]) -> Any:
+def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], shard: Shard) -> Any:
     """The outputs, from the tensors vmap returned at dim 0: each at its out_dim, or for out_dims=None its one copy;
-    non-tensor leaves as func returned them."""
+    non-tensor leaves as func returned them. An output that is func's mapped input itself, placed where that input
+    has its batch dim, is the input itself (an in-place op), as vmap returns it."""
     found = iter(tensors)
     placed = []
-    for i, (v, dim) in enumerate(zip(seen["flat"], seen["dims"])):
+    for i, (v, dim, source) in enumerate(zip(seen["flat"], seen["dims"], seen["inputs"])):
         if not isinstance(v, torch.Tensor):
             placed.append(v)
             continue
         t = next(found)
-        placed.append(
-            t.select(0, 0) if dim is None else t.movedim(0, normalise_out_dim(opts.call, dim, t.dim() - 1, i))
-        )
+        if dim is None:
+            placed.append(t.select(0, 0))
+            continue
+        dim = normalise_out_dim(opts.call, dim, t.dim() - 1, i)
+        itself = source is not None and shard.dims[source] == dim
+        placed.append(shard.leaves[source] if itself else t.movedim(0, dim))
     return tree_unflatten(placed, seen["spec"])
 
 

@@ -1,8 +1,9 @@
 """A call's exit: one status round that also carries small outputs, the gather for ``dst``, and in-place updates.
 
 Batched outputs join as rows (every rank's, in group-rank order); ``out_dims=None`` outputs are the same on every
-rank and stay where they are, and their cotangent counts once (one rank's; with ``dst="local"``, the ranks' mean).
-With ``dst="local"`` nothing moves, but the round still runs: a failure anywhere must reach every rank.
+rank and stay where they are, and their cotangent counts once (one rank's; with ``dst="local"``, the ranks' mean);
+outputs that view the caller's inputs are those views (:mod:`views`), with no data. With ``dst="local"`` nothing
+moves, but the round still runs: a failure anywhere must reach every rank.
 """
 
 from typing import Any, Sequence
@@ -23,6 +24,7 @@ from .options import Options
 from .plan import CallPlan, Planned
 from .rank import Failed, Outputs
 from .specs import unflatten
+from .views import place, signature
 
 
 def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: Link) -> Any:
@@ -30,12 +32,14 @@ def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: 
     if isinstance(result, Failed):
         report_failure(JoinSpec(link, (), kind=Kind.STATUS), result.failure, result.cause)
     out: Outputs = result
-    tensors = out.layout.tensors
+    tensors, roles = out.layout.tensors, _roles(opts, plan, out, out.layout.tensors)
+    if out.views:  # views of the caller's inputs: every rank holds them already
+        viewed = {v.leaf for v in out.views}
+        roles = tuple(r for i, r in zip(tensors, roles) if i not in viewed)
+        tensors = tuple(i for i in tensors if i not in viewed)
     learned = Learned()
     exit_ = _exit(opts, plan, out, inputs)
-    spec = JoinSpec(
-        link, _roles(opts, plan, out, tensors), "the outputs", Kind.STATUS, _dst(opts), exit_, learned=learned
-    )
+    spec = JoinSpec(link, roles, "the outputs", Kind.STATUS, _dst(opts), exit_, learned=learned)
     try:
         got = join(spec, [out.flat[i] for i in tensors])
     except Disagreement as found:
@@ -50,9 +54,7 @@ def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: 
     flat = list(out.flat)
     for i, value in zip(tensors, got):
         flat[i] = value
-    for i, j in out.returned if mask and opts.src is None else ():
-        if mask >> plan.mapped.index(j) & 1:  # func changed its input in place and returned it: vmap returns x itself
-            flat[i] = inputs.leaves[j]
+    place(out.views, inputs.leaves, flat)  # after the write-back, which they show
     return unflatten(flat, out.spec)
 
 
@@ -98,7 +100,7 @@ def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:
     return Exit(
         status,
         input_sig,
-        out.layout.digest,
+        signature(out.layout.digest, out.views),
         plan.batch,
         out.graph_sig,
         out.mutated,

@@ -9,7 +9,8 @@ the status round, so every rank raises together. The steps:
    collectives inside func (contributing nothing), and builds the same autograd graph as its peers.
 3. func runs under ``torch.vmap`` (or batched, or in a loop), with this call's axis frame and randomness.
 4. The outputs are read against ``out_dims``; closure-captured tensors are found in their graph (:mod:`closures`);
-   mapped inputs that func changed in place are noted, to be written back on every rank.
+   mapped inputs that func changed in place are noted, to be written back on every rank; outputs that are views of
+   the caller's inputs are noted with their geometry (:mod:`views`), to be returned as views with no gather.
 """
 
 import contextlib
@@ -26,7 +27,7 @@ from ..wire import protocol
 from ..wire.exchange import CallTag
 from ..wire.primitives import requires_grad
 from ..wire.protocol import Link
-from . import closures, module_params
+from . import closures, module_params, views
 from .entry import enter
 from .execute import Shard, rng_scope, run_shard, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
@@ -34,6 +35,7 @@ from .options import Options
 from .plan import CallPlan, Planned
 from .site import CallSite
 from .specs import flatten, flatten_out_dims, normalise_out_dim
+from .views import View
 
 
 class Outputs(NamedTuple):
@@ -46,7 +48,7 @@ class Outputs(NamedTuple):
     graph_sig: int  # the closure edges of its autograd graph (0: none)
     mutated: int  # bit k: func changed the k-th mapped input in place
     captures: Optional[bool] = None  # closure-captured tensors met (None: not looked for)
-    returned: Tuple[Tuple[int, int], ...] = ()  # (output leaf, mapped leaf): func returned its input, changed in place
+    views: Tuple[View, ...] = ()  # outputs that view the caller's mapped inputs: returned as such, not gathered
 
 
 class Failed(NamedTuple):
@@ -89,7 +91,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         layout = layout_of(opts, flat, spec, hint)
         if opts.mode == "batched":
             _check_rows(opts, flat, layout, shard.rows)
-        returned = _returned_inputs(opts, flat, shard, plan) if versions else ()
+        found = views.find_views(flat, layout, leaves, plan, inputs.leaves) if views.applies(opts) else ()
         if extra:
             flat = [
                 v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v
@@ -100,7 +102,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))
         mutated = _mutated(versions, inputs.leaves, plan)
-        return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, returned)
+        return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
     except Exception as exc:  # every rank learns of it in the status round
         owner.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
@@ -164,6 +166,9 @@ def _stand_in(opts: Options, plan: CallPlan, inputs: Planned, leaves: List[Any],
         d, mine = plan.dims[i], leaves[i]
         if inputs.stand_in is not None:
             row = inputs.stand_in[i]
+        elif extra == 1 and plan.rows == 0 and views.applies(opts) and _unwatched(inputs.leaves[i], mine):
+            out[i] = inputs.leaves[i].narrow(d, 0, 1)  # a view, as rank 0's rows are: its outputs' views match
+            continue
         elif opts.src is None and plan.batch > 0:
             row = inputs.leaves[i].narrow(d, 0, 1).detach().clone()
         else:
@@ -173,6 +178,11 @@ def _stand_in(opts: Options, plan: CallPlan, inputs: Planned, leaves: List[Any],
         rows = row if extra == 1 else torch.cat([row] * extra, dim=d)
         out[i] = torch.cat([mine, rows], dim=d)  # mine carries the graph and the tangents, even with no rows
     return out
+
+
+def _unwatched(x: Any, mine: Any) -> bool:
+    """A caller's tensor whose first row can stand in as a view: no graph or tangent rides on this rank's rows."""
+    return views.plain(x) and not x.requires_grad and mine is not None and views.plain(mine)
 
 
 def _frame_and_seed(
@@ -234,39 +244,10 @@ def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, s
     return closures.watch(flat, owner, start, link)
 
 
-def _returned_inputs(opts: Options, flat: Sequence[Any], shard: Shard, plan: CallPlan) -> Tuple[Tuple[int, int], ...]:
-    """The outputs that are func's mapped inputs themselves (``lambda t: t.sin_()``), found on the tensors func was
-    given (a stand-in example too), so that the exit can return the caller's tensor, as vmap does."""
-    found = []
-    for i, v in enumerate(flat):
-        if not _plain(v) or v.requires_grad:
-            continue
-        for j in plan.mapped:
-            given = shard.leaves[j]
-            if v is given or _plain(given) and _same_view(v, given):
-                found.append((i, j))
-                break
-    return tuple(found)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-    except RuntimeError:  # a tensor without storage (a subclass): no alias to return
-        return False
-
-
 def _versions(opts: Options, plan: CallPlan, leaves: Sequence[Any]) -> Optional[List[int]]:
     if opts.src is not None:
         return None
-    return [leaves[i]._version if _plain(leaves[i]) else -1 for i in plan.mapped]
-
-
-def _plain(v: Any) -> bool:
-    # Inference tensors keep no version counter: an in-place change to one stays on the rank that made it.
-    return (
-        isinstance(v, torch.Tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(v) and not v.is_inference()
-    )
+    return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in plan.mapped]
 
 
 def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], plan: CallPlan) -> int:

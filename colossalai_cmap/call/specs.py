@@ -190,10 +190,13 @@ def normalise_out_dim(call: str, dim: Dim, example_ndim: int, index: int) -> Dim
     if dim is None:
         return None
     if not isinstance(dim, int) or isinstance(dim, bool):
-        raise ValueError(f"{call}: output {index}: out_dim must be an int or None, got {dim!r}.")
-    if not -(example_ndim + 1) <= dim <= example_ndim:
         raise ValueError(
-            f"{call}: output {index}: out_dim={dim} is out of range for a per-example output of dimension "
-            f"{example_ndim}; expected {-(example_ndim + 1)} <= out_dim <= {example_ndim}."
+            f"{call}: output {index}: `out_dims` must be an int, None or a python collection of ints representing "
+            f"where in the outputs the vmapped dimension should appear; got {dim!r}."
+        )
+    if not -(example_ndim + 1) <= dim <= example_ndim:
+        raise IndexError(  # torch.vmap's type and sentence (its maybe_wrap_dim)
+            f"{call}: output {index}: Dimension out of range (expected to be in range of [{-(example_ndim + 1)}, "
+            f"{example_ndim}], but got {dim}): out_dim={dim} for a per-example output of dimension {example_ndim}."
         )
     return dim % (example_ndim + 1)
