@@ -234,6 +234,7 @@ def check_random_call(B, randomness, mode, dst):
     x = torch.zeros(B, 3, dtype=torch.float64)
     f = lambda v: v + torch.rand(3, dtype=torch.float64)  # noqa: E731
     func = torch.vmap(f, randomness=randomness) if mode == "batched" else f
+    torch.manual_seed(B)  # the ranks' generators in step, as colossalai's launch seeds them ("same" needs it)
     out = cm.cmap(func, randomness=randomness, mode=mode, dst=dst)(x)
     if out is None:
         return "none"

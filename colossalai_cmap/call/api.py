@@ -59,7 +59,9 @@ def cmap(
             scatters the shards. "local": each rank passes its own shard; the global batch is the shards
             concatenated in group-rank order, and shard sizes may differ.
         randomness: "error" (as in vmap), "different" (no two examples draw the same numbers, across ranks too;
-            reproducible for a fixed seed and group size) or "same" (every example on every rank draws the same).
+            reproducible for a fixed seed and group size), "same" (what ``torch.vmap(randomness="same")`` draws in
+            one process from the same generator state) or "per_example" (each example draws from a generator seeded
+            from one draw of the caller's and the example's global index: the same numbers at every P).
         chunk_size: vmap's ``chunk_size``, per rank: bounds the peak memory of each rank's share.
         mode: "vmap" (default) runs ``torch.vmap(func)`` on the shard; "batched" calls ``func`` once on the shard
             (it already takes a batch, like a model's forward); "loop" calls it once per example and stacks.
