@@ -39,6 +39,7 @@ bench: install
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.compile
 	$(PY) -m benchmarks.wire_bytes
+	$(PY) -m benchmarks.randomness
 
 # On a GPU machine: the checks on CUDA over nccl (one rank per GPU, up to 8), which steady calls synchronize the host,
 # and cmap's all_gather / all_reduce against torch.distributed's (also checks/gpu_results.json). Under 10 minutes.

@@ -285,3 +285,60 @@ def test_eager_options_break_the_graph(worlds):
     assert got[0] == got[1]
     for word, message in zip(["dst=r", "src=r", "loop", "randomness", "check_inputs", "closure-captured"], got[0]):
         assert word in message, message
+
+
+# -------------------------------------------------------------------------------------- the training step's form
+def check_training_step() -> List[Any]:
+    """A compiled training step whose loss is a cmap over a trainable weight, two SGD steps against eager ones.
+
+    With the cmap made outside the compiled step and the weight passed with ``in_dims=None``, the step is one graph
+    with no break and gives eager's values and gradients (summed over the ranks). Made inside the step, closing
+    over the weight, the cmap is made out of the graph: a graph break whose text (dynamo's error under
+    ``fullgraph=True``) names the closure and that remedy; without ``fullgraph`` the step still gives eager's values.
+    """
+    x = randn(5, 3, seed=2, dtype=DOUBLE)
+    mapped = cm.cmap(
+        lambda v, w: torch.tanh(v @ w) / cm.psum(torch.ones((), dtype=DOUBLE), "i"), (0, None), axis_name="i"
+    )
+
+    def argument_step(w: torch.Tensor) -> torch.Tensor:
+        return mapped(x, w).sum()
+
+    def closure_step(w: torch.Tensor) -> torch.Tensor:
+        return cm.cmap(lambda v: torch.tanh(v @ w) / cm.psum(torch.ones((), dtype=DOUBLE), "i"), axis_name="i")(x).sum()
+
+    def train(step: Callable[[torch.Tensor], torch.Tensor]) -> Tuple[List[float], torch.Tensor]:
+        w = W[:, :3].clone().requires_grad_()
+        opt = torch.optim.SGD([w], lr=0.5)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = step(w)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, w.detach()
+
+    torch._dynamo.reset()
+    want_losses, want_w = train(argument_step)
+    explained = torch._dynamo.explain(argument_step)(W[:, :3].clone().requires_grad_())
+    counts = (explained.graph_count, explained.graph_break_count)
+    torch._dynamo.reset()
+    got_losses, got_w = train(torch.compile(argument_step, fullgraph=True, backend="aot_eager"))
+    _close(got_losses, want_losses, "compiled step's losses")
+    _close(got_w, want_w, "the weight after two compiled steps")
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as refused:
+        train(torch.compile(closure_step, fullgraph=True, backend="aot_eager"))
+    torch._dynamo.reset()
+    broken_losses, broken_w = train(torch.compile(closure_step, backend="aot_eager"))
+    _close(broken_losses, want_losses, "closure step's losses (graph breaks)")
+    _close(broken_w, want_w, "the weight after two closure steps (graph breaks)")
+    return [counts, str(refused.value)]
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_compiled_training_step(worlds, P):
+    for counts, message in worlds(P).run(check_training_step, deadline=240):
+        assert counts == (1, 0), counts
+        assert "closes over" in message and "in_dims=None" in message and "outside torch.compile" in message, message

@@ -371,11 +371,12 @@ class LoopBarrier:
 
     Each example runs until it reaches a collective (or ends), then hands the turn to the next one; when every example
     has reached the collective, it runs once on their stacked values and the examples go on, in order again. So the
-    examples' random draws happen in a fixed order (with ``randomness="same"`` each example keeps its own generator
-    state, all starting alike), and an error in one example reaches all of them.
+    examples' random draws happen in a fixed order, and an error in one example reaches all of them. With ``rng``
+    (an object with ``restore(i)`` and ``save(i)``), each example keeps its own generator state, swapped in at its
+    turns (``randomness="same"``: all starting alike; ``"per_example"``: each from its own seed).
     """
 
-    def __init__(self, count: int, same_rng: bool = False) -> None:
+    def __init__(self, count: int, rng: Any = None) -> None:
         self.count = count
         self._local = threading.local()
         self._slots: List[Any] = [None] * count
@@ -383,7 +384,7 @@ class LoopBarrier:
         self._turn, self._arrived, self._done, self._round = 0, 0, 0, 0
         self._result: Any = None
         self._error: Optional[BaseException] = None
-        self._states = [torch.random.get_rng_state()] * count if same_rng else None
+        self._rng = rng
 
     def index(self) -> torch.Tensor:
         return self._local.index
@@ -458,9 +459,9 @@ class LoopBarrier:
         self._cond.wait_for(lambda: self._error is not None or (self._round >= round_ and self._turn == i))
         if self._error is not None:
             raise self._error
-        if self._states is not None:
-            torch.random.set_rng_state(self._states[i])
+        if self._rng is not None:
+            self._rng.restore(i)
 
     def _save_rng(self, i: int) -> None:
-        if self._states is not None:
-            self._states[i] = torch.random.get_rng_state()
+        if self._rng is not None:
+            self._rng.save(i)

@@ -59,7 +59,9 @@ def cmap(
             scatters the shards. "local": each rank passes its own shard; the global batch is the shards
             concatenated in group-rank order, and shard sizes may differ.
         randomness: "error" (as in vmap), "different" (no two examples draw the same numbers, across ranks too;
-            reproducible for a fixed seed and group size) or "same" (every example on every rank draws the same).
+            reproducible for a fixed seed and group size), "same" (what ``torch.vmap(randomness="same")`` draws in
+            one process from the same generator state) or "per_example" (each example draws from a generator seeded
+            from one draw of the caller's and the example's global index: the same numbers at every P).
         chunk_size: vmap's ``chunk_size``, per rank: bounds the peak memory of each rank's share.
         mode: "vmap" (default) runs ``torch.vmap(func)`` on the shard; "batched" calls ``func`` once on the shard
             (it already takes a batch, like a model's forward); "loop" calls it once per example and stacks.
@@ -90,6 +92,21 @@ def cmap(
         >>> batch_dot(x, y[0]).shape  # None on every rank but group rank 0
         torch.Size([64])
     """
+    if torch.compiler.is_compiling():  # dynamo cannot see func's closures (nor make a cmap): made out of the graph
+        return MADE_INSIDE_COMPILE(
+            func,
+            in_dims,
+            out_dims,
+            group=group,
+            dst=dst,
+            src=src,
+            randomness=randomness,
+            chunk_size=chunk_size,
+            mode=mode,
+            axis_name=axis_name,
+            timeout=timeout,
+            check_inputs=check_inputs,
+        )
     options = dict(
         in_dims=in_dims,
         out_dims=out_dims,
@@ -113,6 +130,25 @@ def cmap(
         # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer shard).
         resolve_group(opts.call, group)
     return Cmapped(func, opts)
+
+
+def _made_eagerly() -> Callable[..., Any]:
+    """``cmap`` out of the graph, as one graph break. Under ``fullgraph=True`` dynamo's error shows this function's
+    name, so the name says why and what to do."""
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        return cmap(*args, **kwargs)
+
+    make.__name__ = make.__qualname__ = (
+        "cmap(...) is made inside the compiled function, where dynamo cannot read the closures of func (a tensor "
+        "func closes over that requires grad needs its gradient summed over the ranks): make the cmap outside "
+        "torch.compile, and pass such a tensor as an argument with in_dims=None, e.g. "
+        "f = cmap(lambda v, w: ..., in_dims=(0, None)) and f(x, w) inside the compiled step"
+    )
+    return torch._disable_dynamo(make)
+
+
+MADE_INSIDE_COMPILE = _made_eagerly()
 
 
 class Cmapped:

@@ -102,7 +102,7 @@ _REASONS = {
     "src": "src=r or src='local' moves the inputs in the status protocol",
     "dst": "dst=r gives one rank the result",
     "loop": "mode='loop' runs its examples in threads",
-    "randomness": "randomness='same' or 'different' agrees on a seed in a round",
+    "randomness": "randomness other than 'error' sets up the generators per rank or per example",
     "check_inputs": "check_inputs=True compares checksums in the status round",
     "nested": "a cmap inside the func of another cmap or shard_map maps over that call's examples",
     "captured": (

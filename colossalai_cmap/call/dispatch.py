@@ -26,7 +26,7 @@ from ..wire.group import Group
 from ..wire.primitives import not_differentiable, requires_grad
 from ..wire.protocol import Link, link_for
 from . import exit
-from .execute import Shard, run_shard, with_remedy
+from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .options import check_placement
 from .plan import FastPath, Planned, key_of, make_plan
 from .rank import Failed, Outputs, run_rank
@@ -155,7 +155,8 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
         if faults.ACTIVE:
             faults.check("args", group)
             faults.check("func", group)
-        if opts.mode == "vmap" and opts.axis_name is None and opts.chunk_size is None and not opts.places_outputs:
+        plain = opts.axis_name is None and opts.chunk_size is None and opts.randomness != "per_example"
+        if opts.mode == "vmap" and plain and not opts.places_outputs:
             out = site.vmapped()(*args, **kwargs)
         else:
             out = _local_shard(site, args, kwargs)
@@ -173,11 +174,12 @@ def _local_shard(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     flat = flatten_args(site.func, args, opts.in_dims, opts.call)
     shard = Shard(flat.leaves, tuple(flat.dims), flat.spec, flat.batch_size)
     frame: Optional[AxisFrame] = None
+    seeds = per_example_seeds(0) if opts.randomness == "per_example" else None
     if opts.axis_name is not None:
         B = flat.batch_size
-        frame = AxisFrame(None, B, 0, (B,), opts.mode)
-    with axis_scope(opts.axis_name, frame):
-        return run_shard(opts, site.body, shard, kwargs, frame)
+        frame = AxisFrame(None, B, 0, (B,), "loop" if seeds is not None else opts.mode)
+    with axis_scope(opts.axis_name, frame), rng_scope(None if seeds is None else seeds.base, [shard.device()]):
+        return run_shard(opts, site.body, shard, kwargs, frame, seeds=seeds)
 
 
 def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Exception) -> None:

@@ -1,6 +1,7 @@
 """Run one rank's shard: ``torch.vmap``, one batched call, or a Python loop; plus randomness and ``chunk_size``."""
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -39,6 +40,69 @@ def with_remedy(opts: Options, exc: Exception) -> Exception:
     return RuntimeError(f"{exc}\n{remedy}").with_traceback(exc.__traceback__)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+class ExampleSeeds(NamedTuple):
+    """``randomness="per_example"``: one draw from the caller's generator, and the global index of the shard's first
+    row; each example runs under a generator seeded from the two, so its draws do not depend on P or on the shares."""
+
+    base: int
+    first: int
+
+    def seed(self, i: int) -> int:
+        """The seed of the shard's row ``i``: splitmix64 of the base and the global index (distinct per index)."""
+        z = (self.base + 0x9E3779B97F4A7C15 * (self.first + i + 1)) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return (z ^ (z >> 31)) >> 1
+
+
+class ExampleGenerators:
+    """Loop-mode example threads' own generator states (the CPU's and the device's), swapped in at each turn: all
+    starting from the call's state (``"same"``), or each from its own seed (``"per_example"``)."""
+
+    def __init__(self, count: int, device: torch.device, seeds: Optional[ExampleSeeds] = None) -> None:
+        self._device = None if device.type == "cpu" else device
+        if seeds is None:
+            self._states = [self._get()] * count
+            return
+        self._states = []
+        for i in range(count):
+            seed_generators(seeds.seed(i), device)
+            self._states.append(self._get())
+
+    def _get(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        device = self._device
+        return torch.random.get_rng_state(), None if device is None else _device_rng(device).get_rng_state(device)
+
+    def restore(self, i: int) -> None:
+        cpu, dev = self._states[i]
+        torch.random.set_rng_state(cpu)
+        if dev is not None:
+            _device_rng(self._device).set_rng_state(dev, self._device)
+
+    def save(self, i: int) -> None:
+        self._states[i] = self._get()
+
+
+def _device_rng(device: torch.device) -> Any:
+    return torch.get_device_module(device)
+
+
+def seed_generators(seed: int, device: torch.device) -> None:
+    """Seed the CPU's generator and ``device``'s: what ``torch.manual_seed`` does for these two, in microseconds
+    (it costs about 0.2 ms, looking up every device type), since per_example seeds once per example."""
+    torch.default_generator.manual_seed(seed)
+    if device.type != "cpu":
+        module = _device_rng(device)
+        generators = getattr(module, "default_generators", None)
+        if generators:
+            generators[device.index if device.index is not None else module.current_device()].manual_seed(seed)
+        else:
+            module.manual_seed(seed)
+
+
 class Shard(NamedTuple):
     """This rank's arguments: the flat leaves (mapped ones cut to this rank's rows) and their in-dims."""
 
@@ -54,6 +118,10 @@ class Shard(NamedTuple):
         leaves = [v if d is None else v.narrow(d, start, count) for v, d in zip(self.leaves, self.dims)]
         return self._replace(leaves=leaves, rows=count)
 
+    def device(self) -> torch.device:
+        """The first tensor's device (the CPU without one): the generator that draws besides the CPU's."""
+        return next((v.device for v in self.leaves if isinstance(v, torch.Tensor)), torch.device("cpu"))
+
     def example(self, i: int) -> Tuple[Any, ...]:
         return tree_unflatten([v if d is None else v.select(d, i) for v, d in zip(self.leaves, self.dims)], self.spec)
 
@@ -67,18 +135,22 @@ def run_shard(
     *,
     vmapped: Optional[Callable] = None,
     thread_modes: Sequence[Any] = (),
+    seeds: Optional[ExampleSeeds] = None,
 ) -> Any:
     """Apply ``func`` to the shard's examples; the batch dims come back at ``out_dims``.
 
     With an axis ``frame``, each example can see its global index (``axis_index``), and loop mode runs the examples
     in threads so that collectives can meet, each under ``thread_modes`` (torch function modes are per thread). Loop mode
     follows vmap's ``randomness``: "error" raises vmap's error if func drew random numbers, "same" gives every
-    example the same draws.
+    example the same draws. With ``"per_example"`` (and its ``seeds``) every example runs alone, under its own
+    generator state (:func:`_run_per_example`).
     """
     indices = None
     if frame is not None:
         first = 0 if frame.dummy else frame.offset
         indices = torch.arange(first, first + shard.rows, dtype=torch.int64, device=frame.device)
+    if opts.randomness == "per_example":
+        return _run_per_example(opts, func, shard, kwargs, frame, indices, seeds, thread_modes)
     if opts.mode == "vmap":
         plain = shard.rows or opts.chunk_size is None
         if vmapped is not None and frame is None and plain and not opts.places_outputs:
@@ -99,9 +171,10 @@ def run_shard(
         out = _loop_threads(opts, func, shard, kwargs, frame, thread_modes=thread_modes)
     else:
         results = []
+        same = ExampleGenerators(1, shard.device()) if opts.randomness == "same" else None
         for i in range(shard.rows):
-            if opts.randomness == "same":
-                torch.random.set_rng_state(before)
+            if same is not None:  # every example starts from the call's state, as vmap's "same" draws once
+                same.restore(0)
             results.append(func(*shard.example(i), **kwargs))
         out = _combine(results, opts, torch.stack)
     if opts.randomness == "error" and not torch.equal(before, torch.random.get_rng_state()):
@@ -244,11 +317,16 @@ def _loop_threads(
     frame: AxisFrame,
     *,
     thread_modes: Sequence[Any],
+    seeds: Optional[ExampleSeeds] = None,
 ) -> Any:
     """Loop mode with collectives: one thread per example, taking turns, so that a collective can wait for every
     example. Each thread enters ``thread_modes``: the call's (the closure interceptor, and the marker of the nodes
     it makes, whose sequence numbers are the thread's own and so cannot tell that they were made during the call)."""
-    barrier = frame.loop = LoopBarrier(shard.rows, same_rng=opts.randomness == "same")
+    if seeds is not None or opts.randomness == "same":
+        rng = ExampleGenerators(shard.rows, shard.device(), seeds)
+    else:
+        rng = None
+    barrier = frame.loop = LoopBarrier(shard.rows, rng=rng)
     indices = frame.index
     results: List[Any] = [None] * shard.rows
     errors: List[BaseException] = []
@@ -281,6 +359,52 @@ def _loop_threads(
     return _combine(results, opts, torch.stack)
 
 
+def per_example_seeds(first: int) -> ExampleSeeds:
+    """``"per_example"``'s seeds for a shard whose first row has global index ``first``: one draw from the caller's
+    generator (the same on every rank whose generator is in step), so the call advances it by one draw at every P."""
+    return ExampleSeeds(int(torch.randint(0, 2**62, (), dtype=torch.int64).item()), first)
+
+
+def _run_per_example(
+    opts: Options,
+    func: Callable,
+    shard: Shard,
+    kwargs: Dict[str, Any],
+    frame: Optional[AxisFrame],
+    indices: Any,
+    seeds: ExampleSeeds,
+    thread_modes: Sequence[Any],
+) -> Any:
+    """``randomness="per_example"``: each example alone, its generators seeded from ``seeds`` and its global index,
+    so that chunks, shares and modes draw alike. In modes "vmap" and "loop" func is called on the example (what vmap
+    computes for it; a batch of one under ``torch.vmap`` draws the same numbers at ten times the cost), in mode
+    "batched" on a batch of one. Collectives need every example at once: the examples then run in loop mode's
+    threads, each with its own generator states."""
+    if frame is not None:
+        if opts.mode == "batched":
+            raise ValueError(
+                f"{opts.call}: randomness='per_example' with mode='batched' and axis_name={opts.axis_name!r}: func "
+                f"takes its rows at once, so its collectives cannot run one example at a time; use mode='vmap' or "
+                f"'loop'."
+            )
+        frame.index = indices
+        return _loop_threads(opts, func, shard, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
+    if shard.rows == 0:  # as each mode does without per_example (nothing is drawn for no example)
+        if opts.mode == "vmap":
+            return _vmap(
+                dataclasses.replace(opts, randomness="different", chunk_size=None), func, shard, kwargs, None, None
+            )
+        return func(*shard.args(), **kwargs) if opts.mode == "batched" else _empty_loop(opts, func, shard, kwargs)
+    results, device = [], shard.device()
+    for i in range(shard.rows):
+        seed_generators(seeds.seed(i), device)
+        if opts.mode == "batched":
+            results.append(func(*shard.take(i, 1).args(), **kwargs))
+        else:
+            results.append(func(*shard.example(i), **kwargs))
+    return _combine(results, opts, torch.cat if opts.mode == "batched" else torch.stack)
+
+
 @contextlib.contextmanager
 def rng_scope(seed: Optional[int], devices: Sequence[torch.device]) -> Iterator[None]:
     """Run under a forked RNG seeded with ``seed`` (``None``: leave the generators alone)."""
@@ -289,5 +413,7 @@ def rng_scope(seed: Optional[int], devices: Sequence[torch.device]) -> Iterator[
         return
     indices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     with torch.random.fork_rng(devices=indices):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
+        for device in {d for d in devices if d.type == "cuda"}:
+            seed_generators(seed, device)
         yield

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .specs import call_name, check_in_dims_type
 
 MODES = ("vmap", "batched", "loop")
-RANDOMNESS = ("error", "different", "same")
+RANDOMNESS = ("error", "different", "same", "per_example")
 Placement = Union[int, str, None]
 
 

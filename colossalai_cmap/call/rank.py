@@ -29,7 +29,7 @@ from ..wire.primitives import requires_grad
 from ..wire.protocol import Link
 from . import closures, module_params, views
 from .entry import enter
-from .execute import Shard, rng_scope, run_shard, with_remedy
+from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .plan import CallPlan, Planned
@@ -73,7 +73,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         if extra:
             leaves = _stand_in(opts, plan, inputs, leaves, extra)
         versions = _versions(opts, plan, inputs.leaves)
-        frame, seed = _frame_and_seed(opts, plan, link, empty)
+        frame, seed, seeds = _frame_and_seed(opts, plan, link, empty)
         shard = Shard(leaves, plan.dims, plan.spec, plan.rows + extra)
         if faults.ACTIVE:
             faults.check("func", group)
@@ -81,9 +81,9 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         modes = _thread_modes(opts, owner, intercept)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes)
+                out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
         else:
-            out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes)
+            out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
         owner.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
@@ -138,13 +138,14 @@ def _call_func(
     link: Link,
     *,
     thread_modes: Tuple[Any, ...],
+    seeds: Optional[ExampleSeeds] = None,
 ) -> Any:
     opts = site.options
     with splitting(link.group.ranks):  # a cmap nested in func on these ranks runs locally
         if frame is None and seed is None:
             return run_shard(opts, site.body, shard, kwargs, None, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-            return run_shard(opts, site.body, shard, kwargs, frame, thread_modes=thread_modes)
+            return run_shard(opts, site.body, shard, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
 
 
 def _extra_rows(opts: Options, plan: CallPlan) -> int:
@@ -187,25 +188,35 @@ def _unwatched(x: Any, mine: Any) -> bool:
 
 def _frame_and_seed(
     opts: Options, plan: CallPlan, link: Link, empty: bool
-) -> Tuple[Optional[AxisFrame], Optional[int]]:
-    """The axis frame and the random seed; one ``OP`` round when ranks must agree on either first."""
-    need_sizes = opts.axis_name is not None and plan.sizes is None
-    seed = None
+) -> Tuple[Optional[AxisFrame], Optional[int], Optional[ExampleSeeds]]:
+    """The axis frame, the seed of the call's forked generator, and ``"per_example"``'s seeds; one ``OP`` round
+    when the ranks' shares are not known yet (``src="local"``) and the axis or the examples' global indices need them.
+
+    "same" draws from the caller's generator as ``torch.vmap`` does (no seed); "different" forks it, seeded from one
+    draw plus the group rank; "per_example" forks it, and seeds each example from one draw and its global index.
+    Each rank draws from its own generator: the ranks' generators are in step when seeded alike (colossalai's launch).
+    """
+    per_example = opts.randomness == "per_example"
+    need_sizes = (opts.axis_name is not None or per_example) and plan.sizes is None
+    seed, seeds = None, None
     sizes = plan.sizes
-    if opts.randomness != "error":
-        seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())  # it rides in a 32-bit header field
-    if need_sizes or opts.randomness == "same":
-        header = protocol.Header(protocol.Kind.OP, rows=plan.rows, input_sig=seed or 0, digest=1)
+    if opts.randomness == "different":
+        seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())
+    if need_sizes:
+        header = protocol.Header(protocol.Kind.OP, rows=plan.rows, input_sig=0, digest=1)
         rnd = protocol.checked_round(link, header, "the call's start")
-        sizes = tuple(h.rows for h in rnd.table) if need_sizes else sizes
-        seed = rnd.table[0].input_sig if opts.randomness == "same" else seed
+        sizes = tuple(h.rows for h in rnd.table)
     if opts.randomness == "different":
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)
+    offset = sum(sizes[: link.group.rank]) if sizes is not None else 0
+    if per_example:
+        seeds = per_example_seeds(offset)
+        seed = seeds.base
     if opts.axis_name is None:
-        return None, seed
-    offset = sum(sizes[: link.group.rank])
-    frame = AxisFrame(link, sum(sizes), offset, sizes, opts.mode, empty)
-    return frame, seed
+        return None, seed, seeds
+    mode = "loop" if per_example else opts.mode  # per_example runs collectives one example at a time, as loop mode
+    frame = AxisFrame(link, sum(sizes), offset, sizes, mode, empty)
+    return frame, seed, seeds
 
 
 def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional[OutLayout]) -> OutLayout:
