@@ -34,6 +34,11 @@ def check_usable(group: Group, call: str) -> None:
         raise CmapError(f"{call}: the process group is unusable: {reason} Create a new group (or restart).")
 
 
+def is_broken(group: Group) -> bool:
+    """Whether a wait failed on ``group`` (no further collective runs on it)."""
+    return group.pg is not None and state_of(group.pg).broken is not None
+
+
 class Pending(NamedTuple):
     """A collective in flight: its work, and its place in this process's count on the group (:mod:`.presence`)."""
 

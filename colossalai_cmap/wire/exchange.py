@@ -5,8 +5,9 @@ communication) and ``join_values`` (one round of the status protocol, and a data
 active, the call path uses these directly.
 """
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -72,9 +73,29 @@ class CallTag:
     """Tags the entry ``Split`` nodes of one call: where the closure walk stops, and whether the call is still running
     func. A backward that reaches such a node while func runs is a gradient taken inside func (``torch.autograd.grad``
     or ``torch.func.grad`` per example), which stays per example: it gets this rank's share of the transpose, with no
-    communication. Only a backward after the call, into the caller's graph, sums over the group."""
+    communication. Only a backward after the call, into the caller's graph, sums over the group.
+
+    While func runs, the tag also notes the tensors its tagged Splits hand to func (weakly: the call holds them),
+    the innermost of a chain: the boundary of this rank's graph of func, where :mod:`.guard` stops its backward."""
 
     running: bool = True
+    entered: Dict[int, Any] = field(default_factory=dict)  # id -> weakref of a tensor a tagged Split gave func
+
+    def note_entry(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+        """A tagged Split ran: its outputs are func's, its inputs (if another Split's outputs) no longer are."""
+        for x in inputs:
+            found = self.entered.get(id(x))
+            if found is not None and found() is x:
+                del self.entered[id(x)]
+        for o in outputs:
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                self.entered[id(o)] = weakref.ref(o)
+
+    def take_entered(self) -> List[torch.Tensor]:
+        """The tensors noted, alive, in the order they entered; the notes are cleared."""
+        found = [t for t in (r() for r in self.entered.values()) if t is not None]
+        self.entered.clear()
+        return found
 
 
 class SplitSpec(NamedTuple):
