@@ -7,7 +7,7 @@ active, the call path uses these directly.
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,27 +75,32 @@ class CallTag:
     or ``torch.func.grad`` per example), which stays per example: it gets this rank's share of the transpose, with no
     communication. Only a backward after the call, into the caller's graph, sums over the group.
 
-    While func runs, the tag also notes the tensors its tagged Splits hand to func (weakly: the call holds them),
-    the innermost of a chain: the boundary of this rank's graph of func, where :mod:`.guard` stops its backward."""
+    While func runs, the tag also notes each tagged Split it meets (weakly: the call holds the tensors), so that
+    :mod:`.guard` can run this rank's backward through func's graph down to them, and their transposes after it."""
 
     running: bool = True
-    entered: Dict[int, Any] = field(default_factory=dict)  # id -> weakref of a tensor a tagged Split gave func
+    entries: List["Entry"] = field(default_factory=list)
 
-    def note_entry(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
-        """A tagged Split ran: its outputs are func's, its inputs (if another Split's outputs) no longer are."""
-        for x in inputs:
-            found = self.entered.get(id(x))
-            if found is not None and found() is x:
-                del self.entered[id(x)]
-        for o in outputs:
-            if isinstance(o, torch.Tensor) and o.requires_grad:
-                self.entered[id(o)] = weakref.ref(o)
+    def note_entry(self, spec: "SplitSpec", inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+        self.entries.append(Entry(spec, tuple(_weak(x) for x in inputs), tuple(_weak(o) for o in outputs)))
 
-    def take_entered(self) -> List[torch.Tensor]:
-        """The tensors noted, alive, in the order they entered; the notes are cleared."""
-        found = [t for t in (r() for r in self.entered.values()) if t is not None]
-        self.entered.clear()
-        return found
+    def take_entries(self) -> Optional[List["Entry"]]:
+        """The tagged Splits met, in order, with their tensors; None if one of those is gone. Cleared."""
+        found, self.entries = self.entries, []
+        alive = [Entry(e.spec, tuple(r() for r in e.inputs), tuple(r() for r in e.outputs)) for e in found]
+        return None if any(t is None for e in alive for t in e.inputs + e.outputs) else alive
+
+
+class Entry(NamedTuple):
+    """A tagged Split: its spec, the tensors it took and gave (weak references while noted)."""
+
+    spec: "SplitSpec"
+    inputs: Tuple[Any, ...]
+    outputs: Tuple[Any, ...]
+
+
+def _weak(t: Any) -> Any:
+    return weakref.ref(t) if isinstance(t, torch.Tensor) else (lambda: t)
 
 
 class SplitSpec(NamedTuple):

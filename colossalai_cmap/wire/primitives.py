@@ -132,7 +132,7 @@ class Split(torch.autograd.Function):
         if owner is not None:
             ctx._cmap_owner = owner
             if owner.running:
-                owner.note_entry(inputs[1:], output)
+                owner.note_entry(inputs[0], inputs[1:], output)
         ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
         _non_differentiable(ctx, inputs[1:], output)
 

@@ -230,6 +230,7 @@ def checked_round(link: Link, header: Header, what: str) -> Round:
     return rnd
 
 
+GUARD_DIGEST = 0x6A2D0001  # a guarded backward's failure (:mod:`.guard`): its round names the call's backward
 _GUARDED = threading.local()  # depth of guarded backwards (:mod:`.guard`) running on this thread
 
 
@@ -293,7 +294,10 @@ def raise_failures(
     found = comm.all_gather_object(failure, link.round_group, link.call, link.timeout, link.round_device)
     failures = [f for f in found if f]
     real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
-    raise told(CmapError.from_failures(link.call, real or failures, link.group.rank), link) from cause
+    call = link.call
+    if any(h.status == Status.FAILED and h.digest == GUARD_DIGEST for h in rnd.table):  # one name on every rank
+        call = f"{call[: call.index('): ') + 1] if '): ' in call else call} (backward)"  # the call, not the round
+    raise told(CmapError.from_failures(call, real or failures, link.group.rank), link) from cause
 
 
 def _away_in_func(what: str, away: list) -> str:
