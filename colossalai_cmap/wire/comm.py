@@ -218,7 +218,13 @@ def all_to_all_into(
     def issue(target: torch.Tensor) -> Any:
         return dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
 
-    _wait(_issue("all_to_all", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp]), group, call, "all_to_all", timeout)
+    _wait(
+        _issue("all_to_all", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp]),
+        group,
+        call,
+        "all_to_all",
+        timeout,
+    )
 
 
 def gather_to(
@@ -227,7 +233,13 @@ def gather_to(
     def issue(*targets: torch.Tensor) -> Any:
         return dist.gather(inp, list(targets) if outs else None, dst=group.ranks[dst], group=group.pg, async_op=True)
 
-    _wait(_issue("gather", _nbytes(inp), group, call, outs or [], issue, what="gather", reads=[inp]), group, call, "gather", timeout)
+    _wait(
+        _issue("gather", _nbytes(inp), group, call, outs or [], issue, what="gather", reads=[inp]),
+        group,
+        call,
+        "gather",
+        timeout,
+    )
 
 
 def scatter_from(
@@ -236,14 +248,26 @@ def scatter_from(
     def issue() -> Any:
         return dist.scatter(out, ins, src=group.ranks[src], group=group.pg, async_op=True)
 
-    _wait(_issue("scatter", _nbytes(out), group, call, [], issue, what="scatter", reads=[out, *(ins or [])]), group, call, "scatter", timeout)
+    _wait(
+        _issue("scatter", _nbytes(out), group, call, [], issue, what="scatter", reads=[out, *(ins or [])]),
+        group,
+        call,
+        "scatter",
+        timeout,
+    )
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group, call: str, timeout: Optional[float]) -> None:
     def issue() -> Any:
         return dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True)
 
-    _wait(_issue("broadcast", _nbytes(t), group, call, [], issue, what="broadcast", reads=[t]), group, call, "broadcast", timeout)
+    _wait(
+        _issue("broadcast", _nbytes(t), group, call, [], issue, what="broadcast", reads=[t]),
+        group,
+        call,
+        "broadcast",
+        timeout,
+    )
 
 
 def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float], op: Any = None) -> None:
@@ -251,7 +275,11 @@ def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float
         return dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group.pg, async_op=True)
 
     _wait(
-        _issue("all_reduce", _nbytes(t), group, call, [], issue, what="all_reduce", reads=[t]), group, call, "all_reduce", timeout
+        _issue("all_reduce", _nbytes(t), group, call, [], issue, what="all_reduce", reads=[t]),
+        group,
+        call,
+        "all_reduce",
+        timeout,
     )
 
 
