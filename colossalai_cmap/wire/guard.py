@@ -24,7 +24,7 @@ other edge), all on the call's own group (a one-axis mesh for shard_map). Elsewh
 unguarded, as before.
 """
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -62,9 +62,7 @@ class _Graph:
 
     def __init__(self, link: Link, outs: tuple, entries: List[Entry], inputs: List[torch.Tensor]) -> None:
         self.link, self.outs, self.entries, self.inputs = link, outs, entries, inputs
-        made = {id(o) for e in entries for o in e.outputs}
         self.boundary = [o for e in entries for o in e.outputs if o.requires_grad and not _fed(o, entries)]
-        self.made = made
 
 
 def _fed(t: torch.Tensor, entries: List[Entry]) -> bool:
