@@ -182,3 +182,26 @@ def check_native_op_faults():
 def test_fault_in_each_native_collective_reaches_every_rank(worlds, P):
     got = worlds(P).run(check_native_op_faults, deadline=120)
     assert got == [[(op, phase) for op in _native_ops(P) for phase in ("pack", "backward")]] * P
+
+
+def check_user_backward_failure_in_shard_map():
+    """The same in shard_map on a mesh of one axis, with a psum inside f: every rank raises the same CmapError."""
+    from shard_cases import mesh
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    m = mesh((size,), ("i",))
+    x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    f = cm.shard_map(lambda b: cm.psum(_FailsInBackward.apply(b, size - 1).sin(), "i"), m, cm.P("i"), cm.P())
+    with pytest.raises(ValueError) as info:
+        f(x).sum().backward()
+    err = info.value
+    assert isinstance(err, cm.CmapError) and [f.group_rank for f in err.failures] == [size - 1], str(err)
+    assert (type(err.__cause__).__name__ == "ValueError") == (rank == size - 1)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == size
+    return True
+
+
+def test_failure_in_user_backward_in_shard_map(worlds):
+    assert worlds(2).run(check_user_backward_failure_in_shard_map, deadline=60) == [True] * 2
