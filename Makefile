@@ -7,7 +7,7 @@ NPROC ?= 2
 PYTEST_ARGS ?=
 GPU_CHECK_ARGS ?=
 
-.PHONY: install install-test demo test parity bench gpu-check lint format clean
+.PHONY: install install-test demo test parity soak bench gpu-check lint format clean
 
 $(VENV)/.stamp-base: setup.py requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,3 +57,8 @@ format: install-test
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# The chaos soak, longer: SOAK_CALLS random calls at each P = 2, 3, 4, each world then ended and its exits timed.
+SOAK_CALLS ?= 2000
+soak: install-test
+	SOAK_CALLS=$(SOAK_CALLS) $(PY) -m pytest -s $(PYTEST_ARGS) tests/test_soak.py

@@ -151,13 +151,27 @@ class World:
             conn.close()
         self.procs, self.conns = [], []
 
-    def close(self) -> None:
+    def close(self, exit_normally: bool = False) -> List[float]:
+        """End the world; returns each process's seconds to exit (inf for one still there after 30 s, then killed).
+
+        By default each rank leaves with ``os._exit``; with ``exit_normally`` its pipe is closed instead, so the
+        interpreter exits as a user's script does (atexit handlers, then every object destroyed, process groups
+        too), which is where work left in flight could hang it."""
+        start = time.monotonic()
         for conn in self.conns:
             try:
-                conn.send(None)
+                if exit_normally:
+                    conn.close()
+                else:
+                    conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        deadline = time.monotonic() + 10
+        deadline = start + (30 if exit_normally else 10)
+        times = []
         for proc in self.procs:
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+            times.append(time.monotonic() - start if proc.exitcode is not None else float("inf"))
+        if exit_normally:
+            self.conns = []
         self.kill()
+        return times

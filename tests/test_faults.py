@@ -110,30 +110,35 @@ class _FailsInBackward(torch.autograd.Function):
         return g, None
 
 
-def check_user_backward_failure():
-    """func's own backward raises on one rank: that rank raises it, every other rank raises CmapError naming it
-    (it did not take part in the gradient's collective), and the group works for the next call."""
+def check_user_backward_failure(axis):
+    """func's own backward raises on one rank: every rank raises the same CmapError naming it, a ValueError as the
+    original was, with the original as ``__cause__`` on that rank; the user's own collective and the next call work."""
     rank, size = dist.get_rank(), dist.get_world_size()
     x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
     w = torch.ones(3, requires_grad=True)
-    out = cm.cmap(lambda v: _FailsInBackward.apply(v, size - 1) * w)(x)
-    try:
+    f = (
+        (lambda v: cm.pmean(_FailsInBackward.apply(v, size - 1) * w, "i"))
+        if axis
+        else (lambda v: _FailsInBackward.apply(v, size - 1) * w)
+    )
+    out = cm.cmap(f, axis_name="i" if axis else None)(x)
+    with pytest.raises(ValueError) as info:
         out.sum().backward()
-    except cm.CmapError as err:
-        assert rank != size - 1 and f"group rank(s) [{size - 1}] did not take part" in str(err), str(err)
-        seen = "peer"
-    except ValueError as err:
-        assert rank == size - 1 and "the user's backward failed" in str(err)
-        seen = "own"
-    else:
-        raise AssertionError("backward did not raise")
+    err = info.value
+    assert isinstance(err, cm.CmapError) and [f.group_rank for f in err.failures] == [size - 1], str(err)
+    assert "(backward) failed on 1 rank(s)" in str(err) and "the user's backward failed" in str(err)
+    assert (type(err.__cause__).__name__ == "ValueError") == (rank == size - 1)
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the user's own collective pairs with the peers' own
+    assert total.item() == size
     assert torch.equal(cm.cmap(torch.sin)(x.detach()), x.detach().sin())
-    return seen
+    return True
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_failure_in_user_backward(worlds, P):
-    assert worlds(P).run(check_user_backward_failure, deadline=60) == ["peer"] * (P - 1) + ["own"]
+@pytest.mark.parametrize("axis", [False, True])
+def test_failure_in_user_backward(worlds, P, axis):
+    assert worlds(P).run(check_user_backward_failure, axis, deadline=60) == [True] * P
 
 
 # ------------------------------------------------------------------------------------------- the native collectives
@@ -177,3 +182,26 @@ def check_native_op_faults():
 def test_fault_in_each_native_collective_reaches_every_rank(worlds, P):
     got = worlds(P).run(check_native_op_faults, deadline=120)
     assert got == [[(op, phase) for op in _native_ops(P) for phase in ("pack", "backward")]] * P
+
+
+def check_user_backward_failure_in_shard_map():
+    """The same in shard_map on a mesh of one axis, with a psum inside f: every rank raises the same CmapError."""
+    from shard_cases import mesh
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    m = mesh((size,), ("i",))
+    x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    f = cm.shard_map(lambda b: cm.psum(_FailsInBackward.apply(b, size - 1).sin(), "i"), m, cm.P("i"), cm.P())
+    with pytest.raises(ValueError) as info:
+        f(x).sum().backward()
+    err = info.value
+    assert isinstance(err, cm.CmapError) and [f.group_rank for f in err.failures] == [size - 1], str(err)
+    assert (type(err.__cause__).__name__ == "ValueError") == (rank == size - 1)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == size
+    return True
+
+
+def test_failure_in_user_backward_in_shard_map(worlds):
+    assert worlds(2).run(check_user_backward_failure_in_shard_map, deadline=60) == [True] * 2

@@ -25,6 +25,7 @@ from ..errors import RankFailure
 from ..nesting import CONTROL_FLOW, splitting, tracking
 from ..wire import protocol
 from ..wire.exchange import CallTag
+from ..wire.guard import guard
 from ..wire.primitives import requires_grad
 from ..wire.protocol import Link
 from . import closures, module_params, views
@@ -98,6 +99,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
                 for v, leaf in zip(flat, layout.leaves)
             ]
         graph_sig = _record(opts, flat, layout, owner, start, link)
+        flat = flat if graph_sig else guard(flat, owner, link)  # this rank's backward through func, guarded
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))

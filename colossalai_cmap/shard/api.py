@@ -17,6 +17,7 @@ from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec
+from ..wire.guard import guard
 from ..wire.primitives import split
 from ..wire.protocol import Link, link_for
 from ..wire.roles import KEEP
@@ -185,8 +186,11 @@ def _run_f(
             out = tree_map(intercept.route, out)
         owner.running = False
         out_places = _placements(site, "out", opts.out_specs, out, view)
-        flat = tree_flatten(out)[0]
+        flat, out_tree = tree_flatten(out)
         graph_sig = closures.watch(flat, owner, start, whole) if tracking() else 0
+        if not graph_sig:  # this rank's backward through f, guarded
+            flat = guard(flat, owner, whole)
+            out = tree_unflatten(flat, out_tree)
         lengths = None if opts.local else block_lengths(flat, out_places)
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
         if opts.check:

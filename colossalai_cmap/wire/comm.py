@@ -5,10 +5,12 @@ within the timeout instead of a hang, :mod:`colossalai_cmap.stats` sees every co
 :mod:`.presence` counts each one, so that the error names the ranks that did not arrive and what they last did.
 """
 
+import atexit
+import ctypes
 import os
 import pickle
 from datetime import timedelta
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from .. import stats
 from ..digests import tensor_crc
 from ..errors import CmapError
 from . import presence
-from .group import Group, state_of
+from .group import Group, kept_groups, state_of
 
 TIMEOUT_ENV = "COLOSSALAI_CMAP_TIMEOUT"
 
@@ -32,6 +34,11 @@ def check_usable(group: Group, call: str) -> None:
     reason = state_of(group.pg).broken
     if reason is not None:
         raise CmapError(f"{call}: the process group is unusable: {reason} Create a new group (or restart).")
+
+
+def is_broken(group: Group) -> bool:
+    """Whether a wait failed on ``group`` (no further collective runs on it)."""
+    return group.pg is not None and state_of(group.pg).broken is not None
 
 
 class Pending(NamedTuple):
@@ -57,6 +64,27 @@ def _track(group: Group) -> presence.Track:
     return state.track
 
 
+# Every collective cmap issued and has not seen finish, with the tensors it reads and writes. One whose wait failed
+# (a timeout, a dead peer) or that was issued ahead of a round that failed stays here: gloo's thread still holds its
+# tensors, so Python must too, or the last reference to one would drop on that thread, which then needs the GIL,
+# while a group's destructor holding the GIL joins that thread (a hang at exit).
+_IN_FLIGHT: Dict[int, Tuple[Any, Tuple[torch.Tensor, ...]]] = {}
+
+
+@atexit.register
+def _keep_until_exit() -> None:
+    """Where work was left in flight, neither it nor the groups are destroyed at interpreter exit: the process ends
+    with gloo's threads, instead of a group's destructor waiting for them."""
+    if _IN_FLIGHT:
+        for kept in (_IN_FLIGHT, kept_groups()):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+
+def abandoned() -> int:
+    """How many collectives cmap issued on this process that have not finished (none while every group is in step)."""
+    return len(_IN_FLIGHT)
+
+
 def _wait(pending: Pending, group: Group, call: str, what: str, timeout: Optional[float]) -> None:
     try:
         if timeout is None:
@@ -74,6 +102,7 @@ def _wait(pending: Pending, group: Group, call: str, what: str, timeout: Optiona
             f"{type(exc).__name__}: {exc}. A peer rank may have died or not reached this cmap call.{where}"
         )
         raise CmapError(state.failure) from exc
+    _IN_FLIGHT.pop(id(pending.work), None)
     presence.finish(pending.track, pending.doing)
 
 
@@ -106,15 +135,26 @@ def _landing(outs: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[Any
 
 
 def _issue(
-    name: str, nbytes: int, group: Group, call: str, outs: Sequence[torch.Tensor], issue: Callable, *, what: str
+    name: str,
+    nbytes: int,
+    group: Group,
+    call: str,
+    outs: Sequence[torch.Tensor],
+    issue: Callable,
+    *,
+    what: str,
+    reads: Sequence[Optional[torch.Tensor]] = (),
 ) -> Pending:
     """One collective, counted (:mod:`colossalai_cmap.stats`, :mod:`.presence`) and left in flight: ``issue``
-    gets the buffers to write into and starts it with ``async_op=True``."""
+    gets the buffers to write into and starts it with ``async_op=True``; it reads ``reads`` and writes ``outs``,
+    which stay referenced until it finished (``_IN_FLIGHT``)."""
     tr = _track(group)
     stats.note(name, nbytes)
     targets, pairs = _landing(outs)
     work = issue(*targets)
-    return Pending(_Landing(work, pairs) if pairs else work, tr, presence.enter(tr, call, what))
+    work = _Landing(work, pairs) if pairs else work
+    _IN_FLIGHT[id(work)] = (work, tuple(t for t in (*targets, *outs, *reads) if t is not None))
+    return Pending(work, tr, presence.enter(tr, call, what))
 
 
 def all_gather_into(
@@ -130,7 +170,7 @@ def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, call: s
     def issue(target: torch.Tensor) -> Any:
         return dist.all_gather_into_tensor(target, inp, group=group.pg, async_op=True)
 
-    return _issue("all_gather", _nbytes(inp), group, call, [out], issue, what=what)
+    return _issue("all_gather", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp])
 
 
 def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float]) -> None:
@@ -153,7 +193,7 @@ def reduce_scatter_into(
         return dist.reduce_scatter_tensor(target, inp, group=group.pg, async_op=True)
 
     _wait(
-        _issue("reduce_scatter", _nbytes(inp), group, call, [out], issue, what=what),
+        _issue("reduce_scatter", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp]),
         group,
         call,
         "reduce_scatter",
@@ -178,7 +218,13 @@ def all_to_all_into(
     def issue(target: torch.Tensor) -> Any:
         return dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
 
-    _wait(_issue("all_to_all", _nbytes(inp), group, call, [out], issue, what=what), group, call, "all_to_all", timeout)
+    _wait(
+        _issue("all_to_all", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp]),
+        group,
+        call,
+        "all_to_all",
+        timeout,
+    )
 
 
 def gather_to(
@@ -187,7 +233,13 @@ def gather_to(
     def issue(*targets: torch.Tensor) -> Any:
         return dist.gather(inp, list(targets) if outs else None, dst=group.ranks[dst], group=group.pg, async_op=True)
 
-    _wait(_issue("gather", _nbytes(inp), group, call, outs or [], issue, what="gather"), group, call, "gather", timeout)
+    _wait(
+        _issue("gather", _nbytes(inp), group, call, outs or [], issue, what="gather", reads=[inp]),
+        group,
+        call,
+        "gather",
+        timeout,
+    )
 
 
 def scatter_from(
@@ -196,14 +248,26 @@ def scatter_from(
     def issue() -> Any:
         return dist.scatter(out, ins, src=group.ranks[src], group=group.pg, async_op=True)
 
-    _wait(_issue("scatter", _nbytes(out), group, call, [], issue, what="scatter"), group, call, "scatter", timeout)
+    _wait(
+        _issue("scatter", _nbytes(out), group, call, [], issue, what="scatter", reads=[out, *(ins or [])]),
+        group,
+        call,
+        "scatter",
+        timeout,
+    )
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group, call: str, timeout: Optional[float]) -> None:
     def issue() -> Any:
         return dist.broadcast(t, group.ranks[src], group=group.pg, async_op=True)
 
-    _wait(_issue("broadcast", _nbytes(t), group, call, [], issue, what="broadcast"), group, call, "broadcast", timeout)
+    _wait(
+        _issue("broadcast", _nbytes(t), group, call, [], issue, what="broadcast", reads=[t]),
+        group,
+        call,
+        "broadcast",
+        timeout,
+    )
 
 
 def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float], op: Any = None) -> None:
@@ -211,7 +275,11 @@ def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float
         return dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group.pg, async_op=True)
 
     _wait(
-        _issue("all_reduce", _nbytes(t), group, call, [], issue, what="all_reduce"), group, call, "all_reduce", timeout
+        _issue("all_reduce", _nbytes(t), group, call, [], issue, what="all_reduce", reads=[t]),
+        group,
+        call,
+        "all_reduce",
+        timeout,
     )
 
 

@@ -5,8 +5,9 @@ communication) and ``join_values`` (one round of the status protocol, and a data
 active, the call path uses these directly.
 """
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -72,9 +73,34 @@ class CallTag:
     """Tags the entry ``Split`` nodes of one call: where the closure walk stops, and whether the call is still running
     func. A backward that reaches such a node while func runs is a gradient taken inside func (``torch.autograd.grad``
     or ``torch.func.grad`` per example), which stays per example: it gets this rank's share of the transpose, with no
-    communication. Only a backward after the call, into the caller's graph, sums over the group."""
+    communication. Only a backward after the call, into the caller's graph, sums over the group.
+
+    While func runs, the tag also notes each tagged Split it meets (weakly: the call holds the tensors), so that
+    :mod:`.guard` can run this rank's backward through func's graph down to them, and their transposes after it."""
 
     running: bool = True
+    entries: List["Entry"] = field(default_factory=list)
+
+    def note_entry(self, spec: "SplitSpec", inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+        self.entries.append(Entry(spec, tuple(_weak(x) for x in inputs), tuple(_weak(o) for o in outputs)))
+
+    def take_entries(self) -> Optional[List["Entry"]]:
+        """The tagged Splits met, in order, with their tensors; None if one of those is gone. Cleared."""
+        found, self.entries = self.entries, []
+        alive = [Entry(e.spec, tuple(r() for r in e.inputs), tuple(r() for r in e.outputs)) for e in found]
+        return None if any(t is None for e in alive for t in e.inputs + e.outputs) else alive
+
+
+class Entry(NamedTuple):
+    """A tagged Split: its spec, the tensors it took and gave (weak references while noted)."""
+
+    spec: "SplitSpec"
+    inputs: Tuple[Any, ...]
+    outputs: Tuple[Any, ...]
+
+
+def _weak(t: Any) -> Any:
+    return weakref.ref(t) if isinstance(t, torch.Tensor) else (lambda: t)
 
 
 class SplitSpec(NamedTuple):

@@ -101,5 +101,10 @@ def host_of(group: Group) -> Group:
     return state.host
 
 
+def kept_groups() -> Dict[int, Tuple[Any, GroupState]]:
+    """Every process group this process keeps state for (and so keeps alive), with that state."""
+    return _STATES
+
+
 def group_of(pg: dist.ProcessGroup) -> Group:
     return state_of(pg).group

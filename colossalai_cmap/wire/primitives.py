@@ -128,8 +128,11 @@ class Split(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         ctx.spec = inputs[0]
-        if inputs[0].owner is not None:
-            ctx._cmap_owner = inputs[0].owner
+        owner = inputs[0].owner
+        if owner is not None:
+            ctx._cmap_owner = owner
+            if owner.running:
+                owner.note_entry(inputs[0], inputs[1:], output)
         ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
         _non_differentiable(ctx, inputs[1:], output)
 

@@ -13,8 +13,10 @@ still in an ``OP`` or ``SYNC`` round repeats: that peer sees it, gives up its co
 round.
 """
 
+import contextlib
+import threading
 from enum import IntEnum
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -211,18 +213,50 @@ def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] =
 
 
 def checked_round(link: Link, header: Header, what: str) -> Round:
-    """An ``OP`` or ``SYNC`` round: every rank must be at the same collective (same ``digest``)."""
+    """An ``OP`` or ``SYNC`` round: every rank must be at the same collective (same ``digest``). A round where a
+    rank posted a failure returns as it is, whatever the others were at: the caller raises it on every rank."""
     rnd = exchange(link, header, what=what)
+    if rnd.failed:
+        return rnd
     away = [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
     if away and header.kind == Kind.OP:
         raise CollectiveAborted(_away_in_func(what, away))
     if away:
-        raise CmapError(_away_in_backward(link.call, what, away))
+        raise told(CmapError(_away_in_backward(link.call, what, away)), link)
     if len({h.digest for h in rnd.table}) != 1:
         if header.kind == Kind.OP:
             raise CollectiveAborted(_mismatch(what, rnd))
-        raise CmapError(f"{link.call}: {_mismatch(what, rnd)}")
+        raise told(CmapError(f"{link.call}: {_mismatch(what, rnd)}"), link)
     return rnd
+
+
+GUARD_DIGEST = 0x6A2D0001  # a guarded backward's failure (:mod:`.guard`): its round names the call's backward
+_GUARDED = threading.local()  # depth of guarded backwards (:mod:`.guard`) running on this thread
+
+
+@contextlib.contextmanager
+def guarding() -> Iterator[None]:
+    """Inside a guarded backward (:mod:`.guard`): a failure met in an ``OP`` round there is raised on every rank as
+    a backward's is (no call's exit follows to report it)."""
+    _GUARDED.depth = getattr(_GUARDED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _GUARDED.depth -= 1
+
+
+def told(err: CmapError, link: Link) -> CmapError:
+    """``err``, raised on every rank of the link's round group alike (from one round's table), marked so."""
+    err._cmap_told = link.round_group.pg
+    return err
+
+
+def was_told(exc: BaseException, link: Link) -> bool:
+    """Whether ``exc`` was raised from a round of the link's round group (so every rank raises it) or the group
+    can no longer run a round."""
+    return getattr(exc, "_cmap_told", None) is link.round_group.pg or (
+        isinstance(exc, CmapError) and comm.is_broken(link.round_group)
+    )
 
 
 class Disagreement(Exception):
@@ -252,7 +286,7 @@ def raise_failures(
     others ``CollectiveAborted``, so that the exit reports the failure once, as it is."""
     if not rnd.failed:
         return
-    if in_func:
+    if in_func and not getattr(_GUARDED, "depth", 0):
         if cause is not None:
             raise cause
         failed = [r for r, h in enumerate(rnd.table) if h.status == Status.FAILED]
@@ -260,7 +294,10 @@ def raise_failures(
     found = comm.all_gather_object(failure, link.round_group, link.call, link.timeout, link.round_device)
     failures = [f for f in found if f]
     real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
-    raise CmapError.from_failures(link.call, real or failures, link.group.rank) from cause
+    call = link.call
+    if any(h.status == Status.FAILED and h.digest == GUARD_DIGEST for h in rnd.table):  # one name on every rank
+        call = f"{call[: call.index('): ') + 1] if '): ' in call else call} (backward)"  # the call, not the round
+    raise told(CmapError.from_failures(call, real or failures, link.group.rank), link) from cause
 
 
 def _away_in_func(what: str, away: list) -> str:

@@ -1,0 +1,171 @@
+"""A rank's own backward through func, guarded: an exception there reaches every rank, as forward's does.
+
+Rounds keep the group in step only where cmap's own code runs. A node of func's graph (a custom ``autograd.Function``
+whose backward raises on one rank, a hook, an out-of-memory error) raises inside torch's engine, between cmap's
+nodes: without a guard, that rank's ``.backward()`` raises the bare exception while its peers wait in the next
+backward round, and the rank's next collective (the user's own ``dist.all_reduce``) pairs with that round.
+
+:func:`guard` puts one node, ``_Guard``, at the boundary of func's graph on this rank, as checkpointing puts its node
+around a recomputed graph. Its inputs are what the call's tagged Splits took (the caller's tensors, through its
+entry, the closure interceptor's routes, shard_map's blocks); its outputs stand for func's outputs. Its backward runs
+this rank's backward through func's graph (``torch.autograd.grad`` down to those Splits' outputs) inside a ``try``,
+then the Splits' transposes itself, each a ``Join`` as their own backward would be, so the node that catches an
+exception is the node that owns the next round. If func's graph raised, it posts the failure in a ``SYNC`` round
+instead: a peer is then in one of those Joins or in a backward round inside func's graph, meets the failure there,
+and every rank raises the same ``CmapError`` (:func:`~.protocol.raise_failures`), the failing rank with its
+exception as ``__cause__``. Each rank has made the same rounds when ``.backward()`` raises, or returns. The Joins
+are the rounds the Splits' backward made before, so the guard costs no round; only where none of them
+communicates (``src="local"`` with ``dst="local"`` and no closure) does it add one, so that a failure has a round to
+travel in.
+
+It guards only where nothing else owns the graph's boundary: ordinary autograd (no ``torch.func`` transform or
+forward-mode level around the call), a graph whose only ways out are the tagged Splits (the closure walk found no
+other edge), all on the call's own group (a one-axis mesh for shard_map). Elsewhere the call's backward runs
+unguarded, as before.
+"""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from . import protocol
+from .exchange import CallTag, Entry, JoinSpec
+from .primitives import join
+from .protocol import Header, Kind, Link, Status
+from .roles import split_transpose
+
+WHAT = "the gradients of func's inputs"
+
+
+def guard(flat: List[Any], owner: CallTag, link: Link) -> List[Any]:
+    """func's outputs ``flat``, with those that carry a gradient replaced by ``_Guard``'s stand-ins, where the
+    backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``."""
+    entries = owner.take_entries()
+    if link.group.pg is None or not entries or not _plain_autograd():
+        return flat
+    if any(e.spec.link.round_group.pg is not link.round_group.pg for e in entries):
+        return flat
+    picked = [i for i, v in enumerate(flat) if _guardable(v)]
+    inputs = _inputs(entries)
+    if not picked or not inputs:
+        return flat
+    outs = _Guard.apply(_Graph(link, tuple(flat[i] for i in picked), entries, inputs), *inputs)
+    guarded = list(flat)
+    for i, v in zip(picked, outs):
+        guarded[i] = v
+    return guarded
+
+
+class _Graph:
+    """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs."""
+
+    def __init__(self, link: Link, outs: tuple, entries: List[Entry], inputs: List[torch.Tensor]) -> None:
+        self.link, self.outs, self.entries, self.inputs = link, outs, entries, inputs
+        self.boundary = [o for e in entries for o in e.outputs if o.requires_grad and not _fed(o, entries)]
+
+
+def _fed(t: torch.Tensor, entries: List[Entry]) -> bool:
+    """Whether ``t`` is the input of another tagged Split (a chain): its gradient comes from that Split's Join."""
+    return any(x is t for e in entries for x in e.inputs)
+
+
+def _inputs(entries: List[Entry]) -> List[torch.Tensor]:
+    """The tensors the tagged Splits took from outside func (not another Split's output), once each."""
+    made = {id(o) for e in entries for o in e.outputs}
+    seen: Dict[int, torch.Tensor] = {}
+    for e in entries:
+        for x in e.inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in made:
+                seen.setdefault(id(x), x)
+    return list(seen.values())
+
+
+def _plain_autograd() -> bool:
+    return (
+        torch.is_grad_enabled()
+        and torch._C._functorch.maybe_current_level() is None
+        and fwAD._current_level < 0
+        and not torch.is_inference_mode_enabled()
+    )
+
+
+def _guardable(v: Any) -> bool:
+    return (
+        isinstance(v, torch.Tensor)
+        and v.requires_grad
+        and v.grad_fn is not None
+        and not torch._C._functorch.is_functorch_wrapped_tensor(v)
+    )
+
+
+class _Guard(torch.autograd.Function):
+    """Forward: func's outputs, detached (the outer graph meets func's only through this node). Backward: func's
+    graph on this rank inside a ``try``, then the boundary Splits' Joins. Never under a function transform
+    (:func:`guard` checks), hence the plain ``ctx`` style."""
+
+    @staticmethod
+    def forward(ctx: Any, graph: _Graph, *inputs: torch.Tensor) -> Any:
+        ctx.graph = graph
+        ctx.save_for_backward(inputs[0])  # freed by the engine after backward unless the graph is retained
+        ctx.set_materialize_grads(False)
+        return tuple(o.detach() for o in graph.outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        graph: Optional[_Graph] = ctx.graph
+        link = graph.link
+        at: Dict[int, torch.Tensor] = {}
+        failure = cause = None
+        try:
+            if graph.outs is None:
+                raise RuntimeError(
+                    "Trying to backward through the graph a second time; specify retain_graph=True the first time."
+                )
+            pairs = [(o, g) for o, g in zip(graph.outs, grads) if g is not None]
+            if pairs and graph.boundary:
+                with protocol.guarding():
+                    found = torch.autograd.grad(
+                        [o for o, _ in pairs],
+                        graph.boundary,
+                        [g for _, g in pairs],
+                        retain_graph=True,  # the outer backward decides: let go at its end unless it retains
+                        create_graph=torch.is_grad_enabled(),
+                        allow_unused=True,
+                    )
+                at = {id(t): g for t, g in zip(graph.boundary, found) if g is not None}
+        except Exception as exc:
+            if protocol.was_told(exc, link):  # raised from a round: every rank raises it already
+                raise
+            failure, cause = link.group.failure(exc), exc
+        _let_go_unless_retained(ctx, graph)
+        if failure is not None:
+            rnd = protocol.checked_round(link, Header(Kind.SYNC, Status.FAILED, digest=protocol.GUARD_DIGEST), WHAT)
+            protocol.raise_failures(rnd, failure, cause, link)
+        _transposes(graph, at)
+        return (None, *[at.get(id(x)) for x in graph.inputs])
+
+
+def _transposes(graph: _Graph, at: Dict[int, torch.Tensor]) -> None:
+    """Each boundary Split's backward, last first (a chain's outer Split gets its inner one's gradients): one
+    ``Join`` of the transposed roles, always a round (a peer's failure may wait in it)."""
+    for e in reversed(graph.entries):
+        gs = [at.pop(id(o), None) for o in e.outputs]
+        picked = [i for i, (x, g) in enumerate(zip(e.inputs, gs)) if g is not None and x.requires_grad]
+        roles = tuple(split_transpose(e.spec.roles[i]) for i in picked)
+        spec = JoinSpec(e.spec.link, roles, sync=True)
+        for i, g in zip(picked, join(spec, [gs[i] for i in picked])):
+            key = id(e.inputs[i])
+            at[key] = g if key not in at else at[key] + g
+
+
+def _let_go_unless_retained(ctx: Any, graph: _Graph) -> None:
+    """At the end of the outer backward: func's graph is let go unless that backward retained its own graph."""
+
+    def check() -> None:
+        try:
+            ctx.saved_tensors
+        except RuntimeError:  # released: the outer graph was not retained
+            graph.outs = None
+
+    torch.autograd.Variable._execution_engine.queue_callback(check)
