@@ -24,14 +24,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..wire.comm import default_timeout
-from ..wire.exchange import JoinSpec
+from ..wire.exchange import JoinSpec, SplitSpec
 from ..wire.group import Group
-from ..wire.native import Copy, summed
-from ..wire.primitives import join, needs_function
+from ..wire.native import Copy, all_reduce, summed
+from ..wire.primitives import join, needs_function, split
 from ..wire.protocol import Link, link_for
 from ..wire.roles import Rows, tensor_split_sizes
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Slice"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "HeadGroupLinear",
+    "SequenceRows",
+    "sum_output",
+    "Slice",
+]
 
 CALL = "shard_model"
 
@@ -173,20 +181,25 @@ class RowParallelLinear(_Sharded):
         bias: the full bias (every rank holds it; added after the sum), or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any) -> None:
+    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any, entries: Entries) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.sizes = tensor_split_sizes(linear.in_features, group.size)
+        self.entries = entries
         self._keep("weight", linear.weight, 1)
         self._keep("bias", linear.bias, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mine = self.sizes[self.group.rank]
+        if self.style.takes_replicated and x.shape[-1] == self.in_features:
+            x = self.entries.enter(x, self.link(x)).narrow(-1, sum(self.sizes[: self.group.rank]), mine)
         if x.shape[-1] != mine:
             raise ValueError(
                 f"{CALL}: {self.style.name} layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
                 f"features (the sharded output of a colwise layer), but got an input of shape {tuple(x.shape)}."
             )
+        if not self.style.sums:
+            return F.linear(x, self.weight)  # partial: a Gather module around it sums (no bias: checked)
         out = self.summed(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
@@ -236,9 +249,102 @@ class VocabParallelEmbedding(_Sharded):
         return _describe(self, f"{self.num_embeddings}, {self.embedding_dim}")
 
 
+class HeadGroupLinear(_Sharded):
+    """A key or value projection of grouped-query attention with fewer heads than ranks (``Colwise`` where the
+    group size is a multiple of the key/value heads), replicated as in Megatron-LM and vLLM.
+
+    Every rank holds the whole weight and computes the one head its query heads read: group rank ``r`` of ``t``
+    takes head ``r * heads // t``. The weight enters through f, so its gradient (this rank's head, zeros elsewhere)
+    is summed over the group in backward: each head's gradient is the sum over the ranks that used it, the same full
+    gradient on every rank. The input enters through f too, shared with the query projection.
+
+    Attributes:
+        weight: the full ``[out_features, in_features]`` weight (replicated).
+        bias: the full bias (replicated), or None.
+    """
+
+    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any, head_dim: int) -> None:
+        super().__init__(group, path, style)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.heads, self.head_dim, self.entries = linear.out_features // head_dim, head_dim, entries
+        self.head = group.rank * self.heads // group.size
+        self._keep("weight", linear.weight, None)
+        self._keep("bias", linear.bias, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start, link = self.head * self.head_dim, self.link(x)
+        weight, bias = (self._enter(p, link) for p in (self.weight, self.bias))
+        bias = None if bias is None else bias.narrow(0, start, self.head_dim)
+        return F.linear(self.entries.enter(x, link), weight.narrow(0, start, self.head_dim), bias)
+
+    def _enter(self, p: Optional[torch.Tensor], link: Link) -> Optional[torch.Tensor]:
+        if p is None or self.group.size == 1 or not needs_function([p]):
+            return p
+        return Copy.apply(link, p)
+
+    def slices(self) -> Dict[str, Slice]:
+        return {}  # replicated
+
+    def extra_repr(self) -> str:
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, style={self.style!r}, head {self.head} of {self.heads} on rank {self.group.rank}"
+
+
+class SequenceRows:
+    """Hooks that run a module (a norm) on this rank's rows of the sequence (dim 1) and gather its output
+    (``Sequence``); the module stays in place, so its parameters keep their names.
+
+    The input enters through ``Split`` of rows (this rank's rows; backward gathers the input gradient), the output
+    leaves through ``Join`` of rows (every rank's rows; backward takes this rank's rows), and each parameter's
+    gradient is summed over the group as it is computed (each rank's rows contribute a part).
+    """
+
+    def __init__(self, module: nn.Module, group: Group, path: str, style: Any) -> None:
+        self.group, self.path, self.style, self.timeout = group, path, style, default_timeout()
+        self.sizes: Optional[Tuple[int, ...]] = None
+        if group.size > 1:
+            module.register_forward_pre_hook(self.enter)
+            module.register_forward_hook(self.leave)
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_hook(self.sum_grad)
+
+    def link(self, t: torch.Tensor) -> Link:
+        return link_for(self.group, t.device, CALL, self.timeout)
+
+    def enter(self, module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        x = args[0]
+        self.sizes = tensor_split_sizes(x.shape[1], self.group.size)
+        mine = split(SplitSpec(self.link(x), (Rows(1, self.sizes),)), [x])[0]
+        return (mine, *args[1:])
+
+    def leave(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+        first = out[0] if isinstance(out, tuple) else out
+        spec = JoinSpec(self.link(first), (Rows(1, self.sizes),), f"the gather of sequence-parallel {self.path!r}")
+        whole = join(spec, [first])[0]
+        return (whole, *out[1:]) if isinstance(out, tuple) else whole
+
+    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.link(grad), grad)
+
+
+def sum_output(group: Group, path: str) -> Any:
+    """A forward hook that sums a module's output (its first, if a tuple) over ``group`` (Megatron's g)."""
+    timeout = default_timeout()
+
+    def hook(module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+        if group.size == 1:
+            return out
+        first = out[0] if isinstance(out, tuple) else out
+        whole = summed(link_for(group, first.device, CALL, timeout), first)
+        return (whole, *out[1:]) if isinstance(out, tuple) else whole
+
+    return hook
+
+
 def _describe(layer: _Sharded, sizes: str) -> str:
     shape = tuple(layer.weight.shape)
     return f"{sizes}, style={layer.style!r}, shard={shape} on rank {layer.group.rank} of {layer.group.size}"
 
 
-PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, HeadGroupLinear)

@@ -14,6 +14,8 @@ Function            this rank's result                              native colle
                                                                                                   sizes swapped
 ``Sum``             the sum over ranks (a value every rank holds)   ``all_reduce``, no round      ``Copy``
 ``Copy``            the value itself (entering per-rank work)       none                          ``Sum``
+``all_reduce_max``  the elementwise max over ranks                  ``all_reduce`` (MAX), no      none (no
+                                                                    round                         derivative)
 ==================  ==============================================  ============================  ==================
 
 ``Sum`` and ``Copy`` are Megatron's *g* and *f*, for tensor-parallel layers: one all-reduce and no status round, so
@@ -215,6 +217,14 @@ def all_reduce(link: Link, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(link: Link, x: torch.Tensor) -> torch.Tensor:
+    """The elementwise max over the group of every rank's ``x``, with no status round and no derivative (a
+    numerical shift, such as a softmax's max, that the result does not depend on)."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, link.group, link.call, link.timeout, op=torch.distributed.ReduceOp.MAX)
+    return out
+
+
 class Sum(torch.autograd.Function):
     """Megatron's *g*: per-rank partial values to their sum, on every rank, in one all-reduce; backward is
     :class:`Copy` (the identity), since the sum is a value every rank holds alike."""
@@ -284,4 +294,15 @@ def summed(link: Link, x: torch.Tensor) -> torch.Tensor:
     return Sum.apply(link, x) if needs_function([x]) else all_reduce(link, x)
 
 
-__all__ = ["NativeSpec", "ReduceScatter", "AllGather", "AllToAll", "Sum", "Copy", "run", "summed"]
+__all__ = [
+    "NativeSpec",
+    "ReduceScatter",
+    "AllGather",
+    "AllToAll",
+    "Sum",
+    "Copy",
+    "run",
+    "summed",
+    "all_reduce",
+    "all_reduce_max",
+]
