@@ -26,10 +26,19 @@ from torch import nn
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, SplitSpec
 from ..wire.group import Group
-from ..wire.native import Copy, all_reduce, summed
+from ..wire.native import (
+    Copy,
+    GatherFromSequence,
+    ReduceScatterToSequence,
+    all_reduce,
+    gather_sequence,
+    scatter_sequence_sum,
+    summed,
+)
 from ..wire.primitives import join, needs_function, split
 from ..wire.protocol import Link, link_for
 from ..wire.roles import Rows, tensor_split_sizes
+from .sequence import LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
 __all__ = [
     "ColumnParallelLinear",
@@ -73,8 +82,56 @@ class Entries:
 
     LIMIT = 8
 
-    def __init__(self) -> None:
-        self.found: Dict[int, Tuple[torch.Tensor, Tuple[Any, ...], torch.Tensor]] = {}
+    def __init__(self, sequence: Optional[SequenceState] = None) -> None:
+        self.found: Dict[int, Tuple[torch.Tensor, Tuple[Any, ...], Any]] = {}
+        self.sequence = sequence  # sequence parallelism: the column-parallel inputs are this rank's rows
+        self.gathered: Dict[int, Tuple[torch.Tensor, torch.Tensor, Regather]] = {}
+
+    def gather(self, x: torch.Tensor, path: str) -> Tuple[torch.Tensor, Regather]:
+        """Sequence parallelism's entry: the whole sequence of this rank's rows ``x`` (one all-gather for every
+        layer reading ``x``; backward, one reduce-scatter of their summed gradients) and its :class:`Regather`."""
+        seq = self.sequence
+        start, count = seq.mine(seq.length)
+        if x.shape[1] != count:
+            raise ValueError(
+                f"{CALL}: sequence_parallel=True: layer {path!r} takes this rank's {count} of the {seq.length} "
+                f"positions (dim 1), but got an input of shape {tuple(x.shape)}."
+            )
+        state = (x._version, torch.is_grad_enabled(), torch._C._functorch.maybe_current_level())
+        hit = self.found.get(id(x))
+        if hit is not None and hit[0] is x and hit[1] == state:
+            return hit[2]
+        spec = seq.spec(x, seq.length, f"the sequence gather of layer {path!r}")
+        full = GatherFromSequence.apply(spec, x) if needs_function([x]) else gather_sequence(spec, x)
+        entered = (full, Regather(spec))
+        self._remember(x, state, entered)
+        self.gathered[id(full)] = (full, x, entered[1])
+        return entered
+
+    def gather_input(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Sequence parallelism: a forward pre-hook on a module holding column-parallel layers (an attention, an
+        MLP), which gathers its input's sequence on entry, so that the module sees the whole length (attention
+        reshapes by it); its column-parallel layers keep only the rows for backward."""
+        positional = bool(args)
+        x = args[0] if positional else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or self.sequence.length is None:
+            return None
+        if x.shape[1] == self.sequence.length and x.shape[1] != self.sequence.mine(x.shape[1])[1]:
+            return None  # already whole
+        full = self.gather(x, type(module).__name__)[0]
+        if positional:
+            return (full, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": full}
+
+    def of_gather(self, full: torch.Tensor) -> Optional[Tuple[torch.Tensor, Regather]]:
+        """The rows and :class:`Regather` of a sequence :meth:`gather` made, or None."""
+        hit = self.gathered.get(id(full))
+        return (hit[1], hit[2]) if hit is not None and hit[0] is full else None
+
+    def _remember(self, x: torch.Tensor, state: Tuple[Any, ...], entered: Any) -> None:
+        self.found[id(x)] = (x, state, entered)
+        if len(self.found) > self.LIMIT:
+            del self.found[next(iter(self.found))]
 
     def enter(self, x: torch.Tensor, link: Link) -> torch.Tensor:
         if link.group.size == 1 or not needs_function([x]):
@@ -84,14 +141,13 @@ class Entries:
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]
         entered = Copy.apply(link, x)
-        self.found[id(x)] = (x, state, entered)
-        if len(self.found) > self.LIMIT:
-            del self.found[next(iter(self.found))]
+        self._remember(x, state, entered)
         return entered
 
     def clear(self, *_: Any) -> None:
         """Forget every entry (a forward hook: the model's forward starts or ended)."""
         self.found.clear()
+        self.gathered.clear()
 
 
 class _Sharded(nn.Module):
@@ -100,6 +156,8 @@ class _Sharded(nn.Module):
     ``style`` is the :class:`~colossalai_cmap.tp.styles.ParallelStyle` that built the layer (typed ``Any``: the
     styles import the layers).
     """
+
+    keeps_gathered = False  # sequence parallelism: keep the gathered input for backward (the LM head)
 
     def __init__(self, group: Group, path: str, style: Any) -> None:
         super().__init__()
@@ -118,6 +176,33 @@ class _Sharded(nn.Module):
     def slices(self) -> Dict[str, Slice]:
         """The split of each sharded parameter, by parameter name (a replicated bias is not listed)."""
         raise NotImplementedError
+
+    def column(
+        self, entries: Entries, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """A column-parallel product: the replicated input entered through f, or under sequence parallelism
+        this rank's rows gathered (kept sharded for backward, gathered again there)."""
+        if entries.sequence is None or self.group.size == 1:
+            return F.linear(entries.enter(x, self.link(x)), weight, bias)
+        hit = entries.of_gather(x)
+        if hit is None:
+            full, regather = entries.gather(x, self.path)
+        else:
+            full, (x, regather) = x, hit
+        if self.keeps_gathered or not needs_function([x, weight] + ([] if bias is None else [bias])):
+            return F.linear(full, weight, bias)
+        return LinearOnGathered.apply(full, x.detach(), regather, weight, bias)
+
+    def scatter_sum(self, partial: torch.Tensor, sequence: Optional[SequenceState]) -> torch.Tensor:
+        """Megatron's g, or under sequence parallelism the reduce-scatter to this rank's rows of the sequence."""
+        if self.group.size == 1:
+            return partial
+        if sequence is None:
+            return summed(self.link(partial), partial)
+        spec = sequence.spec(partial, partial.shape[1], f"the sequence reduce-scatter of layer {self.path!r}")
+        if needs_function([partial]):
+            return ReduceScatterToSequence.apply(spec, partial)
+        return scatter_sequence_sum(spec, partial)
 
     def _keep(self, name: str, full: Optional[torch.Tensor], dim: Optional[int]) -> None:
         """Register this rank's slice of ``full`` along ``dim`` (the whole of it when ``dim`` is None), a copy."""
@@ -152,7 +237,7 @@ class ColumnParallelLinear(_Sharded):
         self._keep("bias", linear.bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(self.entries.enter(x, self.link(x)), self.weight, self.bias)
+        out = self.column(self.entries, x, self.weight, self.bias)
         if not self.style.gathers or self.group.size == 1:
             return out
         spec = JoinSpec(self.link(out), (Rows(out.dim() - 1, self.sizes),), f"the gather of layer {self.path!r}")
@@ -200,7 +285,7 @@ class RowParallelLinear(_Sharded):
             )
         if not self.style.sums:
             return F.linear(x, self.weight)  # partial: a Gather module around it sums (no bias: checked)
-        out = self.summed(F.linear(x, self.weight))
+        out = self.scatter_sum(F.linear(x, self.weight), self.entries.sequence)
         return out if self.bias is None else out + self.bias
 
     def slices(self) -> Dict[str, Slice]:
@@ -220,8 +305,9 @@ class VocabParallelEmbedding(_Sharded):
         weight: this rank's rows of the full ``[num_embeddings, embedding_dim]`` weight.
     """
 
-    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any) -> None:
+    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any, entries: Entries) -> None:
         super().__init__(group, path, style)
+        self.sequence = entries.sequence
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.sizes = tensor_split_sizes(embedding.num_embeddings, group.size)
         self.sparse = embedding.sparse
@@ -239,7 +325,10 @@ class VocabParallelEmbedding(_Sharded):
             rows = rows.masked_fill(~inside.unsqueeze(-1), 0)
         else:  # more ranks than vocabulary rows: this rank holds none
             rows = self.weight.new_zeros((*ids.shape, self.embedding_dim))
-        return self.summed(rows)
+        if self.sequence is None or self.group.size == 1 or ids.dim() < 2:
+            return self.summed(rows)
+        # sequence parallelism: this rank's rows of the sum, in zeros of the whole length (see tp/sequence.py)
+        return pad_to_sequence(self.sequence, self.scatter_sum(rows, self.sequence), ids.shape[1])
 
     def slices(self) -> Dict[str, Slice]:
         full = (self.num_embeddings, self.embedding_dim)
@@ -275,7 +364,7 @@ class HeadGroupLinear(_Sharded):
         start, link = self.head * self.head_dim, self.link(x)
         weight, bias = (self._enter(p, link) for p in (self.weight, self.bias))
         bias = None if bias is None else bias.narrow(0, start, self.head_dim)
-        return F.linear(self.entries.enter(x, link), weight.narrow(0, start, self.head_dim), bias)
+        return self.column(self.entries, x, weight.narrow(0, start, self.head_dim), bias)
 
     def _enter(self, p: Optional[torch.Tensor], link: Link) -> Optional[torch.Tensor]:
         if p is None or self.group.size == 1 or not needs_function([p]):

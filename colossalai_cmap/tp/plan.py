@@ -25,9 +25,19 @@ from ..wire.group import Group
 from ..wire.primitives import join
 from ..wire.protocol import link_for
 from ..wire.roles import Rows, tensor_split_sizes
-from .layers import CALL, Entries, HeadGroupLinear
+from .layers import CALL, PARALLEL_LAYERS, Entries, HeadGroupLinear, RowParallelLinear
 from .loss import CausalLMLoss
-from .styles import SHORTHANDS, TRANSFORMERS_STYLES, Colwise, ColwiseGather, ParallelStyle, resolve_style
+from .sequence import SequenceState
+from .styles import (
+    SHORTHANDS,
+    TRANSFORMERS_STYLES,
+    Colwise,
+    ColwiseGather,
+    ParallelStyle,
+    Rowwise,
+    Vocab,
+    resolve_style,
+)
 
 __all__ = ["shard_model"]
 
@@ -85,6 +95,7 @@ def shard_model(
     plan: Optional[Union[Mapping[str, Union[ParallelStyle, str]], str]] = None,
     check_inputs: bool = False,
     loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Tensor parallelism as Megatron-LM does it: shard the modules a plan names, in place, and return ``model``.
 
@@ -116,6 +127,12 @@ def shard_model(
             vocabulary: ``out.logits`` on each rank is its slice of the last dim, and ``out.loss`` is the
             vocabulary-parallel cross entropy of those slices (:mod:`~colossalai_cmap.tp.loss`; transformers'
             label shifting and ``ignore_index``), equal to the unsharded loss. A transformers model only.
+        sequence_parallel: Megatron's sequence parallelism (:mod:`~colossalai_cmap.tp.sequence`): between the
+            tensor-parallel regions each rank holds its rows of the sequence; colwise layers all-gather it on
+            entry, rowwise layers and the vocab embedding reduce-scatter it on exit; the norms' gradients are summed
+            over the group. Takes a transformers model (its decoder layers are ``_no_split_modules``) whose plan
+            has only colwise, colwise_gather, rowwise and vocab styles and a colwise LM head; for training (the
+            model's hidden states come out sharded; ``generate`` is not supported).
 
     Returns:
         ``model`` itself, its matched modules replaced by tensor-parallel layers that hold this rank's slices.
@@ -148,7 +165,12 @@ def shard_model(
     assignments = resolve_plan(model, plan, group_.size)
     if loss_parallel:
         assignments = _vocab_head(model, assignments)
-    entries = Entries()
+    sequence = None
+    if sequence_parallel:
+        layers = _check_sequence(model, assignments)
+        sequence = SequenceState(group_)
+        sequence.replicated_input = not any(isinstance(a.style, Vocab) for a in assignments)
+    entries = Entries(sequence)
     heads = _head_counts(model, assignments, group_)
     for a in assignments:
         if a.head_dim:
@@ -158,6 +180,19 @@ def shard_model(
         _replace(model, a.path, layer)
     if loss_parallel:
         model.loss_function = CausalLMLoss(group_)
+    if sequence is not None and group_.size > 1:
+        model.register_forward_pre_hook(sequence.read_length, with_kwargs=True)
+        for layer in layers:
+            layer.register_forward_pre_hook(sequence.enter_layer, with_kwargs=True)
+        head = model.get_output_embeddings()
+        head.keeps_gathered = True
+        modules = dict(model.named_modules())
+        parents = {
+            a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise) and a.module is not head
+        }
+        for path in sorted(parents - {""}):
+            modules[path].register_forward_pre_hook(entries.gather_input, with_kwargs=True)
+        _sum_replicated_grads(model, sequence)
     for owner, counts in heads.items():
         for attr, value in counts.items():
             setattr(owner, attr, value)
@@ -191,6 +226,47 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], size: int) -> List[A
     assignments = list(found.values())
     _check_tied(model, assignments)
     return _check_heads(modules, assignments, size)
+
+
+def _check_sequence(model: nn.Module, assignments: List[Assignment]) -> List[nn.Module]:
+    """sequence_parallel=True: the plan's styles, the LM head and the decoder layers (read before any weight is
+    touched); returns the decoder layers, whose inputs each rank takes its rows of."""
+    allowed = (Colwise, ColwiseGather, Rowwise, Vocab)
+    for a in assignments:
+        if type(a.style) not in allowed:
+            raise ValueError(
+                f"{CALL}: sequence_parallel=True: plan pattern {a.pattern!r} gives {a.path!r} style {a.style.name!r}; "
+                f"sequence parallelism takes the styles colwise, colwise_gather, rowwise and vocab."
+            )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and not any(a.module is head and isinstance(a.style, Colwise) for a in assignments):
+        raise ValueError(
+            f"{CALL}: sequence_parallel=True: the LM head of {type(model).__name__} must be in the plan as colwise "
+            f"or colwise_gather (it gathers the sequence on entry)."
+        )
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{CALL}: sequence_parallel=True takes a transformers model whose decoder layers are named in "
+            f"_no_split_modules; {type(model).__name__} names none."
+        )
+    return layers
+
+
+def _sum_replicated_grads(model: nn.Module, sequence: SequenceState) -> None:
+    """Sequence parallelism: each rank's rows give a part of a replicated parameter's gradient (the norms, a
+    rowwise bias): a hook sums it over the group as it is computed. The input embedding is left out: its output's
+    gradient is gathered whole before it (or it is vocabulary-parallel)."""
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    held = {id(p) for p in inputs.parameters()} if inputs is not None else set()  # whole gradients (see above)
+    for module in model.modules():
+        if isinstance(module, PARALLEL_LAYERS):
+            keep_bias = isinstance(module, RowParallelLinear) and module.bias is not None
+            held.update(id(p) for n, p in module.named_parameters() if not (keep_bias and n == "bias"))
+    for name, p in model.named_parameters():
+        if id(p) not in held and p.requires_grad:
+            p.register_hook(sequence.sum_grad_hook(name))
 
 
 def _vocab_head(model: nn.Module, assignments: List[Assignment]) -> List[Assignment]:

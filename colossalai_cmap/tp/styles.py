@@ -183,7 +183,7 @@ class Vocab(ParallelStyle):
             )
 
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
-        return VocabParallelEmbedding(module, group, path, self)
+        return VocabParallelEmbedding(module, group, path, self, entries)
 
 
 class RowwiseReplicated(Rowwise):
