@@ -177,6 +177,8 @@ def check_sequence(loss_parallel: bool, vocab: bool, heads: int, kv_heads: int, 
     layers = [layer_saved_bytes(model, ids, labels) for model in (ref, tp)]
     return sent, layers
 
+
+def check_styles():
     """transformers' rowwise_rep, local_rowwise under gather, local and sequence_parallel, on a hand-written model,
     against the unsharded one: outputs, input and parameter gradients."""
 
@@ -226,6 +228,41 @@ def check_sequence(loss_parallel: bool, vocab: bool, heads: int, kv_heads: int, 
     return True
 
 
+def check_dropout():
+    """Dropout in a sharded region (between a colwise and a rowwise layer) draws a different mask on each rank;
+    in the replicated region (after the rowwise layer) the same mask on every rank, reproducible from one seed, and
+    the same as in a group of one. Returns the replicated-region output and this rank's sharded-region mask."""
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = self.drop(self.up(x))
+            self.mask = (h == 0).detach()
+            return self.down(h)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.drop = Mlp(), nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.mlp(x))
+
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        tp = cm.shard_model(Net().double(), plan={"mlp.up": "colwise", "mlp.down": "rowwise"})
+        x = torch.ones(4, 8, dtype=torch.float64) + 1
+        runs.append([(tp(x) == 0, tp.mlp.mask) for _ in range(2)])
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(*runs))  # one seed: reproducible
+    (out0, mask0), (out1, _) = runs[0]
+    assert not torch.equal(out0, out1)  # a new mask at each call
+    return out0, mask0
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize(
     "P, heads, kv_heads, hidden, kind, loss_parallel",
@@ -270,6 +307,16 @@ def test_sequence_parallel(worlds, P, loss_parallel, vocab, heads, kv_heads, hid
 @pytest.mark.parametrize("P", [2, 3])
 def test_transformers_styles(worlds, P):
     assert worlds(P).run(check_styles, deadline=DEADLINE) == [True] * P
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_dropout_in_and_out_of_the_tensor_parallel_region(worlds, P):
+    got = worlds(P).run(check_dropout, deadline=DEADLINE)
+    alone = check_dropout()  # a group of one
+    for out, _ in got:
+        assert torch.equal(out, alone[0])  # the replicated region's mask: the same on every rank, for any size
+    masks = [mask[:, : 16 // P] for _, mask in got]  # the columns every rank holds (16 features split over P)
+    assert all(not torch.equal(masks[i], masks[j]) for i in range(P) for j in range(i))  # one mask per rank
 
 
 def test_every_transformers_style_is_mapped_or_refused():

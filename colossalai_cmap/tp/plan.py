@@ -27,6 +27,7 @@ from ..wire.protocol import link_for
 from ..wire.roles import Rows, tensor_split_sizes
 from .layers import CALL, PARALLEL_LAYERS, Entries, HeadGroupLinear, RowParallelLinear
 from .loss import CausalLMLoss
+from .rng import RegionRandom
 from .sequence import SequenceState
 from .styles import (
     SHORTHANDS,
@@ -180,6 +181,7 @@ def shard_model(
         _replace(model, a.path, layer)
     if loss_parallel:
         model.loss_function = CausalLMLoss(group_)
+    _fork_region_random(model, assignments, group_)
     if sequence is not None and group_.size > 1:
         model.register_forward_pre_hook(sequence.read_length, with_kwargs=True)
         for layer in layers:
@@ -226,6 +228,19 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], size: int) -> List[A
     assignments = list(found.values())
     _check_tied(model, assignments)
     return _check_heads(modules, assignments, size)
+
+
+def _fork_region_random(model: nn.Module, assignments: List[Assignment], group: Group) -> None:
+    """The modules holding column-parallel layers (attention, MLP; not the model itself) draw random numbers from
+    a state of their own per rank (:mod:`.rng`), so dropout there differs across ranks and leaves the replicated
+    region's draws alike on every rank and for any group size."""
+    modules = dict(model.named_modules())
+    parents = {a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise)} - {""}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    region = RegionRandom(group, torch.initial_seed(), device)  # one state for all of them, as Megatron's tracker
+    for path in sorted(parents):
+        modules[path].register_forward_pre_hook(region.enter, with_kwargs=True)
+        modules[path].register_forward_hook(region.leave, with_kwargs=True)
 
 
 def _check_sequence(model: nn.Module, assignments: List[Assignment]) -> List[nn.Module]:
