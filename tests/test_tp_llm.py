@@ -263,6 +263,47 @@ def check_dropout():
     return out0, mask0
 
 
+class Fused(nn.Module):
+    """A hand-written block with a fused qkv and a fused gate_up (6 heads of 4; intermediate 10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(24, 72), nn.Linear(24, 24)
+        self.gate_up, self.down = nn.Linear(24, 20), nn.Linear(10, 24)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = (t.view(B, S, -1, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        a = torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v
+        x = x + self.o(a.transpose(1, 2).reshape(B, S, -1))
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+FUSED_PLAN = {"qkv": cm.Colwise(parts=3), "o": "rowwise", "gate_up": cm.Colwise(parts=2), "down": "rowwise"}
+
+
+def check_fused():
+    """Packed parts split each alone: outputs and gradients as unsharded; full_state_dict and load round trip."""
+    torch.manual_seed(0)
+    ref = Fused().double()
+    tp = cm.shard_model(__import__("copy").deepcopy(ref), plan=FUSED_PLAN)
+    x = randn(2, 5, 24, seed=2, dtype=torch.float64)
+    y, y_ref = tp(x), ref(x)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y.square().sum().backward(), y_ref.square().sum().backward()
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    state = cm.full_state_dict(tp)
+    assert all(torch.equal(state[n], v) for n, v in ref.state_dict().items())
+    other = cm.shard_model(Fused().double(), plan=FUSED_PLAN)
+    cm.load_full_state_dict(other, state)
+    torch.testing.assert_close(other(x), y_ref, **TOL)
+    return True
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize(
     "P, heads, kv_heads, hidden, kind, loss_parallel",
@@ -307,6 +348,16 @@ def test_sequence_parallel(worlds, P, loss_parallel, vocab, heads, kv_heads, hid
 @pytest.mark.parametrize("P", [2, 3])
 def test_transformers_styles(worlds, P):
     assert worlds(P).run(check_styles, deadline=DEADLINE) == [True] * P
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_packed_parts(worlds, P):
+    assert worlds(P).run(check_fused, deadline=DEADLINE) == [True] * P
+
+
+def test_packed_parts_refused_by_name():
+    with pytest.raises(ValueError, match=r"gives 'qkv' \(72 output features\) Colwise\(parts=\(24, 24\)\)"):
+        cm.shard_model(Fused(), plan={"qkv": cm.Colwise(parts=(24, 24))})
 
 
 @pytest.mark.parametrize("P", [2, 3])

@@ -17,7 +17,7 @@ Layers that read the same input tensor (q, k and v; gate and up) enter it once: 
 per sharded model, so autograd adds their input gradients before the single backward sum.
 """
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -55,20 +55,47 @@ CALL = "shard_model"
 
 class Slice(NamedTuple):
     """How one parameter of a sharded module is split: group rank ``r`` holds ``sizes[r]`` entries along ``dim``
-    of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``."""
+    of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``. With ``parts``
+    (the lengths of packed parts along ``dim``: a fused qkv or gate_up), each part is split alone and a rank holds
+    its slice of every part, in order."""
 
     dim: int
     sizes: Tuple[int, ...]
     rank: int
     full_shape: Tuple[int, ...]
+    parts: Tuple[int, ...] = ()
 
     @property
     def offset(self) -> int:
         return sum(self.sizes[: self.rank])
 
+    def _pieces(self, rank: int) -> List[Tuple[int, int]]:
+        """(start, length) along ``dim`` of each piece rank ``rank`` holds."""
+        found, start = [], 0
+        for n in self.parts:
+            split = tensor_split_sizes(n, len(self.sizes))
+            found.append((start + sum(split[:rank]), split[rank]))
+            start += n
+        return found
+
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full tensor (a parameter, its gradient, a checkpoint entry): a view."""
-        return full.narrow(self.dim, self.offset, self.sizes[self.rank])
+        """This rank's slice of a full tensor (a parameter, its gradient, a checkpoint entry): a view (a copy of
+        the pieces, with ``parts``)."""
+        if not self.parts:
+            return full.narrow(self.dim, self.offset, self.sizes[self.rank])
+        return torch.cat([full.narrow(self.dim, a, n) for a, n in self._pieces(self.rank)], self.dim)
+
+    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's slice concatenated in rank order along ``dim``."""
+        if not self.parts:
+            return gathered
+        out = torch.empty_like(gathered)
+        at = 0
+        for r in range(len(self.sizes)):
+            for a, n in self._pieces(r):
+                out.narrow(self.dim, a, n).copy_(gathered.narrow(self.dim, at, n))
+                at += n
+        return out
 
 
 class Entries:
@@ -231,7 +258,9 @@ class ColumnParallelLinear(_Sharded):
     def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = tensor_split_sizes(linear.out_features, group.size)
+        self.parts = style.part_lengths(linear.out_features)
+        split = [tensor_split_sizes(n, group.size) for n in self.parts or (linear.out_features,)]
+        self.sizes = tuple(sum(s[r] for s in split) for r in range(group.size))
         self.entries = entries
         self._keep("weight", linear.weight, 0)
         self._keep("bias", linear.bias, 0)
@@ -245,10 +274,13 @@ class ColumnParallelLinear(_Sharded):
 
     def slices(self) -> Dict[str, Slice]:
         full = (self.out_features, self.in_features)
-        found = {"weight": Slice(0, self.sizes, self.group.rank, full)}
+        found = {"weight": Slice(0, self.sizes, self.group.rank, full, self.parts)}
         if self.bias is not None:
-            found["bias"] = Slice(0, self.sizes, self.group.rank, (self.out_features,))
+            found["bias"] = Slice(0, self.sizes, self.group.rank, (self.out_features,), self.parts)
         return found
+
+    def _slice(self, full: torch.Tensor, dim: int) -> Slice:
+        return Slice(dim, self.sizes, self.group.rank, tuple(full.shape), self.parts)
 
     def extra_repr(self) -> str:
         return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")

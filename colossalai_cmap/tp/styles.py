@@ -7,7 +7,7 @@ not do) and ``_apply``, which builds the tensor-parallel layer of :mod:`.layers`
 (:data:`SHORTHANDS`); :func:`resolve_style` reads either.
 """
 
-from typing import Any, ClassVar, Dict, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
@@ -114,8 +114,45 @@ class Colwise(ParallelStyle):
     splits_heads = True
     gathers = False
 
+    def __init__(self, parts: Union[None, int, Sequence[int]] = None) -> None:
+        """Args:
+        parts: a packed Linear's parts along its output features (a fused qkv: ``(q, k, v)`` lengths; a fused
+            gate_up: ``2``, equal parts): each part is split alone, and a rank's output is its slice of each part,
+            in order. None: one part."""
+        if parts is not None and not isinstance(parts, int):
+            parts = tuple(int(n) for n in parts)
+        if parts is not None and (parts <= 0 if isinstance(parts, int) else not parts or min(parts) <= 0):
+            raise ValueError(f"{CALL}: Colwise(parts={parts!r}): parts is a positive count or positive lengths.")
+        self.parts = parts
+
+    def part_lengths(self, features: int) -> Tuple[int, ...]:
+        """The parts' lengths for ``features`` output features; () for one part."""
+        if self.parts is None:
+            return ()
+        if isinstance(self.parts, int):
+            return (features // self.parts,) * self.parts
+        return self.parts
+
+    def _check(self, path: str, module: nn.Module, pattern: str) -> None:
+        super()._check(path, module, pattern)
+        parts, n = self.parts, module.out_features
+        if parts is not None and (n % parts if isinstance(parts, int) else sum(parts) != n):
+            raise ValueError(
+                f"{CALL}: plan pattern {pattern!r} gives {path!r} ({n} output features) {self!r}, whose parts do not "
+                f"add up to its features; give parts lengths that sum to {n}, or a count that divides it."
+            )
+        if parts is not None and self.gathers:
+            raise ValueError(
+                f"{CALL}: plan pattern {pattern!r}: {self!r} gathers its output; packed parts are colwise."
+            )
+
     def _head_features(self, module: nn.Module) -> Optional[Tuple[int, str]]:
+        if self.parts is not None:
+            return None  # each part is split alone; a packed projection's heads are the model's to read
         return module.out_features, "output"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()" if self.parts is None else f"{type(self).__name__}(parts={self.parts!r})"
 
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
         return ColumnParallelLinear(module, group, path, entries, self)
