@@ -22,6 +22,7 @@ EXAMPLES = [
     "train_step",
     "maml",
     "tensor_parallel_llama",
+    "tp_sequence_parallel",
 ]
 
 

@@ -17,41 +17,85 @@ Layers that read the same input tensor (q, k and v; gate and up) enter it once: 
 per sharded model, so autograd adds their input gradients before the single backward sum.
 """
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..wire.comm import default_timeout
-from ..wire.exchange import JoinSpec
+from ..wire.exchange import JoinSpec, SplitSpec
 from ..wire.group import Group
-from ..wire.native import Copy, summed
-from ..wire.primitives import join, needs_function
+from ..wire.native import (
+    Copy,
+    GatherFromSequence,
+    ReduceScatterToSequence,
+    all_reduce,
+    gather_sequence,
+    scatter_sequence_sum,
+    summed,
+)
+from ..wire.primitives import join, needs_function, split
 from ..wire.protocol import Link, link_for
 from ..wire.roles import Rows, tensor_split_sizes
+from .sequence import LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "Slice"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "HeadGroupLinear",
+    "SequenceRows",
+    "sum_output",
+    "Slice",
+]
 
 CALL = "shard_model"
 
 
 class Slice(NamedTuple):
     """How one parameter of a sharded module is split: group rank ``r`` holds ``sizes[r]`` entries along ``dim``
-    of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``."""
+    of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``. With ``parts``
+    (the lengths of packed parts along ``dim``: a fused qkv or gate_up), each part is split alone and a rank holds
+    its slice of every part, in order."""
 
     dim: int
     sizes: Tuple[int, ...]
     rank: int
     full_shape: Tuple[int, ...]
+    parts: Tuple[int, ...] = ()
 
     @property
     def offset(self) -> int:
         return sum(self.sizes[: self.rank])
 
+    def _pieces(self, rank: int) -> List[Tuple[int, int]]:
+        """(start, length) along ``dim`` of each piece rank ``rank`` holds."""
+        found, start = [], 0
+        for n in self.parts:
+            split = tensor_split_sizes(n, len(self.sizes))
+            found.append((start + sum(split[:rank]), split[rank]))
+            start += n
+        return found
+
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full tensor (a parameter, its gradient, a checkpoint entry): a view."""
-        return full.narrow(self.dim, self.offset, self.sizes[self.rank])
+        """This rank's slice of a full tensor (a parameter, its gradient, a checkpoint entry): a view (a copy of
+        the pieces, with ``parts``)."""
+        if not self.parts:
+            return full.narrow(self.dim, self.offset, self.sizes[self.rank])
+        return torch.cat([full.narrow(self.dim, a, n) for a, n in self._pieces(self.rank)], self.dim)
+
+    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's slice concatenated in rank order along ``dim``."""
+        if not self.parts:
+            return gathered
+        out = torch.empty_like(gathered)
+        at = 0
+        for r in range(len(self.sizes)):
+            for a, n in self._pieces(r):
+                out.narrow(self.dim, a, n).copy_(gathered.narrow(self.dim, at, n))
+                at += n
+        return out
 
 
 class Entries:
@@ -65,8 +109,56 @@ class Entries:
 
     LIMIT = 8
 
-    def __init__(self) -> None:
-        self.found: Dict[int, Tuple[torch.Tensor, Tuple[Any, ...], torch.Tensor]] = {}
+    def __init__(self, sequence: Optional[SequenceState] = None) -> None:
+        self.found: Dict[int, Tuple[torch.Tensor, Tuple[Any, ...], Any]] = {}
+        self.sequence = sequence  # sequence parallelism: the column-parallel inputs are this rank's rows
+        self.gathered: Dict[int, Tuple[torch.Tensor, torch.Tensor, Regather]] = {}
+
+    def gather(self, x: torch.Tensor, path: str) -> Tuple[torch.Tensor, Regather]:
+        """Sequence parallelism's entry: the whole sequence of this rank's rows ``x`` (one all-gather for every
+        layer reading ``x``; backward, one reduce-scatter of their summed gradients) and its :class:`Regather`."""
+        seq = self.sequence
+        start, count = seq.mine(seq.length)
+        if x.shape[1] != count:
+            raise ValueError(
+                f"{CALL}: sequence_parallel=True: layer {path!r} takes this rank's {count} of the {seq.length} "
+                f"positions (dim 1), but got an input of shape {tuple(x.shape)}."
+            )
+        state = (x._version, torch.is_grad_enabled(), torch._C._functorch.maybe_current_level())
+        hit = self.found.get(id(x))
+        if hit is not None and hit[0] is x and hit[1] == state:
+            return hit[2]
+        spec = seq.spec(x, seq.length, f"the sequence gather of layer {path!r}")
+        full = GatherFromSequence.apply(spec, x) if needs_function([x]) else gather_sequence(spec, x)
+        entered = (full, Regather(spec))
+        self._remember(x, state, entered)
+        self.gathered[id(full)] = (full, x, entered[1])
+        return entered
+
+    def gather_input(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Sequence parallelism: a forward pre-hook on a module holding column-parallel layers (an attention, an
+        MLP), which gathers its input's sequence on entry, so that the module sees the whole length (attention
+        reshapes by it); its column-parallel layers keep only the rows for backward."""
+        positional = bool(args)
+        x = args[0] if positional else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or self.sequence.length is None:
+            return None
+        if x.shape[1] == self.sequence.length and x.shape[1] != self.sequence.mine(x.shape[1])[1]:
+            return None  # already whole
+        full = self.gather(x, type(module).__name__)[0]
+        if positional:
+            return (full, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": full}
+
+    def of_gather(self, full: torch.Tensor) -> Optional[Tuple[torch.Tensor, Regather]]:
+        """The rows and :class:`Regather` of a sequence :meth:`gather` made, or None."""
+        hit = self.gathered.get(id(full))
+        return (hit[1], hit[2]) if hit is not None and hit[0] is full else None
+
+    def _remember(self, x: torch.Tensor, state: Tuple[Any, ...], entered: Any) -> None:
+        self.found[id(x)] = (x, state, entered)
+        if len(self.found) > self.LIMIT:
+            del self.found[next(iter(self.found))]
 
     def enter(self, x: torch.Tensor, link: Link) -> torch.Tensor:
         if link.group.size == 1 or not needs_function([x]):
@@ -76,14 +168,13 @@ class Entries:
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]
         entered = Copy.apply(link, x)
-        self.found[id(x)] = (x, state, entered)
-        if len(self.found) > self.LIMIT:
-            del self.found[next(iter(self.found))]
+        self._remember(x, state, entered)
         return entered
 
     def clear(self, *_: Any) -> None:
         """Forget every entry (a forward hook: the model's forward starts or ended)."""
         self.found.clear()
+        self.gathered.clear()
 
 
 class _Sharded(nn.Module):
@@ -92,6 +183,8 @@ class _Sharded(nn.Module):
     ``style`` is the :class:`~colossalai_cmap.tp.styles.ParallelStyle` that built the layer (typed ``Any``: the
     styles import the layers).
     """
+
+    keeps_gathered = False  # sequence parallelism: keep the gathered input for backward (the LM head)
 
     def __init__(self, group: Group, path: str, style: Any) -> None:
         super().__init__()
@@ -110,6 +203,33 @@ class _Sharded(nn.Module):
     def slices(self) -> Dict[str, Slice]:
         """The split of each sharded parameter, by parameter name (a replicated bias is not listed)."""
         raise NotImplementedError
+
+    def column(
+        self, entries: Entries, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """A column-parallel product: the replicated input entered through f, or under sequence parallelism
+        this rank's rows gathered (kept sharded for backward, gathered again there)."""
+        if entries.sequence is None or self.group.size == 1:
+            return F.linear(entries.enter(x, self.link(x)), weight, bias)
+        hit = entries.of_gather(x)
+        if hit is None:
+            full, regather = entries.gather(x, self.path)
+        else:
+            full, (x, regather) = x, hit
+        if self.keeps_gathered or not needs_function([x, weight] + ([] if bias is None else [bias])):
+            return F.linear(full, weight, bias)
+        return LinearOnGathered.apply(full, x.detach(), regather, weight, bias)
+
+    def scatter_sum(self, partial: torch.Tensor, sequence: Optional[SequenceState]) -> torch.Tensor:
+        """Megatron's g, or under sequence parallelism the reduce-scatter to this rank's rows of the sequence."""
+        if self.group.size == 1:
+            return partial
+        if sequence is None:
+            return summed(self.link(partial), partial)
+        spec = sequence.spec(partial, partial.shape[1], f"the sequence reduce-scatter of layer {self.path!r}")
+        if needs_function([partial]):
+            return ReduceScatterToSequence.apply(spec, partial)
+        return scatter_sequence_sum(spec, partial)
 
     def _keep(self, name: str, full: Optional[torch.Tensor], dim: Optional[int]) -> None:
         """Register this rank's slice of ``full`` along ``dim`` (the whole of it when ``dim`` is None), a copy."""
@@ -138,13 +258,15 @@ class ColumnParallelLinear(_Sharded):
     def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = tensor_split_sizes(linear.out_features, group.size)
+        self.parts = style.part_lengths(linear.out_features)
+        split = [tensor_split_sizes(n, group.size) for n in self.parts or (linear.out_features,)]
+        self.sizes = tuple(sum(s[r] for s in split) for r in range(group.size))
         self.entries = entries
         self._keep("weight", linear.weight, 0)
         self._keep("bias", linear.bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(self.entries.enter(x, self.link(x)), self.weight, self.bias)
+        out = self.column(self.entries, x, self.weight, self.bias)
         if not self.style.gathers or self.group.size == 1:
             return out
         spec = JoinSpec(self.link(out), (Rows(out.dim() - 1, self.sizes),), f"the gather of layer {self.path!r}")
@@ -152,10 +274,13 @@ class ColumnParallelLinear(_Sharded):
 
     def slices(self) -> Dict[str, Slice]:
         full = (self.out_features, self.in_features)
-        found = {"weight": Slice(0, self.sizes, self.group.rank, full)}
+        found = {"weight": Slice(0, self.sizes, self.group.rank, full, self.parts)}
         if self.bias is not None:
-            found["bias"] = Slice(0, self.sizes, self.group.rank, (self.out_features,))
+            found["bias"] = Slice(0, self.sizes, self.group.rank, (self.out_features,), self.parts)
         return found
+
+    def _slice(self, full: torch.Tensor, dim: int) -> Slice:
+        return Slice(dim, self.sizes, self.group.rank, tuple(full.shape), self.parts)
 
     def extra_repr(self) -> str:
         return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")
@@ -173,21 +298,26 @@ class RowParallelLinear(_Sharded):
         bias: the full bias (every rank holds it; added after the sum), or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any) -> None:
+    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any, entries: Entries) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.sizes = tensor_split_sizes(linear.in_features, group.size)
+        self.entries = entries
         self._keep("weight", linear.weight, 1)
         self._keep("bias", linear.bias, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mine = self.sizes[self.group.rank]
+        if self.style.takes_replicated and x.shape[-1] == self.in_features:
+            x = self.entries.enter(x, self.link(x)).narrow(-1, sum(self.sizes[: self.group.rank]), mine)
         if x.shape[-1] != mine:
             raise ValueError(
                 f"{CALL}: {self.style.name} layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
                 f"features (the sharded output of a colwise layer), but got an input of shape {tuple(x.shape)}."
             )
-        out = self.summed(F.linear(x, self.weight))
+        if not self.style.sums:
+            return F.linear(x, self.weight)  # partial: a Gather module around it sums (no bias: checked)
+        out = self.scatter_sum(F.linear(x, self.weight), self.entries.sequence)
         return out if self.bias is None else out + self.bias
 
     def slices(self) -> Dict[str, Slice]:
@@ -207,8 +337,9 @@ class VocabParallelEmbedding(_Sharded):
         weight: this rank's rows of the full ``[num_embeddings, embedding_dim]`` weight.
     """
 
-    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any) -> None:
+    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any, entries: Entries) -> None:
         super().__init__(group, path, style)
+        self.sequence = entries.sequence
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.sizes = tensor_split_sizes(embedding.num_embeddings, group.size)
         self.sparse = embedding.sparse
@@ -226,7 +357,10 @@ class VocabParallelEmbedding(_Sharded):
             rows = rows.masked_fill(~inside.unsqueeze(-1), 0)
         else:  # more ranks than vocabulary rows: this rank holds none
             rows = self.weight.new_zeros((*ids.shape, self.embedding_dim))
-        return self.summed(rows)
+        if self.sequence is None or self.group.size == 1 or ids.dim() < 2:
+            return self.summed(rows)
+        # sequence parallelism: this rank's rows of the sum, in zeros of the whole length (see tp/sequence.py)
+        return pad_to_sequence(self.sequence, self.scatter_sum(rows, self.sequence), ids.shape[1])
 
     def slices(self) -> Dict[str, Slice]:
         full = (self.num_embeddings, self.embedding_dim)
@@ -236,9 +370,102 @@ class VocabParallelEmbedding(_Sharded):
         return _describe(self, f"{self.num_embeddings}, {self.embedding_dim}")
 
 
+class HeadGroupLinear(_Sharded):
+    """A key or value projection of grouped-query attention with fewer heads than ranks (``Colwise`` where the
+    group size is a multiple of the key/value heads), replicated as in Megatron-LM and vLLM.
+
+    Every rank holds the whole weight and computes the one head its query heads read: group rank ``r`` of ``t``
+    takes head ``r * heads // t``. The weight enters through f, so its gradient (this rank's head, zeros elsewhere)
+    is summed over the group in backward: each head's gradient is the sum over the ranks that used it, the same full
+    gradient on every rank. The input enters through f too, shared with the query projection.
+
+    Attributes:
+        weight: the full ``[out_features, in_features]`` weight (replicated).
+        bias: the full bias (replicated), or None.
+    """
+
+    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any, head_dim: int) -> None:
+        super().__init__(group, path, style)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.heads, self.head_dim, self.entries = linear.out_features // head_dim, head_dim, entries
+        self.head = group.rank * self.heads // group.size
+        self._keep("weight", linear.weight, None)
+        self._keep("bias", linear.bias, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start, link = self.head * self.head_dim, self.link(x)
+        weight, bias = (self._enter(p, link) for p in (self.weight, self.bias))
+        bias = None if bias is None else bias.narrow(0, start, self.head_dim)
+        return self.column(self.entries, x, weight.narrow(0, start, self.head_dim), bias)
+
+    def _enter(self, p: Optional[torch.Tensor], link: Link) -> Optional[torch.Tensor]:
+        if p is None or self.group.size == 1 or not needs_function([p]):
+            return p
+        return Copy.apply(link, p)
+
+    def slices(self) -> Dict[str, Slice]:
+        return {}  # replicated
+
+    def extra_repr(self) -> str:
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, style={self.style!r}, head {self.head} of {self.heads} on rank {self.group.rank}"
+
+
+class SequenceRows:
+    """Hooks that run a module (a norm) on this rank's rows of the sequence (dim 1) and gather its output
+    (``Sequence``); the module stays in place, so its parameters keep their names.
+
+    The input enters through ``Split`` of rows (this rank's rows; backward gathers the input gradient), the output
+    leaves through ``Join`` of rows (every rank's rows; backward takes this rank's rows), and each parameter's
+    gradient is summed over the group as it is computed (each rank's rows contribute a part).
+    """
+
+    def __init__(self, module: nn.Module, group: Group, path: str, style: Any) -> None:
+        self.group, self.path, self.style, self.timeout = group, path, style, default_timeout()
+        self.sizes: Optional[Tuple[int, ...]] = None
+        if group.size > 1:
+            module.register_forward_pre_hook(self.enter)
+            module.register_forward_hook(self.leave)
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_hook(self.sum_grad)
+
+    def link(self, t: torch.Tensor) -> Link:
+        return link_for(self.group, t.device, CALL, self.timeout)
+
+    def enter(self, module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        x = args[0]
+        self.sizes = tensor_split_sizes(x.shape[1], self.group.size)
+        mine = split(SplitSpec(self.link(x), (Rows(1, self.sizes),)), [x])[0]
+        return (mine, *args[1:])
+
+    def leave(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+        first = out[0] if isinstance(out, tuple) else out
+        spec = JoinSpec(self.link(first), (Rows(1, self.sizes),), f"the gather of sequence-parallel {self.path!r}")
+        whole = join(spec, [first])[0]
+        return (whole, *out[1:]) if isinstance(out, tuple) else whole
+
+    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.link(grad), grad)
+
+
+def sum_output(group: Group, path: str) -> Any:
+    """A forward hook that sums a module's output (its first, if a tuple) over ``group`` (Megatron's g)."""
+    timeout = default_timeout()
+
+    def hook(module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+        if group.size == 1:
+            return out
+        first = out[0] if isinstance(out, tuple) else out
+        whole = summed(link_for(group, first.device, CALL, timeout), first)
+        return (whole, *out[1:]) if isinstance(out, tuple) else whole
+
+    return hook
+
+
 def _describe(layer: _Sharded, sizes: str) -> str:
     shape = tuple(layer.weight.shape)
     return f"{sizes}, style={layer.style!r}, shard={shape} on rank {layer.group.rank} of {layer.group.size}"
 
 
-PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, HeadGroupLinear)

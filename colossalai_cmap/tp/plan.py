@@ -25,8 +25,20 @@ from ..wire.group import Group
 from ..wire.primitives import join
 from ..wire.protocol import link_for
 from ..wire.roles import Rows, tensor_split_sizes
-from .layers import CALL, Entries
-from .styles import SHORTHANDS, ParallelStyle, resolve_style
+from .layers import CALL, PARALLEL_LAYERS, Entries, HeadGroupLinear, RowParallelLinear
+from .loss import CausalLMLoss
+from .rng import RegionRandom
+from .sequence import SequenceState
+from .styles import (
+    SHORTHANDS,
+    TRANSFORMERS_STYLES,
+    Colwise,
+    ColwiseGather,
+    ParallelStyle,
+    Rowwise,
+    Vocab,
+    resolve_style,
+)
 
 __all__ = ["shard_model"]
 
@@ -35,20 +47,56 @@ HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
 
 
 class Assignment(NamedTuple):
-    """One module the plan shards: its path, the module, its style object, and the plan pattern that matched it."""
+    """One module the plan shards: its path, the module, its style object, and the plan pattern that matched it;
+    ``head_dim`` is set for a key/value projection with fewer heads than ranks, which is replicated."""
 
     path: str
     module: nn.Module
     style: ParallelStyle
     pattern: str
+    head_dim: int = 0
+
+
+def transformers_plan(model: nn.Module) -> Dict[str, str]:
+    """transformers' own tensor-parallel plan of ``model``: ``config.base_model_tp_plan``, relative to the base
+    model and prefixed with its attribute name (``base_model_prefix``, e.g. ``model.``), plus the class's
+    ``_tp_plan`` (``{"lm_head": "colwise_rep"}`` on a CausalLM).
+
+    Raises:
+        ValueError: a model with no such plan, or a style string with no cmap style, naming it.
+    """
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    if base is None and config is not None and hasattr(config, "get_text_config"):
+        base = getattr(config.get_text_config(), "base_model_tp_plan", None)
+    if not base:
+        raise ValueError(
+            f"{CALL}: plan='auto' reads transformers' tensor-parallel plan (config.base_model_tp_plan), but "
+            f"{type(model).__name__} has none; pass plan={{module-name pattern: style}}."
+        )
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix and getattr(model, prefix, None)
+    lead = f"{prefix}." if isinstance(inner, nn.Module) else ""  # the model itself may be the base model
+    plan = {f"{lead}{k}": v for k, v in base.items()}
+    plan.update(getattr(type(model), "_tp_plan", None) or {})
+    for pattern, style in plan.items():
+        if style not in TRANSFORMERS_STYLES:
+            raise ValueError(
+                f"{CALL}: plan='auto': transformers' plan of {type(model).__name__} gives {pattern!r} style "
+                f"{style!r}, which has no cmap style (known: {', '.join(sorted(TRANSFORMERS_STYLES))}); pass "
+                f"plan={{...}} with that entry changed."
+            )
+    return plan
 
 
 def shard_model(
     model: nn.Module,
     group: Any = None,
     *,
-    plan: Optional[Mapping[str, Union[ParallelStyle, str]]] = None,
+    plan: Optional[Union[Mapping[str, Union[ParallelStyle, str]], str]] = None,
     check_inputs: bool = False,
+    loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Tensor parallelism as Megatron-LM does it: shard the modules a plan names, in place, and return ``model``.
 
@@ -69,10 +117,23 @@ def shard_model(
         group: the tensor-parallel group, as for ``cmap``: None (the world, or this process alone when
             ``torch.distributed`` is not initialised), a ``ProcessGroup``, ``(ProcessGroupMesh, axis)``, or a
             colossalai ``Booster``/plugin.
-        plan: module-name patterns to styles, as above. Required (keyword only); the torch.fx form, which shards
-            every linear layer with no plan, is :func:`~colossalai_cmap.tp.fx.shard_linears_fx`.
+        plan: module-name patterns to styles, as above, or ``"auto"``: transformers' own plan of the model
+            (``config.base_model_tp_plan`` under the base model's attribute name, plus the class's ``_tp_plan``),
+            its style strings mapped to cmap's (:data:`~colossalai_cmap.tp.styles.TRANSFORMERS_STYLES`). Required
+            (keyword only); the torch.fx form, which shards every linear layer with no plan, is
+            :func:`~colossalai_cmap.tp.fx.shard_linears_fx`.
         check_inputs: check on every forward that every rank passed the same inputs (a checksum per rank in one
             exchange); ranks that differ raise ``CmapError`` on every rank.
+        loss_parallel: keep the LM head (``model.get_output_embeddings()``, colwise in the plan) split by
+            vocabulary: ``out.logits`` on each rank is its slice of the last dim, and ``out.loss`` is the
+            vocabulary-parallel cross entropy of those slices (:mod:`~colossalai_cmap.tp.loss`; transformers'
+            label shifting and ``ignore_index``), equal to the unsharded loss. A transformers model only.
+        sequence_parallel: Megatron's sequence parallelism (:mod:`~colossalai_cmap.tp.sequence`): between the
+            tensor-parallel regions each rank holds its rows of the sequence; colwise layers all-gather it on
+            entry, rowwise layers and the vocab embedding reduce-scatter it on exit; the norms' gradients are summed
+            over the group. Takes a transformers model (its decoder layers are ``_no_split_modules``) whose plan
+            has only colwise, colwise_gather, rowwise and vocab styles and a colwise LM head; for training (the
+            model's hidden states come out sharded; ``generate`` is not supported).
 
     Returns:
         ``model`` itself, its matched modules replaced by tensor-parallel layers that hold this rank's slices.
@@ -95,12 +156,45 @@ def shard_model(
             f"their shorthands {', '.join(map(repr, SHORTHANDS))}; to shard every linear layer with no plan, use the "
             f"torch.fx form, shard_linears_fx(model, group, layers=..., style=...)."
         )
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(
+                f"{CALL}: plan={plan!r}: a plan is a mapping of module-name patterns to styles, or 'auto'."
+            )
+        plan = transformers_plan(model)
     group_ = resolve_group(CALL, group)
     assignments = resolve_plan(model, plan, group_.size)
-    entries = Entries()
+    if loss_parallel:
+        assignments = _vocab_head(model, assignments)
+    sequence = None
+    if sequence_parallel:
+        layers = _check_sequence(model, assignments)
+        sequence = SequenceState(group_)
+        sequence.replicated_input = not any(isinstance(a.style, Vocab) for a in assignments)
+    entries = Entries(sequence)
     heads = _head_counts(model, assignments, group_)
     for a in assignments:
-        _replace(model, a.path, a.style._apply(a.module, group_, a.path, entries))
+        if a.head_dim:
+            layer = HeadGroupLinear(a.module, group_, a.path, entries, a.style, a.head_dim)
+        else:
+            layer = a.style._apply(a.module, group_, a.path, entries)
+        _replace(model, a.path, layer)
+    if loss_parallel:
+        model.loss_function = CausalLMLoss(group_)
+    _fork_region_random(model, assignments, group_)
+    if sequence is not None and group_.size > 1:
+        model.register_forward_pre_hook(sequence.read_length, with_kwargs=True)
+        for layer in layers:
+            layer.register_forward_pre_hook(sequence.enter_layer, with_kwargs=True)
+        head = model.get_output_embeddings()
+        head.keeps_gathered = True
+        modules = dict(model.named_modules())
+        parents = {
+            a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise) and a.module is not head
+        }
+        for path in sorted(parents - {""}):
+            modules[path].register_forward_pre_hook(entries.gather_input, with_kwargs=True)
+        _sum_replicated_grads(model, sequence)
     for owner, counts in heads.items():
         for attr, value in counts.items():
             setattr(owner, attr, value)
@@ -133,8 +227,81 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], size: int) -> List[A
             found.setdefault(path, Assignment(path, modules[path], style, pattern))
     assignments = list(found.values())
     _check_tied(model, assignments)
-    _check_heads(modules, assignments, size)
-    return assignments
+    return _check_heads(modules, assignments, size)
+
+
+def _fork_region_random(model: nn.Module, assignments: List[Assignment], group: Group) -> None:
+    """The modules holding column-parallel layers (attention, MLP; not the model itself) draw random numbers from
+    a state of their own per rank (:mod:`.rng`), so dropout there differs across ranks and leaves the replicated
+    region's draws alike on every rank and for any group size."""
+    modules = dict(model.named_modules())
+    parents = {a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise)} - {""}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    region = RegionRandom(group, torch.initial_seed(), device)  # one state for all of them, as Megatron's tracker
+    for path in sorted(parents):
+        modules[path].register_forward_pre_hook(region.enter, with_kwargs=True)
+        modules[path].register_forward_hook(region.leave, with_kwargs=True)
+
+
+def _check_sequence(model: nn.Module, assignments: List[Assignment]) -> List[nn.Module]:
+    """sequence_parallel=True: the plan's styles, the LM head and the decoder layers (read before any weight is
+    touched); returns the decoder layers, whose inputs each rank takes its rows of."""
+    allowed = (Colwise, ColwiseGather, Rowwise, Vocab)
+    for a in assignments:
+        if type(a.style) not in allowed:
+            raise ValueError(
+                f"{CALL}: sequence_parallel=True: plan pattern {a.pattern!r} gives {a.path!r} style {a.style.name!r}; "
+                f"sequence parallelism takes the styles colwise, colwise_gather, rowwise and vocab."
+            )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and not any(a.module is head and isinstance(a.style, Colwise) for a in assignments):
+        raise ValueError(
+            f"{CALL}: sequence_parallel=True: the LM head of {type(model).__name__} must be in the plan as colwise "
+            f"or colwise_gather (it gathers the sequence on entry)."
+        )
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{CALL}: sequence_parallel=True takes a transformers model whose decoder layers are named in "
+            f"_no_split_modules; {type(model).__name__} names none."
+        )
+    return layers
+
+
+def _sum_replicated_grads(model: nn.Module, sequence: SequenceState) -> None:
+    """Sequence parallelism: each rank's rows give a part of a replicated parameter's gradient (the norms, a
+    rowwise bias): a hook sums it over the group as it is computed. The input embedding is left out: its output's
+    gradient is gathered whole before it (or it is vocabulary-parallel)."""
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    held = {id(p) for p in inputs.parameters()} if inputs is not None else set()  # whole gradients (see above)
+    for module in model.modules():
+        if isinstance(module, PARALLEL_LAYERS):
+            keep_bias = isinstance(module, RowParallelLinear) and module.bias is not None
+            held.update(id(p) for n, p in module.named_parameters() if not (keep_bias and n == "bias"))
+    for name, p in model.named_parameters():
+        if id(p) not in held and p.requires_grad:
+            p.register_hook(sequence.sum_grad_hook(name))
+
+
+def _vocab_head(model: nn.Module, assignments: List[Assignment]) -> List[Assignment]:
+    """loss_parallel=True: the LM head's assignment made ``Colwise`` (its output left split by vocabulary), after
+    checking the model computes its loss through transformers' ``loss_function``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not hasattr(type(model), "loss_function"):
+        raise ValueError(
+            f"{CALL}: loss_parallel=True takes a transformers model with an LM head (get_output_embeddings()) and a "
+            f"loss_function; {type(model).__name__} has not both. For other models, compute the loss of the "
+            f"vocabulary-split logits with colossalai_cmap.tp.loss.vocab_parallel_cross_entropy."
+        )
+    found = [a for a in assignments if a.module is head]
+    if not found or not isinstance(found[0].style, Colwise):
+        raise ValueError(
+            f"{CALL}: loss_parallel=True keeps the LM head split by vocabulary, but the plan gives it "
+            f"{found[0].style.name!r} if found else 'no style'; give it 'colwise' or 'colwise_gather' "
+            f"(transformers' 'colwise_rep')."
+        )
+    return [a._replace(style=Colwise()) if a.module is head else a for a in assignments]
 
 
 def _check_tied(model: nn.Module, assignments: List[Assignment]) -> None:
@@ -151,13 +318,17 @@ def _check_tied(model: nn.Module, assignments: List[Assignment]) -> None:
                 )
 
 
-def _check_heads(modules: Dict[str, nn.Module], assignments: List[Assignment], size: int) -> None:
+def _check_heads(modules: Dict[str, nn.Module], assignments: List[Assignment], size: int) -> List[Assignment]:
     """A Linear inside an attention module (one with an int ``head_dim``) must leave every rank whole heads.
 
     ``torch.tensor_split`` sizes of ``heads * head_dim`` features are all multiples of ``head_dim`` only when the
     split is even, so the heads divide evenly too, and the ratio of query to key/value heads is kept on every rank.
+    A colwise key/value projection with fewer heads than ranks, where the group size is a multiple of its heads, is
+    replicated instead (each rank computes the one head its query heads read): its assignment gets ``head_dim``.
     """
+    out = []
     for a in assignments:
+        out.append(a)
         split = a.style._head_features(a.module)
         if split is None:
             continue
@@ -167,13 +338,27 @@ def _check_heads(modules: Dict[str, nn.Module], assignments: List[Assignment], s
             continue
         features, side = split
         sizes = tensor_split_sizes(features, size)
+        heads = features // head_dim
+        kv = getattr(parent, "num_key_value_groups", None)
+        if (
+            type(a.style) is Colwise
+            and features % head_dim == 0
+            and heads < size
+            and size % heads == 0
+            and isinstance(kv, int)
+            and kv > 1
+        ):
+            out[-1] = a._replace(head_dim=head_dim)  # fewer key/value heads than ranks: replicated
+            continue
         if features % head_dim == 0 and any(s % head_dim for s in sizes):
             raise ValueError(
                 f"{CALL}: plan pattern {a.pattern!r} splits attention projection {a.path!r} ({features} "
                 f"{side} features = {features // head_dim} heads of "
                 f"{head_dim}) over {size} ranks as {list(sizes)} features, leaving a rank a partial head; use a group "
-                f"size that divides the number of heads."
+                f"size that divides the number of heads (or, for key/value heads fewer than the ranks, a group size "
+                f"that is a multiple of them)."
             )
+    return out
 
 
 def _head_counts(model: nn.Module, assignments: List[Assignment], group: Group) -> Dict[nn.Module, Dict[str, int]]:
@@ -184,6 +369,7 @@ def _head_counts(model: nn.Module, assignments: List[Assignment], group: Group) 
     """
     counts: Dict[nn.Module, Dict[str, int]] = {}
     sharded = {a.path for a in assignments if a.style.splits_heads}
+    replicated = {a.path: a.module.out_features // a.head_dim for a in assignments if a.head_dim}
     for path, module in model.named_modules():
         head_dim = getattr(module, "head_dim", None)
         children = {f"{path}.{name}" if path else name for name, _ in module.named_children()}
@@ -191,6 +377,11 @@ def _head_counts(model: nn.Module, assignments: List[Assignment], group: Group) 
             continue
         found = {a: getattr(module, a) for a in HEAD_COUNTS if isinstance(getattr(module, a, None), int)}
         counts[module] = {a: n // group.size for a, n in found.items()}  # whole heads split evenly (checked)
+        kv_heads = [replicated[c] for c in children if c in replicated]
+        if kv_heads:  # one key/value head per rank, read by all of this rank's query heads
+            counts[module]["num_key_value_groups"] = module.num_key_value_groups * kv_heads[0] // group.size
+            if "num_key_value_heads" in found:
+                counts[module]["num_key_value_heads"] = 1
     return counts
 
 

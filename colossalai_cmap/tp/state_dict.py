@@ -70,7 +70,7 @@ def full_state_dict(model: nn.Module, dst: int = -1) -> Optional[Dict[str, torch
                 link_for(group, device, "full_state_dict", default_timeout()), roles, "the full state dict", dst=dst
             )
             for name, full in zip(names, join_values(spec, [state[n] for n in names])):
-                state[name] = full
+                state[name] = slices[name].assemble(full) if full is not None else full
     return state if dst in (-1, group.rank) else None
 
 

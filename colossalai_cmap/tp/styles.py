@@ -7,14 +7,36 @@ not do) and ``_apply``, which builds the tensor-parallel layer of :mod:`.layers`
 (:data:`SHORTHANDS`); :func:`resolve_style` reads either.
 """
 
-from typing import Any, ClassVar, Dict, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
 from ..wire.group import Group
-from .layers import CALL, ColumnParallelLinear, Entries, RowParallelLinear, VocabParallelEmbedding
+from .layers import (
+    CALL,
+    ColumnParallelLinear,
+    Entries,
+    RowParallelLinear,
+    SequenceRows,
+    VocabParallelEmbedding,
+    sum_output,
+)
 
-__all__ = ["ParallelStyle", "Colwise", "Rowwise", "ColwiseGather", "Vocab", "SHORTHANDS", "resolve_style"]
+__all__ = [
+    "ParallelStyle",
+    "Colwise",
+    "Rowwise",
+    "ColwiseGather",
+    "RowwiseReplicated",
+    "RowwisePartial",
+    "Vocab",
+    "Gather",
+    "Local",
+    "Sequence",
+    "SHORTHANDS",
+    "TRANSFORMERS_STYLES",
+    "resolve_style",
+]
 
 
 class ParallelStyle:
@@ -66,10 +88,10 @@ class ParallelStyle:
         raise NotImplementedError
 
     def __eq__(self, other: Any) -> bool:
-        return type(other) is type(self)
+        return type(other) is type(self) and vars(other) == vars(self)
 
     def __hash__(self) -> int:
-        return hash(type(self))
+        return hash((type(self), tuple(sorted(vars(self).items()))))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -92,8 +114,45 @@ class Colwise(ParallelStyle):
     splits_heads = True
     gathers = False
 
+    def __init__(self, parts: Union[None, int, Sequence[int]] = None) -> None:
+        """Args:
+        parts: a packed Linear's parts along its output features (a fused qkv: ``(q, k, v)`` lengths; a fused
+            gate_up: ``2``, equal parts): each part is split alone, and a rank's output is its slice of each part,
+            in order. None: one part."""
+        if parts is not None and not isinstance(parts, int):
+            parts = tuple(int(n) for n in parts)
+        if parts is not None and (parts <= 0 if isinstance(parts, int) else not parts or min(parts) <= 0):
+            raise ValueError(f"{CALL}: Colwise(parts={parts!r}): parts is a positive count or positive lengths.")
+        self.parts = parts
+
+    def part_lengths(self, features: int) -> Tuple[int, ...]:
+        """The parts' lengths for ``features`` output features; () for one part."""
+        if self.parts is None:
+            return ()
+        if isinstance(self.parts, int):
+            return (features // self.parts,) * self.parts
+        return self.parts
+
+    def _check(self, path: str, module: nn.Module, pattern: str) -> None:
+        super()._check(path, module, pattern)
+        parts, n = self.parts, module.out_features
+        if parts is not None and (n % parts if isinstance(parts, int) else sum(parts) != n):
+            raise ValueError(
+                f"{CALL}: plan pattern {pattern!r} gives {path!r} ({n} output features) {self!r}, whose parts do not "
+                f"add up to its features; give parts lengths that sum to {n}, or a count that divides it."
+            )
+        if parts is not None and self.gathers:
+            raise ValueError(
+                f"{CALL}: plan pattern {pattern!r}: {self!r} gathers its output; packed parts are colwise."
+            )
+
     def _head_features(self, module: nn.Module) -> Optional[Tuple[int, str]]:
+        if self.parts is not None:
+            return None  # each part is split alone; a packed projection's heads are the model's to read
         return module.out_features, "output"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()" if self.parts is None else f"{type(self).__name__}(parts={self.parts!r})"
 
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
         return ColumnParallelLinear(module, group, path, entries, self)
@@ -128,12 +187,14 @@ class Rowwise(ParallelStyle):
     name = "rowwise"
     module_type = nn.Linear
     splits_heads = True
+    takes_replicated = False
+    sums = True
 
     def _head_features(self, module: nn.Module) -> Optional[Tuple[int, str]]:
         return module.in_features, "input"
 
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
-        return RowParallelLinear(module, group, path, self)
+        return RowParallelLinear(module, group, path, self, entries)
 
 
 class Vocab(ParallelStyle):
@@ -159,11 +220,129 @@ class Vocab(ParallelStyle):
             )
 
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
-        return VocabParallelEmbedding(module, group, path, self)
+        return VocabParallelEmbedding(module, group, path, self, entries)
 
 
-SHORTHANDS: Dict[str, ParallelStyle] = {s.name: s for s in (Colwise(), Rowwise(), ColwiseGather(), Vocab())}
+class RowwiseReplicated(Rowwise):
+    """An ``nn.Linear`` split by input features whose input is replicated (shorthand ``"rowwise_rep"``, as
+    transformers names it).
+
+    Each rank holds what :class:`Rowwise` holds and takes its own slice of the replicated input's features; the
+    output is the replicated sum, the bias added once. Forward makes one sum over the group; backward sums the input
+    gradient (each rank's slice in zeros), so every rank holds all of it.
+    """
+
+    name = "rowwise_rep"
+    takes_replicated = True
+
+
+class RowwisePartial(Rowwise):
+    """An ``nn.Linear`` split by input features whose output is left partial (shorthand ``"local_rowwise"``, as
+    transformers names it): no sum, and no bias (a :class:`Gather` module around it sums the partial results; a
+    bias would be added once per rank, so a Linear with one is refused).
+
+    Forward and backward communicate nothing.
+    """
+
+    name = "local_rowwise"
+    sums = False
+
+    def _check(self, path: str, module: nn.Module, pattern: str) -> None:
+        super()._check(path, module, pattern)
+        if module.bias is not None:
+            raise ValueError(
+                f"{CALL}: plan pattern {pattern!r} gives style {self.name!r} to module {path!r}, which has a bias; a "
+                f"partial output would add it once on every rank. Use 'rowwise' (the sum, then the bias once)."
+            )
+
+
+class Gather(ParallelStyle):
+    """Any module whose output (the first one, if it returns a tuple) is summed over the group (shorthand
+    ``"gather"``, transformers' ``GatherParallel``): the exit of a region of :class:`RowwisePartial` layers.
+
+    The module stays as it is, with a forward hook. Forward makes one sum; backward communicates nothing.
+    """
+
+    name = "gather"
+    module_type = nn.Module
+
+    def _check(self, path: str, module: nn.Module, pattern: str) -> None:
+        pass  # any module: only its output is touched
+
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+        module.register_forward_hook(sum_output(group, path))
+        return module
+
+
+class Local(ParallelStyle):
+    """A module left as it is (shorthand ``"local"``, transformers' ``IsolatedParallel``): it computes on this
+    rank's values; its children may be sharded by other entries of the plan. Communicates nothing."""
+
+    name = "local"
+    module_type = nn.Module
+
+    def _check(self, path: str, module: nn.Module, pattern: str) -> None:
+        pass
+
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+        return module
+
+
+class Sequence(ParallelStyle):
+    """A module (a norm) run on this rank's rows of the sequence (dim 1), its output gathered (shorthand
+    ``"sequence_parallel"``, transformers' ``SequenceParallel``).
+
+    The parameters are replicated; their gradients are summed over the group (each rank's rows contribute a part).
+    The input is replicated; each rank computes its ``torch.tensor_split`` rows of the sequence, and the output is
+    every rank's rows, gathered (one exchange forward; backward takes this rank's rows of the output gradient,
+    gathers the input gradient, and sums the parameters' gradients).
+    """
+
+    name = "sequence_parallel"
+    module_type = nn.Module
+
+    def _check(self, path: str, module: nn.Module, pattern: str) -> None:
+        if any(True for _ in module.buffers()):
+            raise ValueError(
+                f"{CALL}: plan pattern {pattern!r} gives style {self.name!r} to module {path!r}, which has buffers "
+                f"(running statistics would differ per rank); it takes a module computing each position alone (a "
+                f"norm, dropout)."
+            )
+
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+        SequenceRows(module, group, path, self)  # its hooks, on the module
+        return module
+
+
+SHORTHANDS: Dict[str, ParallelStyle] = {
+    s.name: s
+    for s in (
+        Colwise(),
+        Rowwise(),
+        ColwiseGather(),
+        Vocab(),
+        RowwiseReplicated(),
+        RowwisePartial(),
+        Gather(),
+        Local(),
+        Sequence(),
+    )
+}
 """The strings a plan may give instead of a style object, each naming one style."""
+
+TRANSFORMERS_STYLES: Dict[str, ParallelStyle] = {
+    "colwise": Colwise(),
+    "rowwise": Rowwise(),
+    "colwise_rep": ColwiseGather(),
+    "rowwise_rep": RowwiseReplicated(),
+    "local_colwise": Colwise(),  # transformers' local tensors instead of DTensors: cmap has only local tensors
+    "local_rowwise": RowwisePartial(),
+    "local": Local(),
+    "gather": Gather(),
+    "sequence_parallel": Sequence(),
+}
+"""transformers' style strings (``transformers.integrations.tensor_parallel.SUPPORTED_TP_STYLES``), each the cmap
+style that shards alike. ``"local_packed_rowwise"`` (packed expert parameters, not modules) has none."""
 
 
 def resolve_style(style: Any, pattern: str) -> ParallelStyle:
@@ -176,8 +355,11 @@ def resolve_style(style: Any, pattern: str) -> ParallelStyle:
         return style
     if isinstance(style, str) and style in SHORTHANDS:
         return SHORTHANDS[style]
+    if isinstance(style, str) and style in TRANSFORMERS_STYLES:
+        return TRANSFORMERS_STYLES[style]
     objects = ", ".join(map(repr, SHORTHANDS.values()))
     raise ValueError(
         f"{CALL}: plan pattern {pattern!r} has unknown style {style!r}; expected one of {', '.join(SHORTHANDS)}, "
+        f"transformers' {', '.join(sorted(set(TRANSFORMERS_STYLES) - set(SHORTHANDS)))}, "
         f"or a style object: {objects}."
     )

@@ -14,6 +14,14 @@ Function            this rank's result                              native colle
                                                                                                   sizes swapped
 ``Sum``             the sum over ranks (a value every rank holds)   ``all_reduce``, no round      ``Copy``
 ``Copy``            the value itself (entering per-rank work)       none                          ``Sum``
+``GatherFrom``      every rank's rows of a sequence, no round       ``all_gather_into_tensor``    ``ReduceScatterTo``
+``Sequence``                                                                                      ``Sequence``
+``ReduceScatterTo`` its rows of the sum over ranks, no round        ``reduce_scatter_tensor``     ``GatherFrom``
+``Sequence``                                                                                      ``Sequence``
+``ScatterTo``       its rows of a replicated sequence               none                          ``GatherFrom``
+``Sequence``                                                                                      ``Sequence``
+``all_reduce_max``  the elementwise max over ranks                  ``all_reduce`` (MAX), no      none (no
+                                                                    round                         derivative)
 ==================  ==============================================  ============================  ==================
 
 ``Sum`` and ``Copy`` are Megatron's *g* and *f*, for tensor-parallel layers: one all-reduce and no status round, so
@@ -86,8 +94,11 @@ def _back(x: torch.Tensor, dim: int) -> torch.Tensor:
 def reduce_scatter(spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the sum over ranks (the plain side of :class:`ReduceScatter`)."""
     _meet(spec, x, "reduce_scatter")
-    link, sizes = spec.link, spec.sizes
-    rows, cap, rank = _first(x, spec.dim), max(sizes), link.group.rank
+    return _scatter_sum(spec.link, spec.dim, spec.sizes, x, spec.what)
+
+
+def _scatter_sum(link: Link, dim: int, sizes: Tuple[int, ...], x: torch.Tensor, what: str) -> torch.Tensor:
+    rows, cap, rank = _first(x, dim), max(sizes), link.group.rank
     if any(n != cap for n in sizes):  # pad each rank's rows to the largest share
         padded = rows.new_zeros((cap * len(sizes), *rows.shape[1:]))
         start = 0
@@ -96,22 +107,25 @@ def reduce_scatter(spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
             start += n
         rows = padded
     out = rows.new_empty((cap, *rows.shape[1:]))
-    comm.reduce_scatter_into(out, rows, link.group, link.call, link.timeout, f"reduce_scatter ({spec.what})")
-    return _back(out.narrow(0, 0, sizes[rank]), spec.dim)
+    comm.reduce_scatter_into(out, rows, link.group, link.call, link.timeout, f"reduce_scatter ({what})")
+    return _back(out.narrow(0, 0, sizes[rank]), dim)
 
 
 def all_gather(spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
     """Every rank's rows along ``dim``, in rank order (the plain side of :class:`AllGather`)."""
     _meet(spec, x, "all_gather")
-    link, sizes = spec.link, spec.sizes
-    rows, cap = _first(x, spec.dim), max(sizes)
+    return _gather(spec.link, spec.dim, spec.sizes, x, spec.what)
+
+
+def _gather(link: Link, dim: int, sizes: Tuple[int, ...], x: torch.Tensor, what: str) -> torch.Tensor:
+    rows, cap = _first(x, dim), max(sizes)
     if rows.shape[0] < cap:
         rows = torch.cat([rows, rows.new_zeros((cap - rows.shape[0], *rows.shape[1:]))])
     out = rows.new_empty((cap * len(sizes), *rows.shape[1:]))
-    comm.all_gather_into(out, rows, link.group, link.call, link.timeout, f"all_gather ({spec.what})")
+    comm.all_gather_into(out, rows, link.group, link.call, link.timeout, f"all_gather ({what})")
     if any(n != cap for n in sizes):
         out = torch.cat([out.narrow(0, r * cap, n) for r, n in enumerate(sizes)])
-    return _back(out, spec.dim)
+    return _back(out, dim)
 
 
 def all_to_all(spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
@@ -215,6 +229,90 @@ def all_reduce(link: Link, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(link: Link, x: torch.Tensor) -> torch.Tensor:
+    """The elementwise max over the group of every rank's ``x``, with no status round and no derivative (a
+    numerical shift, such as a softmax's max, that the result does not depend on)."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, link.group, link.call, link.timeout, op=torch.distributed.ReduceOp.MAX)
+    return out
+
+
+class SequenceSpec(NamedTuple):
+    """Rows of a sequence split over a group, for the round-free sequence-parallel Functions: group rank ``r``
+    holds ``sizes[r]`` rows along ``dim``; ``what`` names them in messages."""
+
+    link: Link
+    dim: int
+    sizes: Tuple[int, ...]
+    what: str
+
+
+def gather_sequence(spec: SequenceSpec, x: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows, in rank order, contiguous: an all-gather with no status round (the plain side of
+    :class:`GatherFromSequence`)."""
+    return _gather(spec.link, spec.dim, spec.sizes, x, spec.what).contiguous()
+
+
+def scatter_sequence_sum(spec: SequenceSpec, x: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the sum over ranks: a reduce-scatter with no status round (the plain side of
+    :class:`ReduceScatterToSequence`)."""
+    return _scatter_sum(spec.link, spec.dim, spec.sizes, x, spec.what)
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """Megatron's sequence-parallel entry: this rank's rows of a sequence to the whole sequence (an all-gather, no
+    round); backward is :class:`ReduceScatterToSequence` (each rank's gradient of the whole sequence summed, its own
+    rows kept)."""
+
+    @staticmethod
+    def forward(spec: SequenceSpec, x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(spec, x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.spec = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
+        return None, ReduceScatterToSequence.apply(ctx.spec, grad)
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    """Megatron's sequence-parallel exit: per-rank partial values of the whole sequence to this rank's rows of
+    their sum (a reduce-scatter, no round); backward is :class:`GatherFromSequence`."""
+
+    @staticmethod
+    def forward(spec: SequenceSpec, x: torch.Tensor) -> torch.Tensor:
+        return scatter_sequence_sum(spec, x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.spec = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
+        return None, GatherFromSequence.apply(ctx.spec, grad)
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """A replicated sequence to this rank's rows (no communication); backward is :class:`GatherFromSequence`'s
+    plain gather (each rank's rows of the gradient, so that every rank holds the whole gradient of the replicated
+    value)."""
+
+    @staticmethod
+    def forward(spec: SequenceSpec, x: torch.Tensor) -> torch.Tensor:
+        rank = spec.link.group.rank
+        return x.narrow(spec.dim, sum(spec.sizes[:rank]), spec.sizes[rank])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.spec = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
+        return None, GatherFromSequence.apply(ctx.spec, grad)
+
+
 class Sum(torch.autograd.Function):
     """Megatron's *g*: per-rank partial values to their sum, on every rank, in one all-reduce; backward is
     :class:`Copy` (the identity), since the sum is a value every rank holds alike."""
@@ -284,4 +382,21 @@ def summed(link: Link, x: torch.Tensor) -> torch.Tensor:
     return Sum.apply(link, x) if needs_function([x]) else all_reduce(link, x)
 
 
-__all__ = ["NativeSpec", "ReduceScatter", "AllGather", "AllToAll", "Sum", "Copy", "run", "summed"]
+__all__ = [
+    "NativeSpec",
+    "ReduceScatter",
+    "AllGather",
+    "AllToAll",
+    "Sum",
+    "Copy",
+    "run",
+    "summed",
+    "all_reduce",
+    "all_reduce_max",
+    "SequenceSpec",
+    "GatherFromSequence",
+    "ReduceScatterToSequence",
+    "ScatterToSequence",
+    "gather_sequence",
+    "scatter_sequence_sum",
+]

@@ -1,0 +1,148 @@
+"""Megatron's sequence parallelism for ``shard_model(..., sequence_parallel=True)``.
+
+Between the tensor-parallel regions (norms, residual adds, dropout) each rank holds its ``torch.tensor_split``
+rows of the sequence (dim 1). A column-parallel layer all-gathers the sequence on entry (backward: the reduce-scatter
+of its input gradient) and keeps only the sharded input for backward, where it gathers it again
+(:class:`Regather`) to form its weight gradient; a row-parallel layer and the vocabulary-parallel embedding
+reduce-scatter their partial sums to the sequence on exit (backward: the all-gather). Every exchange is a round-free
+native collective (:mod:`~colossalai_cmap.wire.native`), as in Megatron.
+
+The transformers model runs unmodified: a vocabulary-parallel embedding's exit puts this rank's rows into zeros of
+the whole sequence (a local pad, no communication), so the model's forward computes positions, the causal mask and
+the rotary embeddings from the whole length as unsharded; each decoder layer's forward pre-hook takes this rank's
+rows of a whole-length input (the pad's transpose). A replicated embedding's output is taken the same way, with a
+gather of its gradient in backward (``ScatterToSequence``), so its table's gradient is whole on every rank. An
+attention or MLP module holding column-parallel layers gathers the sequence on entry (attention reshapes by the
+input's length). The parameters no tensor-parallel layer holds, other than the input embedding (the norms), get
+their gradients summed over the group: each rank's rows contribute a part. The LM head keeps its gathered input for
+backward (one ``[batch, sequence, hidden]`` per model, not per layer) rather than gather it again.
+"""
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..wire.comm import default_timeout
+from ..wire.group import Group
+from ..wire.native import ScatterToSequence, SequenceSpec, all_reduce, gather_sequence
+from ..wire.protocol import Link, link_for
+from ..wire.roles import tensor_split_sizes
+
+__all__ = ["SequenceState", "Regather", "LinearOnGathered", "pad_to_sequence"]
+
+CALL = "shard_model"
+
+
+class SequenceState:
+    """The whole sequence's length of the running forward (read by the model's forward pre-hook), shared by the
+    layers and hooks of one sharded model."""
+
+    def __init__(self, group: Group) -> None:
+        self.group, self.timeout = group, default_timeout()
+        self.length: Optional[int] = None
+        self.replicated_input = True  # the decoder layers' first input is replicated (an unsharded embedding)
+
+    def spec(self, t: torch.Tensor, length: int, what: str) -> SequenceSpec:
+        link = link_for(self.group, t.device, CALL, self.timeout)
+        return SequenceSpec(link, 1, tensor_split_sizes(length, self.group.size), what)
+
+    def mine(self, length: int) -> Tuple[int, int]:
+        """This rank's (first row, row count) of a sequence of ``length``."""
+        sizes = tensor_split_sizes(length, self.group.size)
+        return sum(sizes[: self.group.rank]), sizes[self.group.rank]
+
+    def read_length(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """The model's forward pre-hook: the whole length, from ``input_ids`` or ``inputs_embeds``."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            raise ValueError(
+                f"{CALL}: sequence_parallel=True: {type(module).__name__} was called without input_ids or "
+                f"inputs_embeds of shape [batch, sequence, ...]; the sequence length is what the ranks split."
+            )
+        self.length = ids.shape[1]
+
+    def enter_layer(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """A decoder layer's forward pre-hook: this rank's rows of a whole-length hidden state (the embedding's
+        pad, or a replicated embedding); a sharded one passes as it is."""
+        positional = bool(args)
+        x = args[0] if positional else kwargs.get("hidden_states")
+        if self.length is None or not isinstance(x, torch.Tensor) or x.shape[1] != self.length:
+            return None
+        if self.replicated_input:  # backward gathers the rows' gradients: every rank holds the whole gradient
+            x = ScatterToSequence.apply(self.spec(x, self.length, "the decoder layers' input"), x)
+        else:  # the embedding's pad: backward pads this rank's rows, which the pad's transpose takes
+            start, count = self.mine(self.length)
+            x = x.narrow(1, start, count)
+        if positional:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    def sum_grad_hook(self, what: str) -> Any:
+        """A parameter's gradient hook: the sum over the group of each rank's part (its rows' contribution)."""
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return all_reduce(link_for(self.group, grad.device, CALL, self.timeout), grad)
+
+        return hook
+
+
+def pad_to_sequence(state: SequenceState, mine: torch.Tensor, length: int) -> torch.Tensor:
+    """This rank's rows in zeros of the whole sequence (no communication); backward takes this rank's rows."""
+    start, count = state.mine(length)
+    before = mine.new_zeros((mine.shape[0], start, *mine.shape[2:]))
+    after = mine.new_zeros((mine.shape[0], length - start - count, *mine.shape[2:]))
+    return torch.cat([before, mine, after], 1)
+
+
+class Regather:
+    """The whole sequence of one sharded input, gathered again in backward once for every column-parallel layer
+    that reads it (q, k and v; gate and up), and dropped after the last of them."""
+
+    def __init__(self, spec: SequenceSpec) -> None:
+        self.spec, self.pending, self.full = spec, 0, None
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = gather_sequence(self.spec, shard)
+        full = self.full
+        self.pending -= 1
+        if self.pending <= 0:
+            self.full = None
+        return full
+
+
+class LinearOnGathered(torch.autograd.Function):
+    """``F.linear`` of a gathered sequence that keeps only this rank's rows for backward (Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence parallelism): backward gathers them again
+    for the weight gradient; the input gradient goes to the gather, whose backward reduce-scatters it."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        regather: Regather,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        ctx.regather, ctx.has_bias = regather, bias is not None
+        regather.pending += 1
+        ctx.save_for_backward(shard, weight)
+        return torch.nn.functional.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        shard, weight = ctx.saved_tensors
+        full = ctx.regather.take(shard) if ctx.needs_input_grad[3] else None
+        grad_full = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat.t().matmul(full.reshape(-1, full.shape[-1])) if full is not None else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
+        return grad_full, None, None, grad_w, grad_b
+
+
+def link_of(state: SequenceState, t: torch.Tensor) -> Link:
+    return link_for(state.group, t.device, CALL, state.timeout)

@@ -1,0 +1,396 @@
+"""shard_model at LLM scale, on real gloo worlds of 2, 3 and 4: transformers' own plans (``plan="auto"``),
+grouped-query attention with fewer key/value heads than ranks, the vocabulary-parallel loss (``loss_parallel``),
+and transformers' other styles (``rowwise_rep``, ``local_rowwise`` under ``gather``, ``sequence_parallel``).
+
+The oracle is the unsharded model, built in the same process from the same seed, on the same inputs: logits (a
+vocabulary slice of them under loss_parallel), loss, every gradient (a sharded parameter's its slice) and five AdamW
+steps. The models run in float64, as in test_tp_plan.py: a row-parallel layer adds partial sums in another order.
+The vocabulary (101, prime) divides by no group size.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import adam_drift_bound, randn
+from torch import nn
+from wire_tap import counting
+
+import colossalai_cmap as cm
+from colossalai_cmap.tp.styles import TRANSFORMERS_STYLES
+
+DEADLINE = 120
+pytestmark = pytest.mark.timeout(300)
+VOCAB, BATCH, SEQ = 101, 2, 7
+TOL = dict(atol=1e-7, rtol=1e-7)
+
+
+def llama(heads: int = 4, kv_heads: int = 2, hidden: int = 64, seed: int = 0, kind: str = "llama") -> nn.Module:
+    """A small transformers Llama (or Qwen2, whose q/k/v have biases) from a config: 2 layers; no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden - 8,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        attn_implementation="eager",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).to(torch.float64)
+
+
+def batch(seed: int, seq: int = SEQ):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+    labels[0, 2] = labels[1, 5] = -100  # ignored, as transformers' collators pad
+    return ids, labels
+
+
+def float64_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw):
+    """transformers' ForCausalLMLoss without its cast of the logits to float32 (which would round the float64
+    oracle): labels shifted left, then transformers' own fixed_cross_entropy."""
+    from transformers.loss.loss_utils import fixed_cross_entropy
+
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat = logits.reshape(-1, vocab_size)
+    return fixed_cross_entropy(flat, shift_labels.reshape(-1), num_items_in_batch, ignore_index, **kw)
+
+
+def vocab_slice(model: nn.Module, full: torch.Tensor) -> torch.Tensor:
+    return cm.sharded_parameters(model)["lm_head.weight"].take(full.movedim(-1, 0)).movedim(0, -1)
+
+
+def compare(tp: nn.Module, ref: nn.Module, loss_parallel: bool, what: str) -> None:
+    """Logits, loss, every gradient, then five AdamW steps, against the unsharded model (its loss in float64)."""
+    ref.loss_function = float64_loss
+    if not loss_parallel:
+        tp.loss_function = float64_loss
+    ids, labels = batch(1)
+    out_ref, out_tp = ref(input_ids=ids, labels=labels), tp(input_ids=ids, labels=labels)
+    expected = vocab_slice(tp, out_ref.logits) if loss_parallel else out_ref.logits
+    torch.testing.assert_close(out_tp.logits, expected, **TOL, msg=lambda m: f"{what}: logits: {m}")
+    torch.testing.assert_close(out_tp.loss, out_ref.loss, **TOL, msg=lambda m: f"{what}: loss: {m}")
+    out_ref.loss.backward(), out_tp.loss.backward()
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    assert set(dict(tp.named_parameters())) == set(full)
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"{what}: grad of {name}: {m}")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, tp)]
+    for step in range(5):
+        ids, labels = batch(10 + step)
+        losses = []
+        for model, opt in zip((ref, tp), opts):
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], **TOL, msg=lambda m: f"{what}: AdamW step {step}: {m}")
+    drift = dict(rtol=TOL["rtol"], atol=TOL["atol"] + adam_drift_bound(1e-3, (0.9, 0.999), 5))
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name]) if name in slices else full[name]
+        torch.testing.assert_close(p, want, **drift, msg=lambda m: f"{what}: after AdamW: {name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------- distributed checks
+def check_auto(heads: int, kv_heads: int, hidden: int, kind: str, loss_parallel: bool):
+    """plan="auto" against the unsharded model; returns the shapes this rank holds of k_proj and lm_head, and,
+    under loss_parallel, the largest payload of any collective in a step against the logits' bytes."""
+    P = dist.get_world_size()
+    ref = llama(heads, kv_heads, hidden, kind=kind)
+    tp = cm.shard_model(llama(heads, kv_heads, hidden, kind=kind), plan="auto", loss_parallel=loss_parallel)
+    compare(tp, ref, loss_parallel, f"{kind} H={heads} K={kv_heads} TP={P} loss_parallel={loss_parallel}")
+    ids, labels = batch(3)
+    if loss_parallel:  # transformers' own loss, which rounds the logits to float32: equal to float32's precision
+        del ref._loss_function
+        torch.testing.assert_close(
+            tp(input_ids=ids, labels=labels).loss.float(), ref(input_ids=ids, labels=labels).loss, rtol=2e-6, atol=0
+        )
+    with counting() as log:
+        out = tp(input_ids=ids, labels=labels)
+        out.loss.backward()
+    with counting() as loss_log:  # the loss alone, from the logits this rank holds
+        loss = tp.loss_function(logits=out.logits.detach().requires_grad_(), labels=labels, vocab_size=VOCAB)
+    with counting() as loss_backward:
+        loss.backward()
+    attn = tp.model.layers[0].self_attn
+    loss_wire = (loss_log.calls, loss_backward.calls)
+    return tuple(attn.k_proj.weight.shape), tuple(tp.lm_head.weight.shape), loss_wire, log.names()
+
+
+def layer_saved_bytes(model: nn.Module, ids, labels) -> int:
+    """The bytes decoder layer 1 of ``model`` saves for backward in a training step (each storage once, the
+    parameters left out), read with torch.autograd.graph.saved_tensors_hooks around the layer's forward."""
+    seen, hooks = {}, {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(module, args, kwargs):
+        hooks["ctx"] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        hooks["ctx"].__enter__()
+
+    def leave(module, args, out):
+        hooks["ctx"].__exit__(None, None, None)
+
+    layer = model.model.layers[1]
+    handles = [layer.register_forward_pre_hook(enter, with_kwargs=True), layer.register_forward_hook(leave)]
+    try:
+        model(input_ids=ids, labels=labels).loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(seen.values())
+
+
+def check_sequence(loss_parallel: bool, vocab: bool, heads: int, kv_heads: int, hidden: int):
+    """sequence_parallel=True against the unsharded model (sequence 7: uneven over 2, 3 and 4), with transformers'
+    plan (a replicated embedding) or with the embedding split by vocabulary too; then, at a sequence of 12, the
+    bytes of a training step against the same plan without sequence parallelism, and the bytes decoder layer 1
+    saves for backward against the unsharded layer's."""
+    P = dist.get_world_size()
+    plan = "auto"
+    if vocab:
+        from colossalai_cmap.tp.plan import transformers_plan
+
+        plan = {"model.embed_tokens": "vocab", **transformers_plan(llama(heads, kv_heads, hidden))}
+    ref = llama(heads, kv_heads, hidden)
+    tp = cm.shard_model(llama(heads, kv_heads, hidden), plan=plan, sequence_parallel=True, loss_parallel=loss_parallel)
+    compare(tp, ref, loss_parallel, f"sequence parallel TP={P} loss_parallel={loss_parallel} vocab={vocab}")
+    plain = cm.shard_model(llama(heads, kv_heads, hidden), plan=plan, loss_parallel=loss_parallel)
+    ids, labels = batch(4, 12)
+    sent = []
+    for model in (tp, plain):
+        for _ in range(2):  # the second step is the steady state
+            with counting() as log:
+                model(input_ids=ids, labels=labels).loss.backward()
+        sent.append(log.sent)
+    layers = [layer_saved_bytes(model, ids, labels) for model in (ref, tp)]
+    return sent, layers
+
+
+def check_styles():
+    """transformers' rowwise_rep, local_rowwise under gather, local and sequence_parallel, on a hand-written model,
+    against the unsharded one: outputs, input and parameter gradients."""
+
+    class Experts(nn.Module):  # a region whose partial results its "gather" entry sums
+        def __init__(self):
+            super().__init__()
+            self.down = nn.Linear(10, 12, bias=False)
+
+        def forward(self, h):
+            return self.down(torch.relu(h))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(12)
+            self.up = nn.Linear(12, 10)
+            self.experts = Experts()
+            self.out = nn.Linear(12, 6)
+
+        def forward(self, x):
+            h = self.norm(x)
+            h = self.experts(self.up(h))
+            return self.out(h)
+
+    plan = {
+        "norm": "sequence_parallel",
+        "up": "colwise",
+        "experts": "gather",
+        "experts.down": "local_rowwise",
+        "out": "rowwise_rep",
+    }
+    torch.manual_seed(0)
+    ref = Block().double()
+    with torch.no_grad():
+        ref.norm.weight.uniform_(0.5, 1.5), ref.norm.bias.uniform_(-0.5, 0.5)
+    tp = cm.shard_model(__import__("copy").deepcopy(ref), plan=plan)
+    x = randn(2, 5, 12, seed=1, dtype=torch.float64).requires_grad_()  # 5 positions: uneven over 2, 3 or 4
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = tp(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    (y * y).sum().backward(), (y_ref * y_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    return True
+
+
+def check_dropout():
+    """Dropout in a sharded region (between a colwise and a rowwise layer) draws a different mask on each rank;
+    in the replicated region (after the rowwise layer) the same mask on every rank, reproducible from one seed, and
+    the same as in a group of one. Returns the replicated-region output and this rank's sharded-region mask."""
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = self.drop(self.up(x))
+            self.mask = (h == 0).detach()
+            return self.down(h)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.drop = Mlp(), nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.mlp(x))
+
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        tp = cm.shard_model(Net().double(), plan={"mlp.up": "colwise", "mlp.down": "rowwise"})
+        x = torch.ones(4, 8, dtype=torch.float64) + 1
+        runs.append([(tp(x) == 0, tp.mlp.mask) for _ in range(2)])
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(*runs))  # one seed: reproducible
+    (out0, mask0), (out1, _) = runs[0]
+    assert not torch.equal(out0, out1)  # a new mask at each call
+    return out0, mask0
+
+
+class Fused(nn.Module):
+    """A hand-written block with a fused qkv and a fused gate_up (6 heads of 4; intermediate 10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(24, 72), nn.Linear(24, 24)
+        self.gate_up, self.down = nn.Linear(24, 20), nn.Linear(10, 24)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = (t.view(B, S, -1, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        a = torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v
+        x = x + self.o(a.transpose(1, 2).reshape(B, S, -1))
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+FUSED_PLAN = {"qkv": cm.Colwise(parts=3), "o": "rowwise", "gate_up": cm.Colwise(parts=2), "down": "rowwise"}
+
+
+def check_fused():
+    """Packed parts split each alone: outputs and gradients as unsharded; full_state_dict and load round trip."""
+    torch.manual_seed(0)
+    ref = Fused().double()
+    tp = cm.shard_model(__import__("copy").deepcopy(ref), plan=FUSED_PLAN)
+    x = randn(2, 5, 24, seed=2, dtype=torch.float64)
+    y, y_ref = tp(x), ref(x)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y.square().sum().backward(), y_ref.square().sum().backward()
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    state = cm.full_state_dict(tp)
+    assert all(torch.equal(state[n], v) for n, v in ref.state_dict().items())
+    other = cm.shard_model(Fused().double(), plan=FUSED_PLAN)
+    cm.load_full_state_dict(other, state)
+    torch.testing.assert_close(other(x), y_ref, **TOL)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize(
+    "P, heads, kv_heads, hidden, kind, loss_parallel",
+    [
+        (2, 4, 2, 64, "llama", True),  # key/value heads split, one each
+        (4, 4, 2, 64, "llama", True),  # fewer key/value heads than ranks: replicated
+        (3, 6, 3, 48, "llama", False),
+        (2, 4, 1, 64, "qwen2", False),  # one key/value head with a bias, replicated
+    ],
+)
+def test_auto_plan(worlds, P, heads, kv_heads, hidden, kind, loss_parallel):
+    got = worlds(P).run(check_auto, heads, kv_heads, hidden, kind, loss_parallel, deadline=DEADLINE)
+    head_dim = hidden // heads
+    for rank, (k_shape, lm_shape, (loss_fwd, loss_bwd), names) in enumerate(got):
+        kv_rows = kv_heads * head_dim if kv_heads < P else kv_heads * head_dim // P
+        assert k_shape == (kv_rows, hidden)
+        if loss_parallel:
+            assert lm_shape == (len(torch.tensor_split(torch.arange(VOCAB), P)[rank]), hidden)
+            # the loss: two all_reduces of one and two float64 values per token (the max; the sum of exponentials and
+            # the target's logit), none backward; and no collective of the step gathers the logits
+            ring = 2 * (P - 1) / P * BATCH * SEQ * 8
+            assert loss_fwd == [("all_reduce", ring), ("all_reduce", 2 * ring)] and loss_bwd == []
+            assert "all_gather_into_tensor" not in names and "all_gather" not in names
+        else:
+            assert lm_shape[0] == len(torch.tensor_split(torch.arange(VOCAB), P)[rank])
+
+
+@pytest.mark.parametrize(
+    "P, loss_parallel, vocab, heads, kv_heads, hidden",
+    [(2, True, False, 4, 2, 64), (3, False, True, 6, 3, 48), (4, True, True, 4, 2, 64)],
+)
+def test_sequence_parallel(worlds, P, loss_parallel, vocab, heads, kv_heads, hidden):
+    """Values and gradients as unsharded; bytes within 1.3x of the plan without it (Megatron's count is 1.25x per
+    layer); what a decoder layer saves for backward within 1.06x of the unsharded layer's, times ceil(S/t)/S."""
+    for (sp, plain), (unsharded, sharded) in worlds(P).run(
+        check_sequence, loss_parallel, vocab, heads, kv_heads, hidden, deadline=DEADLINE
+    ):
+        assert sp <= 1.3 * plain, (sp, plain)
+        assert sharded <= 1.06 * unsharded * -(-12 // P) / 12, (sharded, unsharded)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_transformers_styles(worlds, P):
+    assert worlds(P).run(check_styles, deadline=DEADLINE) == [True] * P
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_packed_parts(worlds, P):
+    assert worlds(P).run(check_fused, deadline=DEADLINE) == [True] * P
+
+
+def test_packed_parts_refused_by_name():
+    with pytest.raises(ValueError, match=r"gives 'qkv' \(72 output features\) Colwise\(parts=\(24, 24\)\)"):
+        cm.shard_model(Fused(), plan={"qkv": cm.Colwise(parts=(24, 24))})
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_dropout_in_and_out_of_the_tensor_parallel_region(worlds, P):
+    got = worlds(P).run(check_dropout, deadline=DEADLINE)
+    alone = check_dropout()  # a group of one
+    for out, _ in got:
+        assert torch.equal(out, alone[0])  # the replicated region's mask: the same on every rank, for any size
+    masks = [mask[:, : 16 // P] for _, mask in got]  # the columns every rank holds (16 features split over P)
+    assert all(not torch.equal(masks[i], masks[j]) for i in range(P) for j in range(i))  # one mask per rank
+
+
+def test_every_transformers_style_is_mapped_or_refused():
+    from transformers.integrations.tensor_parallel import SUPPORTED_TP_STYLES
+
+    assert set(SUPPORTED_TP_STYLES) - set(TRANSFORMERS_STYLES) == {"local_packed_rowwise"}
+    model = llama()
+    model.config.base_model_tp_plan = {
+        **model.config.base_model_tp_plan,
+        "layers.*.mlp.up_proj": "local_packed_rowwise",
+    }
+    before = model.model.layers[0].mlp.up_proj
+    with pytest.raises(ValueError, match=r"gives 'model.layers.\*.mlp.up_proj' style 'local_packed_rowwise'"):
+        cm.shard_model(model, plan="auto")
+    assert model.model.layers[0].mlp.up_proj is before  # refused before any weight is touched
+    model.config.base_model_tp_plan = None
+    with pytest.raises(ValueError, match=r"plan='auto' .* LlamaForCausalLM has none"):
+        cm.shard_model(model, plan="auto")
+    with pytest.raises(ValueError, match=r"plan='automatic'"):
+        cm.shard_model(model, plan="automatic")
+
+
+def test_single_process_loss_parallel():
+    """A group of one: the loss is transformers' own, the logits whole."""
+    ref, tp = llama(), cm.shard_model(llama(), plan="auto", loss_parallel=True)
+    compare(tp, ref, True, "single process")
