@@ -61,6 +61,7 @@ class Tracker(TorchFunctionMode):
         super().__init__()
         self.links, self.serial, self.paused = links, next(_SERIAL), 0
         self.axes: Axes = frozenset(links)
+        self.start = torch._C._autograd._get_sequence_nr()  # autograd nodes numbered from here were made in f
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -86,15 +87,29 @@ class Tracker(TorchFunctionMode):
                     swap[id(t)] = self.vary(t, joined - k)
             if swap:
                 args, kwargs = _replaced(args, swap), {n: _replaced_one(v, swap) for n, v in kwargs.items()}
-        out = func(*args, **kwargs)
-        if joined:
-            self.mark(out, joined)
-        return out
+        return self.mark(func(*args, **kwargs), joined)
 
     def of(self, t: Any) -> Axes:
         """The axes ``t`` varies over (none for a tensor this call did not type)."""
-        found = t.__dict__.get(_ATTR) if isinstance(t, torch.Tensor) else None
-        return found[1] if found is not None and found[0] == self.serial else NONE
+        if not isinstance(t, torch.Tensor):
+            return NONE
+        found = t.__dict__.get(_ATTR)
+        if found is not None and found[0] == self.serial:
+            return found[1]
+        # a function transform's wrapper made outside any op this mode saw (torch.vmap's inputs): its tensor's type
+        inner = t
+        while torch._C._functorch.is_functorch_wrapped_tensor(inner):
+            inner = torch._C._functorch.get_unwrapped(inner)
+            found = inner.__dict__.get(_ATTR)
+            if found is not None and found[0] == self.serial:
+                return found[1]
+        node = t.grad_fn
+        if node is None or node._sequence_nr() < self.start:
+            return NONE
+        # made in f by no op this mode saw (torch.vmap's unwrapped outputs): the types its graph's nodes recorded
+        axes = _recorded(node, self.serial, self.start)
+        t.__dict__[_ATTR] = (self.serial, axes)
+        return axes
 
     def mark(self, out: Any, axes: Iterable[str]) -> Any:
         """``out`` (a tensor, or a tuple or list of them) typed as varying over ``axes``; returns ``out``."""
@@ -102,6 +117,13 @@ class Tracker(TorchFunctionMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 t.__dict__[_ATTR] = (self.serial, axes)
+                # and the tensors under a function transform's wrappers (torch.vmap returns its outputs' own, or views of
+                # them whose graph leads to the nodes recorded here)
+                while torch._C._functorch.is_functorch_wrapped_tensor(t):
+                    t = torch._C._functorch.get_unwrapped(t)
+                    t.__dict__[_ATTR] = (self.serial, axes)
+                    if t.grad_fn is not None:
+                        t.grad_fn.metadata[_ATTR] = (self.serial, axes)
         return out
 
     def vary(self, t: torch.Tensor, axes: Iterable[str]) -> torch.Tensor:
@@ -126,6 +148,22 @@ class Tracker(TorchFunctionMode):
             yield
         finally:
             self.paused -= 1
+
+
+def _recorded(node: Any, serial: int, start: int) -> Axes:
+    """The union of the types recorded on the nodes nearest to ``node`` in its graph, among those made in f."""
+    axes, seen, todo = NONE, set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        found = n.metadata.get(_ATTR)
+        if found is not None and found[0] == serial:
+            axes = axes | found[1]
+        elif type(n).__name__ != "AccumulateGrad" and n._sequence_nr() >= start:
+            todo.extend(f for f, _ in n.next_functions)
+    return axes
 
 
 _IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}
