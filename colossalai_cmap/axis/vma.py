@@ -14,7 +14,7 @@ as invariant in a later one; no tensor subclass, no table that keeps tensors ali
 
 import contextlib
 import itertools
-from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,6 +62,7 @@ class Tracker(TorchFunctionMode):
         self.links, self.serial, self.paused = links, next(_SERIAL), 0
         self.axes: Axes = frozenset(links)
         self.start = torch._C._autograd._get_sequence_nr()  # autograd nodes numbered from here were made in f
+        self.cast: Dict[Tuple[int, Axes], Tuple[torch.Tensor, torch.Tensor]] = {}  # one cast per tensor and axes
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -84,9 +85,11 @@ class Tracker(TorchFunctionMode):
                 if t is mutated:  # it keeps its identity: its history goes through the cast instead
                     t.copy_(self.vary(t.clone(), joined - k))
                 else:
-                    swap[id(t)] = self.vary(t, joined - k)
+                    swap[id(t)] = self._cast(t, joined - k)
             if swap:
-                args, kwargs = _replaced(args, swap), {n: _replaced_one(v, swap) for n, v in kwargs.items()}
+                args = _replaced(args, swap)
+                if kwargs:
+                    kwargs = {n: _replaced_one(v, swap) for n, v in kwargs.items()}
         return self.mark(func(*args, **kwargs), joined)
 
     def of(self, t: Any) -> Axes:
@@ -126,18 +129,30 @@ class Tracker(TorchFunctionMode):
                         t.grad_fn.metadata[_ATTR] = (self.serial, axes)
         return out
 
+    def _cast(self, t: torch.Tensor, axes: Axes) -> torch.Tensor:
+        """:meth:`vary` made once per tensor and axes in a call (a weight used by many ops is cast once, so its
+        gradient is summed once)."""
+        key = (id(t), axes)
+        found = self.cast.get(key)
+        if found is None or found[0] is not t:
+            found = self.cast[key] = (t, self.vary(t, axes))
+        return found[1]
+
     def vary(self, t: torch.Tensor, axes: Iterable[str]) -> torch.Tensor:
         """``pcast(t, axes, to="varying")``: the value itself, whose transpose sums the cotangents over ``axes``."""
         axes = frozenset(axes)
         base = self.of(t)
         out = t
-        with self.pause():
-            for name in sorted(axes, key=list(self.links).index):
+        self.paused += 1
+        try:
+            for name in self.links:
                 link = self.links[name]
-                if link is not None and link.group.size > 1:
+                if name in axes and link is not None and link.group.size > 1:
                     out = split(SplitSpec(link, (COPY,)), [out])[0]
             if out is t:  # a new tensor object, so that ``t`` itself keeps its type
                 out = t.view_as(t)
+        finally:
+            self.paused -= 1
         return self.mark(out, base | axes)
 
     @contextlib.contextmanager
