@@ -25,6 +25,8 @@ import pytest  # noqa: E402
 import shard_cases as sc  # noqa: E402
 import torch  # noqa: E402
 import wire_tap  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 import colossalai_cmap as cm  # noqa: E402
 from colossalai_cmap import P, shard_map  # noqa: E402
@@ -419,3 +421,72 @@ def cm_in_cmap():
 
 def test_new_names_in_cmap_axes(worlds):
     assert worlds(4).run(cm_in_cmap) == [True] * 4
+
+
+# ------------------------------------------------------------------------ random programs, typed and untyped
+def _program(ops, b, w):
+    """``ops`` applied to the block ``b`` (each a (name, axes) pair), with a replicated ``w`` mixed in."""
+    cast = set()  # the axes w was cast to varying over: a pcast casts only the others, as jax 0.10 requires
+    for op, ax in ops:
+        if op == "psum":
+            b = cm.psum(b, ax)
+        elif op == "mul w":
+            b = b * w
+        elif op == "pcast w":
+            fresh = tuple(a for a in (ax if isinstance(ax, tuple) else (ax,)) if a not in cast)
+            w = cm.pcast(w, fresh, to="varying") if fresh else w
+            cast.update(fresh)
+        elif op == "all_gather_invariant":
+            b = cm.all_gather_invariant(b, ax, tiled=True).narrow(0, 0, b.shape[0])
+        elif op == "all_gather":
+            b = cm.all_gather(b, ax, tiled=True).narrow(0, 0, b.shape[0])
+        elif op == "ppermute":
+            n = cm.axis_size(ax)
+            b = cm.ppermute(b, ax, [(i, (i + 1) % n) for i in range(n)])
+        elif op == "axis_index":
+            b = b * (cm.axis_index(ax) + 1)
+        elif op == "sin":
+            b = torch.sin(b) + w
+    return b
+
+
+def run_program(ops, final_psum):
+    """The program with check_vma on and off: values, gradients, and whether the typed run refused out_specs P()."""
+    m = cm_mesh((2, 2), ("x", "y"))
+    x = sc.randn(4, 3, seed=len(ops))
+    w = sc.randn(3, seed=len(ops) + 1)
+    v = sc.randn(3, seed=len(ops) + 2).requires_grad_()  # a closure, as a module's parameter
+    results = {}
+    for check in (True, False):
+
+        def f(b, w):
+            out = _program(ops, b, w) * v
+            return cm.psum(out, ("x", "y")) if final_psum else out.sum(0)
+
+        xs = [x.clone().requires_grad_(), w.clone().requires_grad_(), v]
+        try:
+            y = shard_map(f, m, (P(("x", "y")), P()), P(), check_vma=check)(*xs[:2])
+            grads = torch.autograd.grad((torch.sin(y) * (1 + torch.arange(y.numel()))).sum(), xs, allow_unused=True)
+            results[check] = (y.detach(), [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, xs)])
+        except cm.CmapError as exc:
+            assert check and isinstance(exc, ValueError) and "possibly varying" in str(exc), str(exc)
+            results[check] = "refused"
+    if results[True] == "refused":
+        return "refused"
+    sc.compare("typed against untyped", results[True], results[False])
+    return "same"
+
+
+OPS = ["psum", "mul w", "pcast w", "all_gather_invariant", "all_gather", "ppermute", "axis_index", "sin"]
+AXES = ["x", "y", ("x", "y")]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from(OPS), st.sampled_from(AXES)), max_size=5), st.booleans())
+def test_random_programs_typed_as_untyped(worlds, ops, final_psum):
+    """With check_vma=True a program's values and gradients are those with check_vma=False; a program whose output
+    varies and is declared P() is refused, by the types, and one whose final psum makes it invariant never is."""
+    got = worlds(4).run(run_program, ops, final_psum)
+    assert len(set(got)) == 1, got
+    if final_psum:
+        assert got[0] == "same", (ops, got)
