@@ -490,3 +490,56 @@ def test_random_programs_typed_as_untyped(worlds, ops, final_psum):
     assert len(set(got)) == 1, got
     if final_psum:
         assert got[0] == "same", (ops, got)
+
+
+# --------------------------------------------------------------------------------------- partial manual axes
+def jax_partial_manual(x, w):
+    mesh = jax_mesh((2, 2), ("x", "y"))
+    f = jax.shard_map(
+        lambda b, w: lax.psum(jnp.sin(b) * w, "x"),
+        mesh=mesh,
+        in_specs=(jax.P("x"), jax.P()),
+        out_specs=jax.P(),
+        axis_names={"x"},
+    )
+    return f(x, w)
+
+
+def cm_partial_manual(x, w):
+    mesh = cm_mesh((2, 2), ("x", "y"))
+    f = shard_map(
+        lambda b, w: cm.psum(torch.sin(b) * w, "x"), mesh=mesh, in_specs=(P("x"), P()), out_specs=P(), axis_names={"x"}
+    )
+    return f(x, w)
+
+
+def cm_partial_manual_errors():
+    mesh = cm_mesh((2, 2), ("x", "y"))
+    out = {}
+    for label, f, ins in (
+        ("collective over y", lambda b: cm.psum(b, "y"), P("x")),
+        ("in_specs names y", lambda b: b, P("y")),
+    ):
+        try:
+            shard_map(f, mesh=mesh, in_specs=ins, out_specs=P("x"), axis_names={"x"})(torch.ones(4))
+            out[label] = "no error"
+        except cm.CmapError as exc:
+            out[label] = (
+                type(exc).__mro__[1].__name__,
+                isinstance(exc, NameError),
+                isinstance(exc, ValueError),
+                str(exc),
+            )
+    return out
+
+
+def test_partial_manual_axes(worlds):
+    """axis_names={"x"} on a 2x2 mesh: f sees whole values along "y"; values and gradients are jax's; a collective
+    over "y" is a NameError and a spec naming "y" a ValueError, as in jax."""
+    args = (np.arange(8.0, dtype=np.float32).reshape(4, 2), np.array([1.0, -2.0], np.float32))
+    want = sc.run_jax(EXAMPLES, "partial_manual", args, [np.ones((2, 2), np.float32)])
+    got = worlds(4).run(sc.run_cm, __name__, "partial_manual", args, [np.ones((2, 2), np.float32)])
+    sc.compare_with_jax(got, want, lambda kind, k: (1e-6, 1e-6), "partial manual")
+    for errors in worlds(4).run(cm_partial_manual_errors):
+        assert errors["collective over y"][1] and "Found an unbound axis name: y" in errors["collective over y"][3]
+        assert errors["in_specs names y"][2] and "not one of the manual axes" in errors["in_specs names y"][3]

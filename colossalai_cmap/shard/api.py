@@ -38,6 +38,7 @@ def shard_map(
     *,
     check_vma: Optional[bool] = None,
     check_rep: Optional[bool] = None,
+    axis_names: Optional[Any] = None,
     local: bool = False,
     timeout: Optional[float] = None,
 ) -> Any:
@@ -71,6 +72,9 @@ def shard_map(
             ``check_vma=True``: ``psum`` of a varying value to nothing, ``pcast`` to ``psum``,
             ``all_gather_invariant`` to a slice. False: no types, and jax's ``check_vma=False`` transposes.
         check_rep: the old name of ``check_vma``.
+        axis_names: the manual axes (jax's partial manual; default: every mesh axis). Along the others ``f`` sees
+            whole values, computed alike on their ranks: specs may not name them, and a collective over one raises
+            ``NameError`` (jax's "unbound axis name").
         local: the per-device style: the arguments are this rank's blocks already and the outputs stay blocks, so
             nothing is cut or assembled (the specs are still checked). Tensors ``f`` closes over are still
             replicated values whose gradient is summed over the mesh.
@@ -97,7 +101,7 @@ def shard_map(
         >>> c = matmul(a, b)  # a @ b, on every rank
     """
     options = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, check_rep=check_rep)
-    options.update(local=local, timeout=timeout)
+    options.update(axis_names=axis_names, local=local, timeout=timeout)
     if f is None:
         return functools.partial(shard_map, **options)
     for name in ("mesh", "in_specs", "out_specs"):
@@ -105,7 +109,8 @@ def shard_map(
             raise TypeError(f"shard_map() missing required argument {name!r}")
     check = bool(True if check_vma is None and check_rep is None else check_rep if check_vma is None else check_vma)
     timeout = timeout if timeout is not None else default_timeout()
-    return ShardMapped(f, Sharding(mesh, in_specs, out_specs, check, local, timeout))
+    manual = None if axis_names is None else tuple(axis_names)
+    return ShardMapped(f, Sharding(mesh, in_specs, out_specs, check, local, timeout, manual))
 
 
 class Sharding(NamedTuple):
@@ -117,14 +122,17 @@ class Sharding(NamedTuple):
     check_vma: bool
     local: bool
     timeout: Optional[float]
+    axis_names: Optional[Tuple[str, ...]] = None
 
 
 class Where(NamedTuple):
-    """Where a call communicates: the mesh as this rank sees it, each axis's link, and the whole mesh's link."""
+    """Where a call communicates: the mesh as this rank sees it, each axis's link, the whole mesh's link, and the
+    manual axes (the ones ``f``'s collectives and specs may name)."""
 
     view: MeshView
     links: Dict[str, Link]
     whole: Link
+    manual: Tuple[str, ...]
 
 
 class ShardMapped:
@@ -163,7 +171,8 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     leaves, tree = tree_flatten(args)
     device = collective_device(view.whole, leaves + tree_flatten(kwargs)[0])
     whole = link_for(view.whole, device, site.call, opts.timeout)
-    where = Where(view, {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}, whole)
+    links = {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}
+    where = Where(view, links, whole, _manual(site, view))
     outcome, out, out_places = _run_f(site, where, args, kwargs)
     table = conclude(site.call, view, where.links, whole, outcome)
     flat, out_tree = tree_flatten(out)
@@ -180,9 +189,9 @@ def _run_f(
     opts, view, whole = site.opts, where.view, where.whole
     owner, start = CallTag(), torch._C._autograd._get_sequence_nr()
     try:
-        places = _placements(site, "in", opts.in_specs, args, view)
+        places = _placements(site, "in", opts.in_specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
-        typer = vma.Tracker(where.links) if opts.check_vma else None
+        typer = vma.Tracker({n: where.links[n] for n in where.manual}) if opts.check_vma else None
         blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
         with _frames(where), splitting(view.whole.ranks), intercept or contextlib.nullcontext():
@@ -197,7 +206,7 @@ def _run_f(
         if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
             out = tree_map(intercept.route, out)
         owner.running = False
-        out_places = _placements(site, "out", opts.out_specs, out, view)
+        out_places = _placements(site, "out", opts.out_specs, out, view, where.manual)
         flat, out_tree = tree_flatten(out)
         if typer is not None:
             _check_vma(site, typer, flat, out_places, view)
@@ -214,12 +223,33 @@ def _run_f(
         return Outcome((view.whole.failure(exc), exc)), None, []
 
 
-def _placements(site: ShardMapped, kind: str, specs: Any, tree: Any, view: MeshView) -> List[Placement]:
+def _manual(site: ShardMapped, view: MeshView) -> Tuple[str, ...]:
+    """The manual axes, in mesh order, after checking ``axis_names`` against the mesh."""
+    if site.opts.axis_names is None:
+        return view.names
+    unknown = [a for a in site.opts.axis_names if a not in view.names]
+    if unknown:
+        raise ValueError(
+            f"{site.call}: axis_names={site.opts.axis_names!r} names {unknown}, not axes of the mesh ({view.describe()})."
+        )
+    return tuple(a for a in view.names if a in site.opts.axis_names)
+
+
+def _placements(
+    site: ShardMapped, kind: str, specs: Any, tree: Any, view: MeshView, manual: Sequence[str]
+) -> List[Placement]:
     """Each leaf's placement: its spec from the prefix ``specs``, checked against the mesh and the value."""
     what = "the positional arguments tuple" if kind == "in" else f"{site.name}(*args)"
     out = []
     for path, value, spec in broadcast_specs(site.call, kind, specs, tree, what):
         spec = check_spec(site.call, kind, path, spec, view.names)
+        auto = [a for a in spec.axes() if a not in manual]
+        if auto:
+            raise ValueError(
+                f"{site.call}: {kind}_specs{path} is {spec!r}, which refers to mesh axis {auto[0]!r}, not one of the "
+                f"manual axes axis_names={tuple(manual)}; shard_map's specs may name only manual axes (as in jax). "
+                f"Add {auto[0]!r} to axis_names, or leave it out of the spec."
+            )
         leaf = Leaf(site.call, kind, path, f"args{path}" if kind == "in" else f"{what}{path}")
         out.append(placement(leaf, spec, value, view.names))
     return out
@@ -243,10 +273,10 @@ def _enter_blocks(
 
 @contextlib.contextmanager
 def _frames(where: Where) -> Iterator[None]:
-    """Every mesh axis as a named axis of rank mode: this rank is one member of each."""
+    """Every manual mesh axis as a named axis of rank mode: this rank is one member of each."""
     view = where.view
     with contextlib.ExitStack() as stack:
-        for n in view.names:
+        for n in where.manual:
             size, coord = view.sizes[n], view.coords[n]
             index = index_table((coord,), where.whole.device)[0].clone()  # a copy made on the device, not the host
             frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index)
