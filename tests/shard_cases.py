@@ -79,10 +79,33 @@ def collective_cases(n: int, ax: Any) -> Dict[str, Tuple[Callable, Any, Any, Tup
         # not differentiable (as cmap's): values only
         "pmax": (lambda b: cm.pmax(b.detach(), ax), P(ax), P(), (x,), lambda t: blocks(t.detach()).amax(0)),
         "pmin": (lambda b: cm.pmin(b.detach(), ax), P(ax), P(), (x,), lambda t: blocks(t.detach()).amin(0)),
-        "all_gather": (lambda b: cm.all_gather(b, ax), P(ax), P(), (x,), blocks),
-        "all_gather tiled": (lambda b: cm.all_gather(b, ax, tiled=True), P(ax), P(), (x,), lambda t: t * 1),
+        # all_gather's result varies (each rank's copy is its own output block, as in jax with check_vma=True)
+        "all_gather": (lambda b: cm.all_gather(b, ax), P(ax), P(ax), (x,), lambda t: torch.cat([blocks(t)] * n)),
+        "all_gather tiled": (
+            lambda b: cm.all_gather(b, ax, tiled=True),
+            P(ax),
+            P(ax),
+            (x,),
+            lambda t: torch.cat([t] * n),
+        ),
         "all_gather axis 1 tiled": (
             lambda b: cm.all_gather(b, ax, axis=1, tiled=True),
+            P(ax),
+            P(ax),
+            (x,),
+            lambda t: torch.cat([torch.cat(list(blocks(t)), 1)] * n),
+        ),
+        # all_gather_invariant's is invariant: one copy, replicated (its transpose is a slice)
+        "all_gather_invariant": (lambda b: cm.all_gather_invariant(b, ax), P(ax), P(), (x,), blocks),
+        "all_gather_invariant tiled": (
+            lambda b: cm.all_gather_invariant(b, ax, tiled=True),
+            P(ax),
+            P(),
+            (x,),
+            lambda t: t * 1,
+        ),
+        "all_gather to invarying axis 1 tiled": (
+            lambda b: cm.all_gather(b, ax, axis=1, tiled=True, to="invarying"),
             P(ax),
             P(),
             (x,),
@@ -291,8 +314,15 @@ def check_checkpoint_inside() -> bool:
     def f(wb: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
         return torch.utils.checkpoint.checkpoint(gathered, wb, xb, use_reentrant=False)
 
-    sm = shard_map(f, m, (P("i"), P()), P())
-    compare("checkpoint", values_and_grads(sm, w, x), values_and_grads(lambda a, b: torch.tanh(b @ a.T), w, x))
+    want = values_and_grads(lambda a, b: torch.tanh(b @ a.T), w, x)
+    # the gathered weight varies over "i", so a replicated output needs check_vma=False (as in jax) ...
+    compare("checkpoint", values_and_grads(shard_map(f, m, (P("i"), P()), P(), check_vma=False), w, x), want)
+
+    def invariant(wb: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:  # ... or the invariant gather
+        gather = partial(cm.all_gather_invariant, axis_name="i", tiled=True)
+        return torch.utils.checkpoint.checkpoint(lambda a, b: torch.tanh(b @ gather(a).T), wb, xb, use_reentrant=False)
+
+    compare("checkpoint invariant", values_and_grads(shard_map(invariant, m, (P("i"), P()), P()), w, x), want)
     return True
 
 

@@ -73,7 +73,10 @@ def test_spec_errors(worlds):
 def test_check_rep(worlds):
     assert worlds(4).run(sc.check_rep, True) == ["ok (4, 2)"] * 4
     for text in worlds(4).run(sc.check_rep, False):
-        assert "replicated across mesh axis 'y', but they differ across it" in text, text
+        assert (
+            "out_specs is P('x') which implies that the corresponding output value is only varying across mesh " in text
+        )
+        assert "axes {x} and not {y}, but it was inferred to be possibly varying over {x, y}" in text, text
 
 
 def test_mesh_over_part_of_the_world(worlds):

@@ -59,7 +59,7 @@ def collectives(ctx: Ctx, mesh1: Any) -> str:
     ring = [(i, (i + 1) % n) for i in range(n)]
     cases = [
         ("psum", lambda b: cm.psum(b, "i"), P("i"), P(), lambda t: t.reshape(n, K, M).sum(0), x),
-        ("all_gather", lambda b: cm.all_gather(b, "i", tiled=True), P("i"), P(), lambda t: t * 1, x),
+        ("all_gather", lambda b: cm.all_gather(b, "i", tiled=True, to="invarying"), P("i"), P(), lambda t: t * 1, x),
         ("psum_scatter", lambda b: cm.psum_scatter(b, "i", tiled=True), P(), P("i"), lambda t: t * n, x),
         ("all_to_all", lambda b: cm.all_to_all(b, "i", 1, 0, tiled=True), P("i"), P(None, "i"), lambda t: t * 1, wide),
         ("ppermute", lambda b: cm.ppermute(b, "i", ring), P("i"), P("i"), lambda t: torch.roll(t, K, 0), x),

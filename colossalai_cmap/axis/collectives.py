@@ -14,11 +14,17 @@ every mode, and inside nested cmaps for the inner or any outer axis name. ``axis
 in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
 """
 
-from typing import Callable, Optional, Sequence, Tuple, Union
+import contextlib
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..wire.exchange import JoinSpec
+from ..wire.primitives import join
+from ..wire.protocol import Kind
+from ..wire.roles import COPY, Role, Rows
 from . import ops as axes
+from . import vma
 from .frame import lookup
 
 __all__ = [
@@ -27,11 +33,15 @@ __all__ = [
     "pmax",
     "pmin",
     "all_gather",
+    "all_gather_invariant",
     "psum_scatter",
     "all_to_all",
     "ppermute",
     "axis_index",
     "axis_size",
+    "pcast",
+    "pvary",
+    "pbroadcast",
 ]
 
 AxisName = Union[str, Tuple[str, ...]]
@@ -51,10 +61,17 @@ def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Sum of ``x`` over every example of the axis (all ranks); every example gets the same value.
 
+    Inside a ``shard_map`` with ``check_vma=True`` the result is invariant over the axis, and the sum of a value
+    varying over it transposes to nothing (jax's ``psum_invariant``); a value invariant over it is first cast to
+    varying (its transpose is the psum), so its sum is ``axis_size`` times it, as in jax.
+
     Example:
         >>> cmap(lambda x: x / psum(x.sum(), "i"), axis_name="i")(torch.rand(10, 3))  # normalise by the total
     """
-    return _over(x, axis_name, "sum")
+    tracker = vma.typed_axes(_names(axis_name))
+    if tracker is None:
+        return _over(x, axis_name, "sum")
+    return _invariant(tracker, x, axis_name, "psum", COPY)
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -64,17 +81,44 @@ def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise maximum over every example of the axis. Not differentiable."""
-    return _over(x, axis_name, "max")
+    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "max"))
 
 
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise minimum over every example of the axis. Not differentiable."""
-    return _over(x, axis_name, "min")
+    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "min"))
 
 
-def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying"
+) -> torch.Tensor:
     """Every example's ``x``, in global order, stacked along a new dim ``axis`` (size B), or with ``tiled``
-    concatenated along the existing dim ``axis``. The transpose of :func:`psum_scatter`."""
+    concatenated along the existing dim ``axis``. The transpose of :func:`psum_scatter`. The result varies over
+    the axis; ``to="invarying"`` is :func:`all_gather_invariant` (jax 0.10's spelling)."""
+    if to == "invarying":
+        return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+    if to != "varying":
+        raise ValueError(f"all_gather(x, {axis_name!r}, to={to!r}): to must be 'varying' or 'invarying'.")
+    return _typed(x, axis_name, True, lambda v: _all_gather(v, axis_name, axis, tiled))
+
+
+def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
+    """:func:`all_gather` whose result is invariant over the axis: inside a ``shard_map`` with ``check_vma=True``
+    its transpose is this rank's slice of the cotangent, with no communication (jax's ``all_gather_invariant``).
+    Elsewhere (``check_vma=False``, a cmap axis) it is :func:`all_gather`, as in jax."""
+    tracker = vma.typed_axes(_names(axis_name))
+    if tracker is None:
+        return _all_gather(x, axis_name, axis, tiled)
+    shape = _example_shape(axis_name, x)
+    axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather_invariant", "axis")
+    full = _invariant(tracker, x, axis_name, "all_gather_invariant", None)
+    with tracker.pause():
+        full = full.reshape(-1, *shape)  # the axes of a tuple name, the first one major
+        full = full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
+    return tracker.mark(full, tracker.of(x) - set(_names(axis_name)))
+
+
+def _all_gather(x: torch.Tensor, axis_name: AxisName, axis: int, tiled: bool) -> torch.Tensor:
     out = _over(x, axis_name, "gather")
     shape, size = _example_shape(axis_name, x), axis_size(axis_name)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
@@ -84,6 +128,47 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
         return full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
 
     return _per_example(axis_name, arrange, out)
+
+
+def pcast(x: torch.Tensor, axis_name: AxisName, *, to: str) -> torch.Tensor:
+    """jax's ``pcast(x, axis_name, to="varying")``: ``x``, now typed as varying over the axis, whose transpose is a
+    psum over it. Inside a ``shard_map`` with ``check_vma=True`` ``x`` must be invariant over the axis (jax 0.10
+    refuses a cast from varying); elsewhere (``check_vma=False``, a cmap axis) it is the identity, as in jax."""
+    names = _names(axis_name)
+    if to != "varying":
+        raise ValueError(f"pcast(x, {axis_name!r}, to={to!r}): only to='varying' is supported.")
+    for name in names:
+        lookup(name, "pcast")
+    tracker = vma.typed_axes(names)
+    if tracker is None or not names:
+        return x
+    already = sorted(tracker.of(x) & set(names))
+    if already:
+        raise ValueError(
+            f"pcast(x, {axis_name!r}, to='varying'): Unsupported pcast from=varying, to='varying': x already varies "
+            f"over {already}. Cast only the axes it is invariant over."
+        )
+    return tracker.vary(x, names)
+
+
+def pvary(x: torch.Tensor, axis_names: AxisName) -> torch.Tensor:
+    """``pcast(x, axis_names, to="varying")``, by its name in jax 0.8 and 0.9 (removed in jax 0.10)."""
+    return pcast(x, axis_names, to="varying")
+
+
+def pbroadcast(x: torch.Tensor, axis_name: AxisName, source: int) -> torch.Tensor:
+    """The value of the member at index ``source`` of the axis, on every member: jax's
+    ``psum(where(axis_index(axis_name) == source, x, 0), axis_name)``. Inside a ``shard_map`` with
+    ``check_vma=True`` the result varies over the axis, as jax's ``pbroadcast``; its transpose sums the cotangents
+    onto ``source``."""
+    size = axis_size(axis_name)
+    if not 0 <= source < size:
+        raise ValueError(f"pbroadcast(x, {axis_name!r}, source={source}): source must be in [0, {size}).")
+    here = axis_index(axis_name) == source
+    here = here.reshape(here.shape + (1,) * (x.dim() - here.dim()))
+    total = psum(torch.where(here, x, torch.zeros_like(x)), axis_name)
+    tracker = vma.typed_axes(_names(axis_name))
+    return total if tracker is None else tracker.vary(total, _names(axis_name))
 
 
 def psum_scatter(
@@ -96,6 +181,10 @@ def psum_scatter(
     Along ``shard_map`` mesh axes a tiled dim need not divide by the axis size: rank ``i`` gets the ``i``-th
     ``torch.tensor_split`` chunk (the first ``length % size`` one longer), where jax requires division.
     """
+    return _typed(x, axis_name, True, lambda v: _psum_scatter(v, axis_name, scatter_dimension, tiled))
+
+
+def _psum_scatter(x: torch.Tensor, axis_name: AxisName, scatter_dimension: int, tiled: bool) -> torch.Tensor:
     shape = _example_shape(axis_name, x)
     d = _dim(scatter_dimension, len(shape), "psum_scatter", "scatter_dimension")
     chunk = _chunk("psum_scatter", axis_name, shape[d], tiled, "scatter_dimension")
@@ -120,6 +209,10 @@ def all_to_all(
     ``i``-th ``torch.tensor_split`` chunk of every rank's value (the first ``length % size`` one longer), where jax
     requires division. Every rank's ``x`` has the same shape, as in jax.
     """
+    return _typed(x, axis_name, True, lambda v: _all_to_all(v, axis_name, split_axis, concat_axis, tiled))
+
+
+def _all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int, tiled: bool) -> torch.Tensor:
     shape = _example_shape(axis_name, x)
     s = _dim(split_axis, len(shape), "all_to_all", "split_axis")
     c = _dim(concat_axis, len(shape), "all_to_all", "concat_axis")
@@ -152,6 +245,10 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int
     """Example ``dst`` gets example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``; examples that no pair names
     as a destination get zeros. Its transpose is the inverse permutation. Over one axis name only the pairs' values
     move, each once."""
+    return _typed(x, axis_name, True, lambda v: _ppermute(v, axis_name, perm))
+
+
+def _ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
     sources = _sources(perm, axis_size(axis_name))
     if _native(axis_name):
         return axes.apply(x, _names(axis_name)[0], "permute", tuple(sources))
@@ -170,11 +267,13 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     """The global index of the current example along the axis (an int64 scalar tensor per example), or inside
     ``shard_map`` this rank's coordinate along the mesh axis; for a tuple of names, the index in the axes taken
     together, the first one major."""
-    index = None
-    for name in _names(axis_name):
-        mine = axes.index(name)
-        index = mine if index is None else index * lookup(name, "axis_index").size + mine
-    return index
+    tracker = vma.typed_axes(_names(axis_name))
+    with tracker.pause() if tracker is not None else contextlib.nullcontext():
+        index = None
+        for name in _names(axis_name):
+            mine = axes.index(name)
+            index = mine if index is None else index * lookup(name, "axis_index").size + mine
+    return index if tracker is None else tracker.mark(index, _names(axis_name))
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -187,6 +286,45 @@ def axis_size(axis_name: AxisName) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
+def _typed(x: torch.Tensor, axis_name: AxisName, varying: bool, run: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``run(x)``, typed when a ``shard_map`` with ``check_vma=True`` types the axes: ``x`` first cast to varying
+    over the axes it is invariant over (jax inserts that ``pcast``), and the result varying over them (``varying``)
+    or invariant (a reduction that carries no gradient)."""
+    names = _names(axis_name)
+    tracker = vma.typed_axes(names)
+    if tracker is None:
+        return run(x)
+    before = tracker.of(x)
+    with tracker.pause():
+        if varying and isinstance(x, torch.Tensor) and not set(names) <= before:
+            x = tracker.vary(x, set(names) - before)
+        out = run(x)
+    return tracker.mark(out, before | set(names) if varying else before - set(names))
+
+
+def _invariant(tracker: vma.Tracker, x: torch.Tensor, axis_name: AxisName, op: str, role: Optional[Role]) -> Any:
+    """``x`` cast to varying over the axes, then a Join over each, innermost first: the sum (``role`` COPY, jax's
+    ``psum_invariant``) or every member's value stacked along a new dim 0 (``role`` None, ``all_gather_invariant``).
+    A Join's transpose is a Split: nothing (COPY) or this rank's slice (rows), with no communication."""
+    names = _names(axis_name)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}(x, {axis_name!r}): x must be a Tensor, got {type(x).__name__}.")
+    before = tracker.of(x)
+    with tracker.pause():
+        if not set(names) <= before:
+            x = tracker.vary(x, set(names) - before)
+        for name in reversed(names):
+            frame = lookup(name, op)
+            if role is None:
+                x = x.unsqueeze(0)
+            if frame.link is not None and frame.link.group.size > 1:
+                step = role if role is not None else Rows(0, (1,) * frame.size)
+                x = join(JoinSpec(frame.link, (step,), f"{op}({name!r})", Kind.OP), [x])[0]
+            if role is None and len(names) > 1 and name != names[-1]:
+                x = x.flatten(0, 1)  # (outer members, inner members, ...) to one dim, the outer major
+    return tracker.mark(x, before - set(names))
+
+
 def _native(axis_name: AxisName) -> bool:
     """Whether the per-example ops take their native collective: over one axis name, eagerly, in a mode where each
     run holds its rows (vmap, batched, or a shard_map axis). Otherwise they are a psum or an all_gather and a

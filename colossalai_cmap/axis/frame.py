@@ -95,6 +95,7 @@ def lookup(name: str, op: str) -> AxisFrame:
         hint = f"active axis names: {active}" if active else "no cmap with an axis_name or shard_map is running"
         raise NameError(
             f"{op}(..., {name!r}): unbound axis name {name!r}; {hint}. Pass axis_name={name!r} to cmap, or use a "
-            f"shard_map whose mesh has an axis named {name!r}."
+            f"shard_map whose mesh has an axis named {name!r} (among its axis_names, if it names any). (jax: Found an "
+            f"unbound axis name: {name}.)"
         )
     return stack[-1]

@@ -1,12 +1,14 @@
 """The public ``shard_map`` and ``P``: a thin function with the contract, then the pipeline of one call."""
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
 from ..axis.ops import index_table
 from ..call import closures
@@ -35,8 +37,9 @@ def shard_map(
     in_specs: Any = None,
     out_specs: Any = None,
     *,
-    check_rep: bool = False,
     check_vma: Optional[bool] = None,
+    check_rep: Optional[bool] = None,
+    axis_names: Optional[Any] = None,
     local: bool = False,
     timeout: Optional[float] = None,
 ) -> Any:
@@ -60,10 +63,19 @@ def shard_map(
             entry of a ``P`` is None, an axis name, or a tuple of names (the first major); mesh axes a spec leaves
             out are replicated. Dims need not divide by their axes' size: blocks are ``torch.tensor_split`` blocks
             (jax requires division).
-        out_specs: a pytree prefix of ``f``'s output. Along a mesh axis a spec leaves out, the output is taken from
-            the rank at coordinate 0 of that axis (``f`` should return the same value on every rank along it).
-        check_rep: also check, at the exit, that the outputs declared replicated over an axis are equal across it
-            (a checksum per axis, like jax's ``check_rep``/``check_vma`` but at run time). ``check_vma`` is an alias.
+        out_specs: a pytree prefix of ``f``'s output. Along a mesh axis a spec leaves out, the output must be
+            invariant (with ``check_vma``, checked from the types: see below); without ``check_vma`` it is taken
+            from the rank at coordinate 0 of that axis.
+        check_vma: jax's varying-axis types (default True): every tensor inside ``f`` carries the set of mesh axes
+            it varies over (its block's in_specs axes; none for closures and constants; collectives change it,
+            other ops join their inputs'), an out_specs entry that leaves out an axis its output varies over raises
+            ``CmapError`` (also a ``ValueError``) on every rank, and collectives transpose as jax's do with
+            ``check_vma=True``: ``psum`` of a varying value to nothing, ``pcast`` to ``psum``,
+            ``all_gather_invariant`` to a slice. False: no types, and jax's ``check_vma=False`` transposes.
+        check_rep: the old name of ``check_vma``.
+        axis_names: the manual axes (jax's partial manual; default: every mesh axis). Along the others ``f`` sees
+            whole values, computed alike on their ranks: specs may not name them, and a collective over one raises
+            ``NameError`` (jax's "unbound axis name").
         local: the per-device style: the arguments are this rank's blocks already and the outputs stay blocks, so
             nothing is cut or assembled (the specs are still checked). The gradients are the global call's: a
             block's gradient is summed over the axes its spec leaves out, an output replicated over an axis counts
@@ -75,8 +87,9 @@ def shard_map(
 
     Gradients are jax's: ``loss(outputs).backward()`` on every rank (the same loss) leaves each global input's
     ``.grad`` equal to ``jax.grad`` of the same shard_map function, on every rank, and so for tensors ``f`` closes
-    over (module parameters included). Collectives transpose as in shard_map with ``check_vma=False``: ``psum`` to
-    ``psum``, ``all_gather`` to ``psum_scatter``, ``all_to_all`` to itself, ``ppermute`` to its inverse.
+    over (module parameters included). ``all_gather`` transposes to ``psum_scatter``, ``all_to_all`` to itself,
+    ``ppermute`` to its inverse; with ``check_vma=False`` ``psum`` transposes to ``psum`` and the blocks of
+    replicated inputs' gradients are summed over the axes they are replicated on, as jax's.
 
     Raises:
         CmapError: on every rank of the mesh, when ``f`` raised (or a spec did not fit an argument) on any rank;
@@ -89,16 +102,17 @@ def shard_map(
         ...     return cm.psum(a_block @ b_block, "y")
         >>> c = matmul(a, b)  # a @ b, on every rank
     """
-    options = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_rep, check_vma=check_vma)
-    options.update(local=local, timeout=timeout)
+    options = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, check_rep=check_rep)
+    options.update(axis_names=axis_names, local=local, timeout=timeout)
     if f is None:
         return functools.partial(shard_map, **options)
     for name in ("mesh", "in_specs", "out_specs"):
         if options[name] is None:
             raise TypeError(f"shard_map() missing required argument {name!r}")
-    check = bool(check_rep if check_vma is None else check_vma)
+    check = bool(True if check_vma is None and check_rep is None else check_rep if check_vma is None else check_vma)
     timeout = timeout if timeout is not None else default_timeout()
-    return ShardMapped(f, Sharding(mesh, in_specs, out_specs, check, local, timeout))
+    manual = None if axis_names is None else tuple(axis_names)
+    return ShardMapped(f, Sharding(mesh, in_specs, out_specs, check, local, timeout, manual))
 
 
 class Sharding(NamedTuple):
@@ -107,17 +121,20 @@ class Sharding(NamedTuple):
     mesh: Any
     in_specs: Any
     out_specs: Any
-    check: bool
+    check_vma: bool
     local: bool
     timeout: Optional[float]
+    axis_names: Optional[Tuple[str, ...]] = None
 
 
 class Where(NamedTuple):
-    """Where a call communicates: the mesh as this rank sees it, each axis's link, and the whole mesh's link."""
+    """Where a call communicates: the mesh as this rank sees it, each axis's link, the whole mesh's link, and the
+    manual axes (the ones ``f``'s collectives and specs may name)."""
 
     view: MeshView
     links: Dict[str, Link]
     whole: Link
+    manual: Tuple[str, ...]
 
 
 class ShardMapped:
@@ -156,7 +173,8 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     leaves, tree = tree_flatten(args)
     device = collective_device(view.whole, leaves + tree_flatten(kwargs)[0])
     whole = link_for(view.whole, device, site.call, opts.timeout)
-    where = Where(view, {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}, whole)
+    links = {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}
+    where = Where(view, links, whole, _manual(site, view))
     outcome, out, out_places = _run_f(site, where, args, kwargs)
     table = conclude(site.call, view, where.links, whole, outcome)
     flat, out_tree = tree_flatten(out)
@@ -176,26 +194,35 @@ def _run_f(
     opts, view, whole = site.opts, where.view, where.whole
     owner, start = CallTag(), torch._C._autograd._get_sequence_nr()
     try:
-        places = _placements(site, "in", opts.in_specs, args, view)
+        places = _placements(site, "in", opts.in_specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
-        blocks = _enter_blocks(leaves, places, where, owner, opts.local)
-        intercept = closures.Interceptor(owner, start, whole) if tracking() else None
+        typer = vma.Tracker({n: where.links[n] for n in where.manual}) if opts.check_vma else None
+        blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
+        intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
         with _frames(where), splitting(view.whole.ranks), intercept or contextlib.nullcontext():
-            out = site.f(*tree_unflatten(blocks, tree), **kwargs)
+            if typer is None:
+                out = site.f(*tree_unflatten(blocks, tree), **kwargs)
+            else:
+                with vma.tracking(typer):
+                    for block, p in zip(blocks, places):
+                        if isinstance(block, torch.Tensor) and p.spec.axes():
+                            typer.mark(block, p.spec.axes())
+                    out = site.f(*tree_unflatten(blocks, tree), **kwargs)
         if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
             out = tree_map(intercept.route, out)
         owner.running = False
-        out_places = _placements(site, "out", opts.out_specs, out, view)
+        out_places = _placements(site, "out", opts.out_specs, out, view, where.manual)
         flat, out_tree = tree_flatten(out)
-        graph_sig = closures.watch(flat, owner, start, whole) if tracking() else 0
+        if typer is not None:
+            _check_vma(site, typer, flat, out_places, view)
+            flat = _varied(typer, flat, out_places)
+        graph_sig = closures.watch(flat, owner, start, whole) if tracking() and typer is None else 0
         if not graph_sig:  # this rank's backward through f, guarded
             flat = guard(flat, owner, whole)
-            out = tree_unflatten(flat, out_tree)
+        out = tree_unflatten(flat, out_tree)
         lengths = None if opts.local else block_lengths(flat, out_places)
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
-        if opts.check:
-            outcome.checksums, outcome.replicated = _checksums(flat, out_places, view)
-        return outcome, out, out_places
+        return outcome, out, _typed(out_places, typer)
     except Exception as exc:  # every rank learns of it at the exit
         owner.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank
@@ -203,12 +230,33 @@ def _run_f(
         return Outcome((view.whole.failure(exc), exc)), None, []
 
 
-def _placements(site: ShardMapped, kind: str, specs: Any, tree: Any, view: MeshView) -> List[Placement]:
+def _manual(site: ShardMapped, view: MeshView) -> Tuple[str, ...]:
+    """The manual axes, in mesh order, after checking ``axis_names`` against the mesh."""
+    if site.opts.axis_names is None:
+        return view.names
+    unknown = [a for a in site.opts.axis_names if a not in view.names]
+    if unknown:
+        raise ValueError(
+            f"{site.call}: axis_names={site.opts.axis_names!r} names {unknown}, not axes of the mesh ({view.describe()})."
+        )
+    return tuple(a for a in view.names if a in site.opts.axis_names)
+
+
+def _placements(
+    site: ShardMapped, kind: str, specs: Any, tree: Any, view: MeshView, manual: Sequence[str]
+) -> List[Placement]:
     """Each leaf's placement: its spec from the prefix ``specs``, checked against the mesh and the value."""
     what = "the positional arguments tuple" if kind == "in" else f"{site.name}(*args)"
     out = []
     for path, value, spec in broadcast_specs(site.call, kind, specs, tree, what):
         spec = check_spec(site.call, kind, path, spec, view.names)
+        auto = [a for a in spec.axes() if a not in manual]
+        if auto:
+            raise ValueError(
+                f"{site.call}: {kind}_specs{path} is {spec!r}, which refers to mesh axis {auto[0]!r}, not one of the "
+                f"manual axes axis_names={tuple(manual)}; shard_map's specs may name only manual axes (as in jax). "
+                f"Add {auto[0]!r} to axis_names, or leave it out of the spec."
+            )
         leaf = Leaf(site.call, kind, path, f"args{path}" if kind == "in" else f"{what}{path}")
         out.append(placement(leaf, spec, value, view.names))
     return out
@@ -234,15 +282,66 @@ def _enter_blocks(
 
 @contextlib.contextmanager
 def _frames(where: Where) -> Iterator[None]:
-    """Every mesh axis as a named axis of rank mode: this rank is one member of each."""
+    """Every manual mesh axis as a named axis of rank mode: this rank is one member of each."""
     view = where.view
     with contextlib.ExitStack() as stack:
-        for n in view.names:
+        for n in where.manual:
             size, coord = view.sizes[n], view.coords[n]
             index = index_table((coord,), where.whole.device)[0].clone()  # a copy made on the device, not the host
             frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index)
             stack.enter_context(axis_scope(n, frame))
         yield
+
+
+def _typed(places: List[Placement], typer: Optional[vma.Tracker]) -> List[Placement]:
+    """With types, a block is its value itself along the axes its spec leaves out (it is invariant there): no
+    ``Split`` in, no ``Join`` out, and no communication in their transposes."""
+    if typer is None:
+        return places
+    return [dataclasses.replace(p, replicated=()) for p in places]
+
+
+def _varied(typer: vma.Tracker, flat: List[Any], places: Sequence[Placement]) -> List[Any]:
+    """Each output cast to varying over the axes its out_specs entry splits it along but it is invariant over (jax
+    inserts that pcast): each rank's block is its own output, so its cotangent is per rank, summed in backward."""
+    out = []
+    for v, p in zip(flat, places):
+        missing = set(p.spec.axes()) - typer.of(v) if isinstance(v, torch.Tensor) else set()
+        out.append(typer.vary(v, missing) if missing else v)
+    return out
+
+
+def _check_vma(
+    site: ShardMapped, typer: vma.Tracker, flat: Sequence[Any], places: Sequence[Placement], view: MeshView
+) -> None:
+    """jax's check: an output may vary only over the axes its out_specs entry names. Decided from the types, so it
+    is the same on every rank: each raises, and the exit makes it one ``CmapError`` (a ``ValueError``) everywhere."""
+    found = []
+    for v, p in zip(flat, places):
+        varying = typer.of(v) & set(p.replicated) if isinstance(v, torch.Tensor) else set()
+        if varying:
+            named = [a for a in view.names if a in p.spec.axes()]
+            found.append(
+                f"out_specs{p.path} is {p.spec!r} which implies that the corresponding output value is only varying "
+                f"across mesh axes {_axes(named)} and not {_axes(a for a in view.names if a in varying)}, but it "
+                f"was inferred to be possibly varying over {_axes(a for a in view.names if a in typer.of(v))}"
+            )
+    if found:
+        shape = tuple(view.sizes.values())
+        raise ValueError(
+            f"{site.call}: shard_map applied to the function {site.name!r} was given out_specs which require "
+            f"replication which can't be statically inferred given the mesh:\n\nThe mesh given has shape {shape} "
+            f"with corresponding axis names {view.names}.\n\n" + "\n\n".join(found) + "\n\nCheck if these output "
+            f"values are meant to be replicated over those mesh axes. If not, consider revising the corresponding "
+            f"out_specs entries. If so, consider disabling the check by passing the check_vma=False argument to "
+            f"shard_map. A value made by all_gather, psum_scatter, all_to_all, ppermute or axis_index varies, and so "
+            f"does anything computed from it (zeros_like and full_like included); psum, pmax, pmin or "
+            f"all_gather_invariant make a value invariant over their axes."
+        )
+
+
+def _axes(names: Any) -> str:
+    return "{" + ", ".join(names) + "}"
 
 
 def _layout_sig(flat: Sequence[Any], places: Sequence[Placement]) -> int:
@@ -252,14 +351,3 @@ def _layout_sig(flat: Sequence[Any], places: Sequence[Placement]) -> int:
             for v, p in zip(flat, places)
         ]
     )
-
-
-def _checksums(flat: Sequence[Any], places: Sequence[Placement], view: MeshView) -> Tuple[dict, dict]:
-    """Per mesh axis: a checksum of the outputs declared replicated over it, and their paths."""
-    sums, paths = {}, {}
-    for n in view.names:
-        picked = [(v, p) for v, p in zip(flat, places) if n in p.replicated]
-        if picked:
-            sums[n] = comm.checksum([v for v, _ in picked]) or 1
-            paths[n] = [p.path for _, p in picked]
-    return sums, paths

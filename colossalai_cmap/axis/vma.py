@@ -1,0 +1,235 @@
+"""Varying-axis types inside ``shard_map`` (jax's ``check_vma=True``): the mesh axes each tensor varies over.
+
+While ``f`` runs, :class:`Tracker`, a ``TorchFunctionMode``, gives every tensor an op makes the union of its
+inputs' types; the entry gives each block the axes its ``in_specs`` names, a tensor made before the call (a
+closure, a parameter) and a constant vary over none, and the collectives set their own result's type
+(:mod:`.collectives`). Where an op mixes a value invariant over an axis that requires grad with one that varies
+over it, the invariant one goes through :func:`vary` first, as jax inserts ``pcast(..., to="varying")``: its
+transpose is the psum that makes the invariant value's gradient whole, so the entry of an invariant block, and the
+exit of an invariant output, need no communication, and ``psum`` of a varying value transposes to nothing.
+
+A type is stored on the tensor object with the tracker's serial number, so a tensor kept from an earlier call reads
+as invariant in a later one; no tensor subclass, no table that keeps tensors alive.
+"""
+
+import contextlib
+import itertools
+from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..wire.exchange import SplitSpec
+from ..wire.primitives import requires_grad, split
+from ..wire.protocol import Link
+from ..wire.roles import COPY
+
+Axes = FrozenSet[str]
+NONE: Axes = frozenset()
+_ATTR = "_cmap_vma"
+_SERIAL = itertools.count(1)
+_ACTIVE: List["Tracker"] = []
+# calls that return no tensor: nothing to type, and the getters among them are the most frequent calls
+_PLAIN = {
+    torch.Tensor.dim,
+    torch.Tensor.size,
+    torch.Tensor.numel,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.__len__,
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.stride,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.data_ptr,
+    torch.Tensor.element_size,
+    torch.Tensor.backward,
+    torch.Tensor.register_hook,
+    torch.autograd.grad,
+    torch.autograd.backward,
+    *(getattr(torch.Tensor, name).__get__ for name in ("shape", "dtype", "device", "requires_grad", "ndim", "layout")),
+    *(getattr(torch.Tensor, name).__get__ for name in ("is_cuda", "is_sparse", "is_meta", "grad_fn", "is_leaf")),
+}
+
+
+class Tracker(TorchFunctionMode):
+    """The types of the tensors ``f`` makes, over the manual axes ``links`` names (each axis's group)."""
+
+    def __init__(self, links: Dict[str, Link]) -> None:
+        super().__init__()
+        self.links, self.serial, self.paused = links, next(_SERIAL), 0
+        self.axes: Axes = frozenset(links)
+        self.start = torch._C._autograd._get_sequence_nr()  # autograd nodes numbered from here were made in f
+        self.cast: Dict[Tuple[int, Axes], Tuple[torch.Tensor, torch.Tensor]] = {}  # one cast per tensor and axes
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.paused or func in _PLAIN or getattr(func, "__name__", "") == "__set__":
+            return func(*args, **kwargs)
+        found = [t for t in _tensors(args, kwargs)]
+        if not found:
+            return func(*args, **kwargs)
+        kinds = [self.of(t) for t in found]
+        joined = kinds[0]
+        for k in kinds[1:]:
+            if k is not joined and k != joined:
+                joined = joined | k
+        if torch.is_grad_enabled() and any(k != joined for k in kinds):
+            mutated = args[0] if args and _in_place(func) else None
+            swap = {}
+            for t, k in zip(found, kinds):
+                if k == joined or not requires_grad(t):
+                    continue
+                if t is mutated:  # it keeps its identity: its history goes through the cast instead
+                    t.copy_(self.vary(t.clone(), joined - k))
+                else:
+                    swap[id(t)] = self._cast(t, joined - k)
+            if swap:
+                args = _replaced(args, swap)
+                if kwargs:
+                    kwargs = {n: _replaced_one(v, swap) for n, v in kwargs.items()}
+        return self.mark(func(*args, **kwargs), joined)
+
+    def of(self, t: Any) -> Axes:
+        """The axes ``t`` varies over (none for a tensor this call did not type)."""
+        if not isinstance(t, torch.Tensor):
+            return NONE
+        found = t.__dict__.get(_ATTR)
+        if found is not None and found[0] == self.serial:
+            return found[1]
+        # a function transform's wrapper made outside any op this mode saw (torch.vmap's inputs): its tensor's type
+        inner = t
+        while torch._C._functorch.is_functorch_wrapped_tensor(inner):
+            inner = torch._C._functorch.get_unwrapped(inner)
+            found = inner.__dict__.get(_ATTR)
+            if found is not None and found[0] == self.serial:
+                return found[1]
+        node = t.grad_fn
+        if node is None or node._sequence_nr() < self.start:
+            return NONE
+        # made in f by no op this mode saw (torch.vmap's unwrapped outputs): the types its graph's nodes recorded
+        axes = _recorded(node, self.serial, self.start)
+        t.__dict__[_ATTR] = (self.serial, axes)
+        return axes
+
+    def mark(self, out: Any, axes: Iterable[str]) -> Any:
+        """``out`` (a tensor, or a tuple or list of them) typed as varying over ``axes``; returns ``out``."""
+        axes = frozenset(axes)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                t.__dict__[_ATTR] = (self.serial, axes)
+                # and the tensors under a function transform's wrappers (torch.vmap returns its outputs' own, or views of
+                # them whose graph leads to the nodes recorded here)
+                while torch._C._functorch.is_functorch_wrapped_tensor(t):
+                    t = torch._C._functorch.get_unwrapped(t)
+                    t.__dict__[_ATTR] = (self.serial, axes)
+                    if t.grad_fn is not None:
+                        t.grad_fn.metadata[_ATTR] = (self.serial, axes)
+        return out
+
+    def _cast(self, t: torch.Tensor, axes: Axes) -> torch.Tensor:
+        """:meth:`vary` made once per tensor and axes in a call (a weight used by many ops is cast once, so its
+        gradient is summed once)."""
+        key = (id(t), axes)
+        found = self.cast.get(key)
+        if found is None or found[0] is not t:
+            found = self.cast[key] = (t, self.vary(t, axes))
+        return found[1]
+
+    def vary(self, t: torch.Tensor, axes: Iterable[str]) -> torch.Tensor:
+        """``pcast(t, axes, to="varying")``: the value itself, whose transpose sums the cotangents over ``axes``."""
+        axes = frozenset(axes)
+        base = self.of(t)
+        out = t
+        self.paused += 1
+        try:
+            for name in self.links:
+                link = self.links[name]
+                if name in axes and link is not None and link.group.size > 1:
+                    out = split(SplitSpec(link, (COPY,)), [out])[0]
+            if out is t:  # a new tensor object, so that ``t`` itself keeps its type
+                out = t.view_as(t)
+        finally:
+            self.paused -= 1
+        return self.mark(out, base | axes)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Ops that run inside a collective are not typed (the collective types its result)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+
+def _recorded(node: Any, serial: int, start: int) -> Axes:
+    """The union of the types recorded on the nodes nearest to ``node`` in its graph, among those made in f."""
+    axes, seen, todo = NONE, set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        found = n.metadata.get(_ATTR)
+        if found is not None and found[0] == serial:
+            axes = axes | found[1]
+        elif type(n).__name__ != "AccumulateGrad" and n._sequence_nr() >= start:
+            todo.extend(f for f, _ in n.next_functions)
+    return axes
+
+
+_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+
+
+def _tensors(args: Sequence[Any], kwargs: Dict[str, Any]) -> Iterator[torch.Tensor]:
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def _replaced_one(a: Any, swap: Dict[int, torch.Tensor]) -> Any:
+    if isinstance(a, torch.Tensor):
+        return swap.get(id(a), a)
+    if type(a) in (list, tuple):
+        return type(a)(swap.get(id(b), b) if isinstance(b, torch.Tensor) else b for b in a)
+    return a
+
+
+def _replaced(args: Sequence[Any], swap: Dict[int, torch.Tensor]) -> tuple:
+    return tuple(_replaced_one(a, swap) for a in args)
+
+
+def current() -> Optional[Tracker]:
+    """The tracker of the innermost ``shard_map`` with ``check_vma=True`` now running ``f`` (None: untyped)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def typed_axes(names: Sequence[str]) -> Optional[Tracker]:
+    """The tracker that types these axes (every one of them manual), else None: the ops run untyped."""
+    tracker = current()
+    if tracker is None or tracker.paused or not all(n in tracker.axes for n in names):
+        return None
+    return tracker
+
+
+@contextlib.contextmanager
+def tracking(tracker: Tracker) -> Iterator[Tracker]:
+    """Type every op inside the block."""
+    _ACTIVE.append(tracker)
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        _ACTIVE.pop()
