@@ -217,7 +217,7 @@ def _run_f(
             _check_vma(site, typer, flat, out_places, view)
             flat = _varied(typer, flat, out_places)
         graph_sig = closures.watch(flat, owner, start, whole) if tracking() and typer is None else 0
-        if not graph_sig:  # this rank's backward through f, guarded
+        if not graph_sig and typer is None:  # this rank's backward through f, guarded (untyped blocks)
             flat = guard(flat, owner, whole)
         out = tree_unflatten(flat, out_tree)
         lengths = None if opts.local else block_lengths(flat, out_places)
