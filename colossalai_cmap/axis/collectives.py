@@ -8,24 +8,29 @@ runs over the ranks of one mesh dimension, ``axis_size`` is its size and ``axis_
 There a tiled ``psum_scatter`` or ``all_to_all`` also takes a dim the axis size does not divide: each rank's chunk
 is its ``torch.tensor_split`` piece, as shard_map's blocks are (jax requires division).
 
-Every op is a reduction or a gather over the axis (:mod:`axes`), composed with local tensor ops, so each is
-differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside func, in
+Each op of the axis is one record of rules, registered together in ``RULES`` at the end of this module (as jax
+registers a primitive's transpose, batcher and lowering): a reduction, the gather, and over one axis name the
+per-example ops, each with its native collective. The public functions compose them with local tensor ops, so each
+is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside func, in
 every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of names, as
 in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
 """
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..wire.exchange import JoinSpec
+from ..wire.native import AllGather, AllToAll, ReduceScatter
 from ..wire.primitives import join
 from ..wire.protocol import Kind
-from ..wire.roles import COPY, Role, Rows
+from ..wire.roles import COPY, MAX, MIN, Role, Rows
+from . import lowering
 from . import ops as axes
 from . import vma
 from .frame import lookup
+from .rules import AxisRule, RuleKind, Transpose, register
 
 __all__ = [
     "psum",
@@ -70,7 +75,7 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """
     tracker = vma.typed_axes(_names(axis_name))
     if tracker is None:
-        return _over(x, axis_name, "sum")
+        return _over(x, axis_name, "psum")
     return _invariant(tracker, x, axis_name, "psum", COPY)
 
 
@@ -81,12 +86,12 @@ def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise maximum over every example of the axis. Not differentiable."""
-    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "max"))
+    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "pmax"))
 
 
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise minimum over every example of the axis. Not differentiable."""
-    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "min"))
+    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "pmin"))
 
 
 def all_gather(
@@ -119,7 +124,7 @@ def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0,
 
 
 def _all_gather(x: torch.Tensor, axis_name: AxisName, axis: int, tiled: bool) -> torch.Tensor:
-    out = _over(x, axis_name, "gather")
+    out = _over(x, axis_name, "all_gather")
     shape, size = _example_shape(axis_name, x), axis_size(axis_name)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
 
@@ -189,7 +194,7 @@ def _psum_scatter(x: torch.Tensor, axis_name: AxisName, scatter_dimension: int, 
     d = _dim(scatter_dimension, len(shape), "psum_scatter", "scatter_dimension")
     chunk = _chunk("psum_scatter", axis_name, shape[d], tiled, "scatter_dimension")
     if chunk is not None and _native(axis_name):
-        out = axes.apply(x, _names(axis_name)[0], "scatter", d)
+        out = axes.apply(x, _names(axis_name)[0], "psum_scatter", d)
         return out if tiled else out.squeeze(d + _lead(axis_name))
     total = psum(x, axis_name)
     if chunk is None:
@@ -220,7 +225,7 @@ def _all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_ax
     if chunk is not None and _native(axis_name):
         B = axis_size(axis_name)
         front = _per_example(axis_name, lambda v: v.movedim(s, 0), x)  # the chunks to send along dim 0
-        got = axes.apply(front, _names(axis_name)[0], "a2a", 0)  # (B sources * chunk, ...) per example
+        got = axes.apply(front, _names(axis_name)[0], "all_to_all", 0)  # (B sources * chunk, ...) per example
 
         def arrange(z: torch.Tensor) -> torch.Tensor:
             parts = z.unflatten(0, (B, chunk))  # [source, chunk, the other dims]
@@ -251,8 +256,8 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int
 def _ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
     sources = _sources(perm, axis_size(axis_name))
     if _native(axis_name):
-        return axes.apply(x, _names(axis_name)[0], "permute", tuple(sources))
-    table = axes.index_table(tuple(sources), x.device)
+        return axes.apply(x, _names(axis_name)[0], "ppermute", tuple(sources))
+    table = lowering.index_table(tuple(sources), x.device)
     everyone = all_gather(x, axis_name)
 
     def pick(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -416,3 +421,146 @@ def _sources(perm: Sequence[Tuple[int, int]], size: int) -> list:
         seen.add(src)
         source[dst] = src
     return source
+
+
+# --------------------------------------------------------------------------------------------------- the rules
+def _times_size(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x * size
+
+
+def _copied(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x.clone()
+
+
+def _stacked(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x.unsqueeze(0).expand(size, *x.shape).clone()
+
+
+def _lead_in_front(arg: Any) -> Tuple[Any, int]:
+    """Another map's dim leads the rows and leads the result; the argument names no example dim."""
+    return arg, 0
+
+
+def _lead_after_gathered(arg: Any) -> Tuple[Any, int]:
+    """Another map's dim leads the rows; in the result it comes after the gathered dim."""
+    return arg, 1
+
+
+def _lead_before_example_dim(d: int) -> Tuple[int, int]:
+    """Another map's dim leads the rows, so the example dim the op splits moves one on."""
+    return d + 1, 0
+
+
+def _no_arg(arg: Any) -> None:
+    return None
+
+
+def _first_row(arg: Any) -> int:
+    return 0
+
+
+def _own_row(cotangent: torch.Tensor, arg: Any) -> torch.Tensor:
+    return cotangent.squeeze(0)
+
+
+def _chunks_in_order(full: torch.Tensor, d: int) -> torch.Tensor:
+    """Every example's chunk (gathered along dim 0), in order along the scattered dim ``d``."""
+    return full.movedim(0, d).flatten(d, d + 1)
+
+
+def _inverse(sources: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The inverse permutation of ``sources`` (each destination's source, -1: none)."""
+    inverse = [-1] * len(sources)
+    for j, s in enumerate(sources):
+        if s >= 0:
+            inverse[s] = j
+    return tuple(inverse)
+
+
+# Each op's rules, by jax.lax's name: what AxisOp follows. A transpose names another op of this table; an op with
+# no traced rule is composed of psum and all_gather inside torch.compile (see _native).
+RULES: Mapping[str, AxisRule] = register(
+    AxisRule(
+        "psum",
+        RuleKind.REDUCE,
+        rows=lowering.reduce_rows,
+        traced=lowering.reduce_rows_traced,
+        traced_vmap=lowering.sum_rows_traced_vmap,
+        unbatched=_times_size,
+        batching=_lead_in_front,
+        transpose=Transpose("psum"),
+        collective=COPY,
+        local=lowering.local_sum,
+        reduce_op="sum",
+    ),
+    AxisRule(
+        "pmax",
+        RuleKind.REDUCE,
+        rows=lowering.reduce_rows,
+        traced=lowering.reduce_rows_traced,
+        traced_vmap=lowering.extreme_rows_traced_vmap,
+        unbatched=_copied,
+        batching=_lead_in_front,
+        transpose=None,
+        collective=MAX,
+        local=lowering.local_max,
+        reduce_op="max",
+    ),
+    AxisRule(
+        "pmin",
+        RuleKind.REDUCE,
+        rows=lowering.reduce_rows,
+        traced=lowering.reduce_rows_traced,
+        traced_vmap=lowering.extreme_rows_traced_vmap,
+        unbatched=_copied,
+        batching=_lead_in_front,
+        transpose=None,
+        collective=MIN,
+        local=lowering.local_min,
+        reduce_op="min",
+    ),
+    AxisRule(
+        "all_gather",
+        RuleKind.GATHER,
+        rows=lowering.gather_rows,
+        traced=lowering.gather_rows_traced,
+        traced_vmap=lowering.gather_rows_traced_vmap,
+        unbatched=_stacked,
+        batching=_lead_after_gathered,
+        transpose=Transpose("psum_scatter", arg=_first_row, arrange=_own_row),  # this example's row of the sum
+        collective=AllGather,
+    ),
+    AxisRule(
+        "psum_scatter",
+        RuleKind.PER_EXAMPLE,
+        rows=lowering.scatter_rows,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_before_example_dim,
+        transpose=Transpose("all_gather", arg=_no_arg, arrange=_chunks_in_order),
+        collective=ReduceScatter,
+    ),
+    AxisRule(
+        "all_to_all",
+        RuleKind.PER_EXAMPLE,
+        rows=lowering.a2a_rows,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_before_example_dim,
+        transpose=Transpose("all_to_all"),  # its own transpose
+        collective=AllToAll,
+    ),
+    AxisRule(
+        "ppermute",
+        RuleKind.PER_EXAMPLE,
+        rows=lowering.permute_rows,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_in_front,
+        transpose=Transpose("ppermute", arg=_inverse),  # the inverse permutation
+        collective=AllToAll,
+    ),
+)

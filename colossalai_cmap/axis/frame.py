@@ -3,11 +3,21 @@ collectives inside func find their group, sizes and indices."""
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence
 
 import torch
 
 from ..wire.protocol import Link
+
+
+class ExampleLoop(Protocol):
+    """Loop mode's example threads, as the collectives see them (the call package runs the threads)."""
+
+    def index(self) -> torch.Tensor:
+        """The global index of the example whose thread calls."""
+
+    def run(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A collective: every example's ``x`` stacked, ``fn`` once on the stack, each example gets the result."""
 
 
 @dataclass
@@ -37,7 +47,7 @@ class AxisFrame:
     dummy: bool = False
     index: Any = None
     level: Optional[int] = None
-    loop: Any = field(default=None, repr=False)
+    loop: Optional[ExampleLoop] = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:

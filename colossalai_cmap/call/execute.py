@@ -9,7 +9,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
-from ..axis.ops import LoopBarrier
+from .loop import LoopBarrier
 from .options import Options
 from .specs import flatten_out_dims, normalise_out_dim, unflatten
 

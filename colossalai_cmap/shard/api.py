@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
-from ..axis.ops import index_table
+from ..axis.lowering import index_table
 from ..call import closures
 from ..digests import digest
 from ..errors import CmapError

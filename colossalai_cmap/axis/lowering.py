@@ -1,0 +1,313 @@
+"""The exchanges the collectives' rules lower to: this run's rows (dim 0) over every example of the axis.
+
+Eagerly a reduction is the primitives' Join (an ``OP`` round), and a gather or a per-example op a native collective
+of ``wire.native``, through which only the rows each example needs travel. Under ``torch.compile`` the same rows go
+through functional collectives instead (traceable with ``fullgraph=True``), whose backward is made of functional
+collectives too: differentiable once inside a compiled function. No status round runs there: see
+docs/collectives.md.
+"""
+
+import functools
+import itertools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..wire import native as wire_native
+from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.native import NativeSpec
+from ..wire.primitives import join, split
+from ..wire.protocol import Kind
+from ..wire.roles import COPY
+from ..wire.traced import gather_under_vmap
+from .frame import AxisFrame
+from .rules import AxisRule
+
+
+def index_table(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, made once: a table copied to an accelerator at every call would
+    wait for the device each time (inside torch.compile, a constant of the graph). Only ever read."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return _kept_table(values, device)
+
+
+@functools.lru_cache(maxsize=512)
+def _kept_table(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # plain, whatever mode or function transform the first call ran under
+    with torch.inference_mode(False), torch._C._DisableFuncTorch():
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def exchange(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None) -> torch.Tensor:
+    """``rule``'s exchange of this run's rows: its traced form inside ``torch.compile``, else its eager one."""
+    if not torch.compiler.is_compiling():
+        return rule.rows(frame, rows, rule, name, arg)
+    if rule.traced is None:
+        raise NotImplementedError(f"{rule.label(name)} has no traced rule.")
+    return rule.traced(frame, rows, rule, name, arg)
+
+
+def traced_vmap(frame: AxisFrame, x: torch.Tensor, rule: AxisRule, name: str, arg: Any) -> torch.Tensor:
+    """Mode "vmap" inside ``torch.compile``, where dynamo follows no vmap rule of an autograd Function and functorch
+    runs no autograd Function of a compiled graph: this run's rows come out of the batch at the axis's vmap level (a
+    value every example shares is expanded to them), go through ``rule.traced_vmap``, and the result, the same for
+    every example, goes back as a plain tensor. The per-example ops never reach here (they are made of psum and
+    all_gather under compile); a vmap that func itself opens between them and the axis is not followed."""
+    if rule.traced_vmap is None:
+        raise NotImplementedError(f"{rule.label(name)} has no traced vmap rule.")
+    count = 1 if frame.dummy else frame.sizes[0 if frame.link is None else frame.link.group.rank]
+    rows = torch._C._functorch._remove_batch_dim(x, frame.level, count, 0)
+    return rule.traced_vmap(frame, rows, rule, name, arg)
+
+
+def _alone(frame: AxisFrame) -> bool:
+    """The axis's members are all on this rank: no communication."""
+    return frame.link is None or frame.link.group.size == 1
+
+
+def _real(frame: AxisFrame, rows: torch.Tensor) -> torch.Tensor:
+    """The rows that take part: none for an empty shard's stand-in, which contributes nothing (through its graph,
+    zero rows, so that backward still meets on every rank)."""
+    return rows[:0] if frame.dummy else rows
+
+
+def _starts(sizes: Sequence[int]) -> List[int]:
+    """Each rank's first row, from every rank's row count."""
+    return [0, *itertools.accumulate(sizes)][:-1]
+
+
+# --------------------------------------------------------------------------------------- a reduction's own rows
+def _filled(rows: torch.Tensor, boolean: bool, pick: Callable[[Any], Any]) -> torch.Tensor:
+    """A reduction's identity, for no rows: ``boolean`` for bools, else ``pick`` of the dtype's finfo/iinfo."""
+    like = rows.new_empty(rows.shape[1:])
+    if like.dtype == torch.bool:
+        return torch.full_like(like, boolean)
+    info = torch.finfo(like.dtype) if like.is_floating_point() else torch.iinfo(like.dtype)
+    return torch.full_like(like, pick(info))
+
+
+def local_sum(rows: torch.Tensor) -> torch.Tensor:
+    return rows.sum(0)
+
+
+def local_max(rows: torch.Tensor) -> torch.Tensor:
+    if rows.shape[0] == 0:
+        return _filled(rows, False, lambda info: info.min)
+    return rows.any(0) if rows.dtype == torch.bool else rows.amax(0)
+
+
+def local_min(rows: torch.Tensor) -> torch.Tensor:
+    if rows.shape[0] == 0:
+        return _filled(rows, True, lambda info: info.max)
+    return rows.all(0) if rows.dtype == torch.bool else rows.amin(0)
+
+
+# ---------------------------------------------------------------------------------------- eager: reduce, gather
+def reduce_rows(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None) -> torch.Tensor:
+    """This run's rows reduced over every example of the axis.
+
+    A sum is ``Split(Join(.))``: per-rank partial sums joined into the global sum, which every rank then uses as its
+    own value, so its backward sums the cotangents over the group too. A reduction with no transpose (max, min) is
+    the Join alone.
+    """
+    local = rule.local(_real(frame, rows))
+    if _alone(frame):
+        return local
+    (total,) = join(JoinSpec(frame.link, (rule.collective,), rule.label(name), Kind.OP), [local])
+    if not rule.differentiable:
+        return total
+    return split(SplitSpec(frame.link, (COPY,)), [total])[0]
+
+
+def gather_rows(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None) -> torch.Tensor:
+    """Every example's row in global order (shares may be uneven), an all-gather; backward is its transpose, a
+    reduce-scatter: each rank gets its rows of the cotangents' sum."""
+    real = _real(frame, rows)
+    if _alone(frame):
+        return real
+    return wire_native.run(rule.collective, _spec(frame, rule, name, 0, tuple(frame.sizes)), real)
+
+
+def _spec(
+    frame: AxisFrame, rule: AxisRule, name: str, dim: int, sizes: Tuple[int, ...], recv: Tuple[int, ...] = ()
+) -> Any:
+    return NativeSpec(frame.link, dim, sizes, rule.label(name), Kind.OP, recv)
+
+
+# ------------------------------------------------------------------------------------ eager: per-example parts
+PartsRule = Callable[[AxisFrame, torch.Tensor, AxisRule, str, Any, Tuple[int, ...]], torch.Tensor]
+
+
+def _per_example(parts: PartsRule) -> Callable[..., torch.Tensor]:
+    """An op where each example gets its own part, on this run's rows, with the native collective: only the rows
+    each example needs cross the wire. ``parts`` gets the real rows and every rank's row count; the stand-in
+    example of an empty shard contributes nothing and gets zeros."""
+
+    @functools.wraps(parts)
+    def rows_rule(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any) -> torch.Tensor:
+        real = _real(frame, rows)
+        sizes = (real.shape[0],) if _alone(frame) else tuple(frame.sizes)
+        out = parts(frame, real, rule, name, arg, sizes)
+        if frame.dummy:
+            out = torch.cat([out, out.new_zeros((rows.shape[0] - out.shape[0], *out.shape[1:]))])
+        return out
+
+    return rows_rule
+
+
+@_per_example
+def scatter_rows(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, d: int, sizes: Tuple[int, ...]
+) -> torch.Tensor:
+    """Chunk i (of B along example dim ``d``) of the sum over every example, for each of this run's examples i."""
+    partial = rows.sum(0)
+    chunk = partial.shape[d] // sum(sizes)
+    if _alone(frame):
+        mine = partial
+    else:
+        spec = _spec(frame, rule, name, d, tuple(n * chunk for n in sizes))
+        mine = wire_native.run(rule.collective, spec, partial)
+    return mine.unflatten(d, (rows.shape[0], chunk)).movedim(d, 0)
+
+
+@_per_example
+def a2a_rows(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, d: int, sizes: Tuple[int, ...]
+) -> torch.Tensor:
+    """For each of this run's examples j, chunk j of every example's value along ``d`` (of B chunks), concatenated
+    in global order along ``d``."""
+    n, B = rows.shape[0], sum(sizes)
+    moved = rows.movedim(d + 1, 1)  # (n, B * chunk, rest...)
+    chunk = moved.shape[1] // B
+    four = moved.unflatten(1, (B, chunk))  # (n, B, chunk, rest...): [my example, its destination example]
+    if _alone(frame):
+        got = four  # one rank: its examples are every source
+    else:
+        offsets = _starts(sizes)
+        send = torch.cat([four.narrow(1, o, k).flatten(0, 1) for o, k in zip(offsets, sizes)])
+        spec = _spec(frame, rule, name, 0, tuple(n * k for k in sizes), tuple(k * n for k in sizes))
+        got = wire_native.run(rule.collective, spec, send).unflatten(0, (B, n))  # [source example, my example]
+    return got.transpose(0, 1).flatten(1, 2).movedim(1, d + 1)  # (n, B * chunk along d, ...)
+
+
+@_per_example
+def permute_rows(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, sources: Tuple[int, ...], sizes: Tuple[int, ...]
+) -> torch.Tensor:
+    """Each of this run's examples j gets example ``sources[j]``'s row (zeros for -1): each row travels once, from
+    the rank that holds its source to the rank that holds its destination."""
+    owner = [r for r, k in enumerate(sizes) for _ in range(k)]
+    offsets = _starts(sizes)
+    me = 0 if frame.link is None else frame.link.group.rank
+    pairs = [(s, j) for j, s in enumerate(sources) if s >= 0]  # (source, destination), in destination order
+    sent = [[s - offsets[me] for s, j in pairs if owner[s] == me and owner[j] == r] for r in range(len(sizes))]
+    got = [[j - offsets[me] for s, j in pairs if owner[s] == r and owner[j] == me] for r in range(len(sizes))]
+    flat_sent = [i for part in sent for i in part]
+    send = rows.index_select(0, index_table(tuple(flat_sent), rows.device))
+    if _alone(frame):
+        received = send
+    else:
+        spec = _spec(frame, rule, name, 0, tuple(len(p) for p in sent), tuple(len(p) for p in got))
+        received = wire_native.run(rule.collective, spec, send)
+    where = index_table(tuple(j for part in got for j in part), rows.device)
+    return rows.new_zeros(rows.shape).index_copy(0, where, received)
+
+
+# ------------------------------------------------------------------------ traced: inside torch.compile (batched)
+def reduce_rows_traced(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
+) -> torch.Tensor:
+    local = rule.local(_real(frame, rows))
+    if _alone(frame):
+        return local
+    return _CompiledReduce.apply(local, frame.link.group.pg, rule.reduce_op, rule.name, rule.differentiable)
+
+
+def gather_rows_traced(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
+) -> torch.Tensor:
+    real = _real(frame, rows)
+    if _alone(frame):
+        return real
+    return _CompiledGather.apply(real, frame.link.group.pg, tuple(frame.sizes))
+
+
+class _CompiledReduce(torch.autograd.Function):
+    """Inside ``torch.compile``: a functional all-reduce, whose backward (a sum's) is one too (dynamo traces neither
+    a ``setup_context`` Function nor ``Function.apply`` in a backward)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, local: torch.Tensor, pg: Any, reduce_op: str, name: str, differentiable: bool
+    ) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        ctx.pg, ctx.name, ctx.differentiable = pg, name, differentiable
+        return fc.all_reduce(local, reduce_op, pg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None]:
+        import torch.distributed._functional_collectives as fc
+
+        if not ctx.differentiable:
+            raise RuntimeError(f"{ctx.name} is not differentiable.")
+        return fc.all_reduce(grad.contiguous(), "sum", ctx.pg), None, None, None, None
+
+
+class _CompiledGather(torch.autograd.Function):
+    """Inside ``torch.compile``: a padded functional all-gather; backward, the cotangents' sum, this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, pg: Any, sizes: Tuple[int, ...]) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        ctx.pg, ctx.sizes = pg, sizes
+        cap, n = max(sizes), local.shape[0]
+        padded = torch.cat([local, local.new_zeros((cap - n, *local.shape[1:]))]) if n < cap else local
+        full = fc.all_gather_tensor(padded.contiguous(), 0, pg)
+        return torch.cat([full.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
+        import torch.distributed._functional_collectives as fc
+
+        total = fc.all_reduce(grad.contiguous(), "sum", ctx.pg)
+        rank = torch.distributed.get_rank(ctx.pg)
+        return total.narrow(0, sum(ctx.sizes[:rank]), ctx.sizes[rank]), None, None
+
+
+# ----------------------------------------------------------------------- traced: inside torch.compile, vmap mode
+def sum_rows_traced_vmap(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
+) -> torch.Tensor:
+    """Every rank's partial sum, added up: the gather's backward sums the cotangents over the ranks."""
+    local = rule.local(_real(frame, rows))
+    if _alone(frame):
+        return local
+    return gather_under_vmap(local.unsqueeze(0), frame.link.group.pg).sum(0)
+
+
+def extreme_rows_traced_vmap(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
+) -> torch.Tensor:
+    """A reduction with no gradient (max, min): a functional all-reduce of the detached partial results."""
+    local = rule.local(_real(frame, rows))
+    if _alone(frame):
+        return local
+    import torch.distributed._functional_collectives as fc
+
+    return fc.all_reduce(local.detach().contiguous(), rule.reduce_op, frame.link.group.pg)
+
+
+def gather_rows_traced_vmap(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
+) -> torch.Tensor:
+    """The all-gather op with its own autograd kernel, padded to the largest share."""
+    real = _real(frame, rows)
+    if _alone(frame):
+        return real
+    cap = max(frame.sizes)
+    padded = torch.cat([real, real.new_zeros((cap - real.shape[0], *real.shape[1:]))])
+    full = gather_under_vmap(padded, frame.link.group.pg)
+    return torch.cat([full.narrow(0, r * cap, k) for r, k in enumerate(frame.sizes) if k])
