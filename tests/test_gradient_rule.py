@@ -150,7 +150,6 @@ def _oracle():
     except ImportError:
         value, grads = torch.func.grad_and_value(lambda ps: loss(ps, (x, t)))(params)
         return value, _leaves(grads)
-    jax.config.update("jax_enable_x64", True)
 
     def jax_loss(ps, batch):  # the tutorial's, as written
         inputs, targets = batch
@@ -159,8 +158,10 @@ def _oracle():
             inputs = jax.nn.relu(outputs)
         return jnp.mean(jnp.sum((outputs - targets) ** 2, axis=-1))
 
-    jp = [tuple(jnp.asarray(v.numpy()) for v in layer) for layer in params]
-    value, grads = jax.value_and_grad(jax_loss)(jp, (jnp.asarray(x.numpy()), jnp.asarray(t.numpy())))
+    with jax.enable_x64(True):  # scoped: the process's other jax cases keep jax's default dtypes
+        jp = [tuple(jnp.asarray(v.numpy()) for v in layer) for layer in params]
+        value, grads = jax.value_and_grad(jax_loss)(jp, (jnp.asarray(x.numpy()), jnp.asarray(t.numpy())))
+        value, grads = jax.device_get(value), jax.device_get(grads)
     as_torch = lambda a: torch.tensor(jax.device_get(a).tolist(), dtype=torch.float64)  # noqa: E731
     return as_torch(value), [as_torch(g) for layer in grads for g in layer]
 

@@ -87,19 +87,25 @@ def _filled(rows: torch.Tensor, boolean: bool, pick: Callable[[Any], Any]) -> to
     return torch.full_like(like, pick(info))
 
 
+def _kept(rows: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
+    """The identity, joined to the graph of the (zero) rows: an empty shard's stand-in builds the same autograd graph
+    as its peers, so a backward that refuses (max, min) refuses on every rank, in step."""
+    return identity + rows.sum(0) if rows.is_floating_point() or rows.is_complex() else identity
+
+
 def local_sum(rows: torch.Tensor) -> torch.Tensor:
     return rows.sum(0)
 
 
 def local_max(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 0:
-        return _filled(rows, False, lambda info: info.min)
+        return _kept(rows, _filled(rows, False, lambda info: info.min))
     return rows.any(0) if rows.dtype == torch.bool else rows.amax(0)
 
 
 def local_min(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 0:
-        return _filled(rows, True, lambda info: info.max)
+        return _kept(rows, _filled(rows, True, lambda info: info.max))
     return rows.all(0) if rows.dtype == torch.bool else rows.amin(0)
 
 
