@@ -224,3 +224,37 @@ def check_user_backward_failure_in_shard_map(check_vma):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_failure_in_user_backward_in_shard_map(worlds, check_vma):
     assert worlds(2).run(check_user_backward_failure_in_shard_map, check_vma, deadline=60) == [True] * 2
+
+
+def check_guarded_shard_map_gradients():
+    """Through the guard, with and without types: an argument cut and closed over too, a replicated one given twice
+    and returned as it is, a non-leaf closure read through attribute views; every gradient is the unsharded one's."""
+    from shard_cases import mesh
+
+    size = dist.get_world_size()
+    m = mesh((size,), ("i",))
+    x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    r = torch.randn(3, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    w0 = torch.randn(3, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    for check_vma in (True, False):
+        w = (w0 * 2).view(1, 3)
+        f = cm.shard_map(
+            lambda b, s, s2: (cm.psum(b.sin() * x.sum(0) * w, "i") * s + s2 * r + w.mT.mT, s),
+            m,
+            (cm.P("i"), cm.P(), cm.P()),
+            (cm.P(), cm.P()),
+            check_vma=check_vma,
+        )
+        y, same = f(x, r, r)
+        got = torch.autograd.grad((y * y).sum() + (same * 3).sum(), (x, r, w0))
+        xs, rs, ws = (t.detach().clone().requires_grad_() for t in (x, r, w0))
+        wv = (ws * 2).view(1, 3)
+        y = xs.sin().view(size, 2, 3).sum(0) * xs.sum(0) * wv * rs + rs * rs + wv
+        want = torch.autograd.grad((y * y).sum() + (rs * 3).sum(), (xs, rs, ws))
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e)
+    return True
+
+
+def test_guarded_shard_map_gradients(worlds):
+    assert worlds(2).run(check_guarded_shard_map_gradients, deadline=60) == [True] * 2

@@ -76,10 +76,11 @@ class Tracker(TorchFunctionMode):
         found = [t for t in _tensors(args, kwargs)]
         if not found:
             return func(*args, **kwargs)
-        if self.owner is not None and torch.is_grad_enabled() and _enters(func):
-            mutated = args[0] if args and _in_place(func) else None
-            swap = {id(t): a for t in found if t is not mutated and (a := self.route(t)) is not t}
-            if swap:
+        if self.owner is not None:
+            swap = {id(t): a for t in found if (a := self.route(t)) is not t}
+            if swap and args and _in_place(func):  # the mutated tensor keeps its identity
+                swap.pop(id(args[0]), None)
+            if swap and _enters(func):
                 args = _replaced(args, swap)
                 if kwargs:
                     kwargs = {n: _replaced_one(v, swap) for n, v in kwargs.items()}
@@ -155,25 +156,28 @@ class Tracker(TorchFunctionMode):
         """``t``, or where it is a tensor from outside ``f`` that requires grad (a replicated block, a closure, a
         parameter), its alias through the call's boundary (:func:`~..wire.guard.as_is`), once per tensor: the guarded
         backward through ``f`` stops there, as at the entry's Splits."""
-        if self.owner is None or not requires_grad(t) or not torch.is_grad_enabled() or self._made_here(t):
+        if self.owner is None or not isinstance(t, torch.Tensor):
+            return t
+        found = t.__dict__.get(_ATTR)
+        if found is not None and found[0] == self.serial:  # typed in this call: made in f (the most frequent case)
+            return t
+        found = self.entered.get(id(t))
+        if found is not None and found[0] is t:
+            return found[1]
+        if not requires_grad(t) or not torch.is_grad_enabled():
+            return t
+        node = t.grad_fn
+        if node is not None and node._sequence_nr() >= self.start:  # made in f by no op this mode saw
             return t
         if torch._C._functorch.maybe_current_level() is not None or torch._C._functorch.is_functorch_wrapped_tensor(t):
             return t  # under a transform inside f: the graph walk finds the edge, and the call runs unguarded
-        found = self.entered.get(id(t))
-        if found is None or found[0] is not t:
-            self.paused += 1
-            try:
-                found = self.entered[id(t)] = (t, self.mark(as_is(self.owner, t), NONE))
-            finally:
-                self.paused -= 1
-        return found[1]
-
-    def _made_here(self, t: torch.Tensor) -> bool:
-        found = t.__dict__.get(_ATTR)
-        if found is not None and found[0] == self.serial:
-            return True
-        node = t.grad_fn
-        return node is not None and node._sequence_nr() >= self.start
+        self.paused += 1
+        try:
+            alias = self.mark(as_is(self.owner, t), NONE)
+        finally:
+            self.paused -= 1
+        self.entered[id(t)] = (t, alias)
+        return alias
 
     def vary(self, t: torch.Tensor, axes: Iterable[str]) -> torch.Tensor:
         """``pcast(t, axes, to="varying")``: the value itself, whose transpose sums the cotangents over ``axes``."""
