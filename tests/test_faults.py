@@ -184,26 +184,77 @@ def test_fault_in_each_native_collective_reaches_every_rank(worlds, P):
     assert got == [[(op, phase) for op in _native_ops(P) for phase in ("pack", "backward")]] * P
 
 
-def check_user_backward_failure_in_shard_map():
-    """The same in shard_map on a mesh of one axis, with a psum inside f: every rank raises the same CmapError."""
+def check_user_backward_failure_in_shard_map(check_vma):
+    """The same in shard_map on a mesh of one axis, with a psum, a closure and a replicated input inside f: every
+    rank raises the same CmapError; without the failure, every gradient is the unsharded program's."""
     from shard_cases import mesh
 
     rank, size = dist.get_rank(), dist.get_world_size()
     m = mesh((size,), ("i",))
     x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
-    f = cm.shard_map(
-        lambda b: cm.psum(_FailsInBackward.apply(b, size - 1).sin(), "i"), m, cm.P("i"), cm.P(), check_vma=False
-    )
+    r = torch.randn(3, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    w = torch.randn(3, generator=torch.Generator().manual_seed(2)).requires_grad_()
+
+    def run(failing):
+        f = cm.shard_map(
+            lambda b, s: cm.psum(_FailsInBackward.apply(b, failing).sin() * w, "i") * s,
+            m,
+            (cm.P("i"), cm.P()),
+            cm.P(),
+            check_vma=check_vma,
+        )
+        return f(x, r).sum()
+
     with pytest.raises(ValueError) as info:
-        f(x).sum().backward()
+        run(size - 1).backward()
     err = info.value
     assert isinstance(err, cm.CmapError) and [f.group_rank for f in err.failures] == [size - 1], str(err)
     assert (type(err.__cause__).__name__ == "ValueError") == (rank == size - 1)
     total = torch.ones(1)
     dist.all_reduce(total)
     assert total.item() == size
+    got = torch.autograd.grad(run(-1), (x, r, w))
+    xs, rs, ws = (t.detach().clone().requires_grad_() for t in (x, r, w))
+    want = torch.autograd.grad((xs.sin().view(size, 2, 3).sum(0) * ws * rs).sum(), (xs, rs, ws))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
     return True
 
 
-def test_failure_in_user_backward_in_shard_map(worlds):
-    assert worlds(2).run(check_user_backward_failure_in_shard_map, deadline=60) == [True] * 2
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_failure_in_user_backward_in_shard_map(worlds, check_vma):
+    assert worlds(2).run(check_user_backward_failure_in_shard_map, check_vma, deadline=60) == [True] * 2
+
+
+def check_guarded_shard_map_gradients():
+    """Through the guard, with and without types: an argument cut and closed over too, a replicated one given twice
+    and returned as it is, a non-leaf closure read through attribute views; every gradient is the unsharded one's."""
+    from shard_cases import mesh
+
+    size = dist.get_world_size()
+    m = mesh((size,), ("i",))
+    x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    r = torch.randn(3, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    w0 = torch.randn(3, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    for check_vma in (True, False):
+        w = (w0 * 2).view(1, 3)
+        f = cm.shard_map(
+            lambda b, s, s2: (cm.psum(b.sin() * x.sum(0) * w, "i") * s + s2 * r + w.mT.mT, s),
+            m,
+            (cm.P("i"), cm.P(), cm.P()),
+            (cm.P(), cm.P()),
+            check_vma=check_vma,
+        )
+        y, same = f(x, r, r)
+        got = torch.autograd.grad((y * y).sum() + (same * 3).sum(), (x, r, w0))
+        xs, rs, ws = (t.detach().clone().requires_grad_() for t in (x, r, w0))
+        wv = (ws * 2).view(1, 3)
+        y = xs.sin().view(size, 2, 3).sum(0) * xs.sum(0) * wv * rs + rs * rs + wv
+        want = torch.autograd.grad((y * y).sum() + (rs * 3).sum(), (xs, rs, ws))
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e)
+    return True
+
+
+def test_guarded_shard_map_gradients(worlds):
+    assert worlds(2).run(check_guarded_shard_map_gradients, deadline=60) == [True] * 2

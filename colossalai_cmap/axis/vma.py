@@ -8,6 +8,9 @@ over it, the invariant one goes through :func:`vary` first, as jax inserts ``pca
 transpose is the psum that makes the invariant value's gradient whole, so the entry of an invariant block, and the
 exit of an invariant output, need no communication, and ``psum`` of a varying value transposes to nothing.
 
+A tensor from outside ``f`` that requires grad enters ``f``'s graph through the call's boundary
+(:meth:`Tracker.route`, an identity node the guarded backward stops at), at its first use.
+
 A type is stored on the tensor object with the tracker's serial number, so a tensor kept from an earlier call reads
 as invariant in a later one; no tensor subclass, no table that keeps tensors alive.
 """
@@ -19,7 +22,8 @@ from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Seq
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..wire.exchange import SplitSpec
+from ..wire.exchange import CallTag, SplitSpec
+from ..wire.guard import as_is
 from ..wire.primitives import requires_grad, split
 from ..wire.protocol import Link
 from ..wire.roles import COPY
@@ -57,12 +61,13 @@ _PLAIN = {
 class Tracker(TorchFunctionMode):
     """The types of the tensors ``f`` makes, over the manual axes ``links`` names (each axis's group)."""
 
-    def __init__(self, links: Dict[str, Link]) -> None:
+    def __init__(self, links: Dict[str, Link], owner: Optional[CallTag] = None) -> None:
         super().__init__()
-        self.links, self.serial, self.paused = links, next(_SERIAL), 0
+        self.links, self.serial, self.paused, self.owner = links, next(_SERIAL), 0, owner
         self.axes: Axes = frozenset(links)
         self.start = torch._C._autograd._get_sequence_nr()  # autograd nodes numbered from here were made in f
         self.cast: Dict[Tuple[int, Axes], Tuple[torch.Tensor, torch.Tensor]] = {}  # one cast per tensor and axes
+        self.entered: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # one alias per tensor from outside f
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -71,6 +76,15 @@ class Tracker(TorchFunctionMode):
         found = [t for t in _tensors(args, kwargs)]
         if not found:
             return func(*args, **kwargs)
+        if self.owner is not None:
+            swap = {id(t): a for t in found if (a := self.route(t)) is not t}
+            if swap and args and _in_place(func):  # the mutated tensor keeps its identity
+                swap.pop(id(args[0]), None)
+            if swap and _enters(func):
+                args = _replaced(args, swap)
+                if kwargs:
+                    kwargs = {n: _replaced_one(v, swap) for n, v in kwargs.items()}
+                found = [swap.get(id(t), t) for t in found]
         kinds = [self.of(t) for t in found]
         joined = kinds[0]
         for k in kinds[1:]:
@@ -138,9 +152,37 @@ class Tracker(TorchFunctionMode):
             found = self.cast[key] = (t, self.vary(t, axes))
         return found[1]
 
+    def route(self, t: Any) -> Any:
+        """``t``, or where it is a tensor from outside ``f`` that requires grad (a replicated block, a closure, a
+        parameter), its alias through the call's boundary (:func:`~..wire.guard.as_is`), once per tensor: the guarded
+        backward through ``f`` stops there, as at the entry's Splits."""
+        if self.owner is None or not isinstance(t, torch.Tensor):
+            return t
+        found = t.__dict__.get(_ATTR)
+        if found is not None and found[0] == self.serial:  # typed in this call: made in f (the most frequent case)
+            return t
+        found = self.entered.get(id(t))
+        if found is not None and found[0] is t:
+            return found[1]
+        if not requires_grad(t) or not torch.is_grad_enabled():
+            return t
+        node = t.grad_fn
+        if node is not None and node._sequence_nr() >= self.start:  # made in f by no op this mode saw
+            return t
+        if torch._C._functorch.maybe_current_level() is not None or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return t  # under a transform inside f: the graph walk finds the edge, and the call runs unguarded
+        self.paused += 1
+        try:
+            alias = self.mark(as_is(self.owner, t), NONE)
+        finally:
+            self.paused -= 1
+        self.entered[id(t)] = (t, alias)
+        return alias
+
     def vary(self, t: torch.Tensor, axes: Iterable[str]) -> torch.Tensor:
         """``pcast(t, axes, to="varying")``: the value itself, whose transpose sums the cotangents over ``axes``."""
         axes = frozenset(axes)
+        t = self.route(t)
         base = self.of(t)
         out = t
         self.paused += 1
@@ -179,6 +221,20 @@ def _recorded(node: Any, serial: int, start: int) -> Axes:
         elif type(n).__name__ != "AccumulateGrad" and n._sequence_nr() >= start:
             todo.extend(f for f, _ in n.next_functions)
     return axes
+
+
+# torch functions that read a tensor without taking its value into the graph; and the views read as attributes
+_NOT_ENTERING = {torch.Tensor.retain_grad, torch.Tensor.requires_grad_, torch.Tensor.detach, torch.Tensor.detach_}
+_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag"}
+
+
+def _enters(func: Any) -> bool:
+    """Whether ``func`` may take its tensor arguments into the graph (an attribute read only for the views)."""
+    if func in _NOT_ENTERING:
+        return False
+    if getattr(func, "__name__", "") == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_ATTRIBUTES
+    return True
 
 
 _IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imatmul__"}

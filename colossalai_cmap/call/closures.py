@@ -44,6 +44,12 @@ def watch(outputs: Sequence[Any], owner: object, start: int, link: Link) -> int:
     return digest([len(ks) for ks in edges.values()]) if edges else 0
 
 
+def reaches_outside(outputs: Sequence[Any], owner: object, start: int) -> bool:
+    """Whether the outputs' graph has an edge from a node made during this call into one made before it, other
+    than through the call's tagged nodes (its entry)."""
+    return bool(_foreign_edges(outputs, owner, start))
+
+
 def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """``t`` and the tensors under its function-transform wrappers: each level has its own autograd graph."""
     while True:

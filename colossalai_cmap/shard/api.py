@@ -196,7 +196,7 @@ def _run_f(
     try:
         places = _placements(site, "in", opts.in_specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
-        typer = vma.Tracker({n: where.links[n] for n in where.manual}) if opts.check_vma else None
+        typer = vma.Tracker({n: where.links[n] for n in where.manual}, owner) if opts.check_vma else None
         blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
         with _frames(where), splitting(view.whole.ranks), intercept or contextlib.nullcontext():
@@ -210,15 +210,22 @@ def _run_f(
                     out = site.f(*tree_unflatten(blocks, tree), **kwargs)
         if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
             out = tree_map(intercept.route, out)
+        if typer is not None:  # a tensor from outside f returned as it is: through the boundary too
+            out = tree_map(typer.route, out)
         owner.running = False
         out_places = _placements(site, "out", opts.out_specs, out, view, where.manual)
         flat, out_tree = tree_flatten(out)
         if typer is not None:
             _check_vma(site, typer, flat, out_places, view)
             flat = _varied(typer, flat, out_places)
-        graph_sig = closures.watch(flat, owner, start, whole) if tracking() and typer is None else 0
-        if not graph_sig and typer is None:  # this rank's backward through f, guarded (untyped blocks)
+        if typer is None:
+            graph_sig = closures.watch(flat, owner, start, whole) if tracking() else 0
+        else:  # nothing hooks: whether the graph leaves f other than through its entry (the ranks must agree)
+            graph_sig = int(tracking() and closures.reaches_outside(flat, owner, start))
+        if not graph_sig:  # this rank's backward through f, guarded
             flat = guard(flat, owner, whole)
+        else:
+            owner.take_entries()
         out = tree_unflatten(flat, out_tree)
         lengths = None if opts.local else block_lengths(flat, out_places)
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)

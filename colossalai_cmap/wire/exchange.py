@@ -81,7 +81,7 @@ class CallTag:
     running: bool = True
     entries: List["Entry"] = field(default_factory=list)
 
-    def note_entry(self, spec: "SplitSpec", inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    def note_entry(self, spec: Optional["SplitSpec"], inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
         self.entries.append(Entry(spec, tuple(_weak(x) for x in inputs), tuple(_weak(o) for o in outputs)))
 
     def take_entries(self) -> Optional[List["Entry"]]:
@@ -92,9 +92,10 @@ class CallTag:
 
 
 class Entry(NamedTuple):
-    """A tagged Split: its spec, the tensors it took and gave (weak references while noted)."""
+    """A tagged Split: its spec, the tensors it took and gave (weak references while noted). With no spec, a tensor
+    from outside func that func used as it is (:func:`.guard.as_is`): its transpose is the identity."""
 
-    spec: "SplitSpec"
+    spec: Optional["SplitSpec"]
     inputs: Tuple[Any, ...]
     outputs: Tuple[Any, ...]
 

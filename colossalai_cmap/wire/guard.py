@@ -7,7 +7,8 @@ backward round, and the rank's next collective (the user's own ``dist.all_reduce
 
 :func:`guard` puts one node, ``_Guard``, at the boundary of func's graph on this rank, as checkpointing puts its node
 around a recomputed graph. Its inputs are what the call's tagged Splits took (the caller's tensors, through its
-entry, the closure interceptor's routes, shard_map's blocks); its outputs stand for func's outputs. Its backward runs
+entry, the closure interceptor's routes, shard_map's blocks), and with shard_map's varying-axis types what func
+used as it is (:func:`as_is`: a replicated block, a closure, a parameter; its transpose moves nothing); its outputs stand for func's outputs. Its backward runs
 this rank's backward through func's graph (``torch.autograd.grad`` down to those Splits' outputs) inside a ``try``,
 then the Splits' transposes itself, each a ``Join`` as their own backward would be, so the node that catches an
 exception is the node that owns the next round. If func's graph raised, it posts the failure in a ``SYNC`` round
@@ -19,12 +20,12 @@ communicates (``src="local"`` with ``dst="local"`` and no closure) does it add o
 travel in.
 
 It guards only where nothing else owns the graph's boundary: ordinary autograd (no ``torch.func`` transform or
-forward-mode level around the call), a graph whose only ways out are the tagged Splits (the closure walk found no
-other edge), all on the call's own group (a one-axis mesh for shard_map). Elsewhere the call's backward runs
-unguarded, as before.
+forward-mode level around the call), a graph whose only ways out are the tagged nodes (the closure walk found no
+other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (a one-axis
+mesh for shard_map). Elsewhere the call's backward runs unguarded, as before.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -42,9 +43,10 @@ def guard(flat: List[Any], owner: CallTag, link: Link) -> List[Any]:
     """func's outputs ``flat``, with those that carry a gradient replaced by ``_Guard``'s stand-ins, where the
     backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``."""
     entries = owner.take_entries()
-    if link.group.pg is None or not entries or not _plain_autograd():
+    rounds = [e for e in entries or () if e.spec is not None]
+    if link.group.pg is None or not rounds or not _plain_autograd():  # a Split's Join: the round a failure rides
         return flat
-    if any(e.spec.link.round_group.pg is not link.round_group.pg for e in entries):
+    if any(e.spec.link.round_group.pg is not link.round_group.pg for e in rounds):
         return flat
     picked = [i for i, v in enumerate(flat) if _guardable(v)]
     inputs = _inputs(entries)
@@ -79,6 +81,34 @@ def _inputs(entries: List[Entry]) -> List[torch.Tensor]:
             if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in made:
                 seen.setdefault(id(x), x)
     return list(seen.values())
+
+
+def as_is(owner: CallTag, t: torch.Tensor) -> torch.Tensor:
+    """``t``, a tensor from outside func, as func's graph meets it: an alias noted with the call's tag, so that the
+    guard's backward stops there and hands ``t`` its gradient (no communication: the value enters as it is)."""
+    return _AsIs.apply(owner, t)
+
+
+class _AsIs(torch.autograd.Function):
+    """Identity, as a node of the call's boundary (tagged as its Splits are: the graph walk stops at it)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(owner: CallTag, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        owner = inputs[0]
+        ctx._cmap_owner = owner
+        if owner.running:
+            owner.note_entry(None, inputs[1:], (output,))
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> Tuple[None, Optional[torch.Tensor]]:
+        return None, grad
 
 
 def _plain_autograd() -> bool:
@@ -151,6 +181,11 @@ def _transposes(graph: _Graph, at: Dict[int, torch.Tensor]) -> None:
     ``Join`` of the transposed roles, always a round (a peer's failure may wait in it)."""
     for e in reversed(graph.entries):
         gs = [at.pop(id(o), None) for o in e.outputs]
+        if e.spec is None:  # used as it is: its gradient is the alias's
+            key = id(e.inputs[0])
+            if gs[0] is not None:
+                at[key] = gs[0] if key not in at else at[key] + gs[0]
+            continue
         picked = [i for i, (x, g) in enumerate(zip(e.inputs, gs)) if g is not None and x.requires_grad]
         roles = tuple(split_transpose(e.spec.roles[i]) for i in picked)
         spec = JoinSpec(e.spec.link, roles, sync=True)
