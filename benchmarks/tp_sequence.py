@@ -1,6 +1,7 @@
 """Sequence parallelism and the vocabulary-parallel loss side by side on one small transformers Llama:
-shard_model plain / sequence_parallel / sequence_parallel + loss_parallel, and torch's ``parallelize_module``
-(ColwiseParallel / RowwiseParallel, then with SequenceParallel) where it runs on gloo/CPU in this torch.
+shard_model plain / sequence_parallel / sequence_parallel + loss_parallel, torch's ``parallelize_module``
+(ColwiseParallel / RowwiseParallel, then with SequenceParallel) where it runs on gloo/CPU in this torch, and
+Colossal-AI's shardformer (its Llama policy, plain and with ``enable_sequence_parallelism`` in ``split_gather`` mode).
 
     python -m benchmarks.tp_sequence              # TP 2 and 4
     python -m benchmarks.tp_sequence --tp 2 --steps 3
@@ -64,6 +65,8 @@ def build(name: str, P: int) -> Any:
     """(model, this rank's slice of a full gradient by name) for a variant."""
     import colossalai_cmap as cm
 
+    if name.startswith("shardformer"):
+        return build_shardformer(P, sequence_parallel="split_gather" in name)
     if name.startswith("shard_model"):
         model = cm.shard_model(
             llama(), plan=plan(), sequence_parallel="SP" in name, loss_parallel="loss_parallel" in name
@@ -118,6 +121,44 @@ def build(name: str, P: int) -> Any:
         parallelize_module(block, mesh, layer)
     parallelize_module(model, mesh, top)
     return model, None
+
+
+def build_shardformer(P: int, sequence_parallel: bool) -> Any:
+    """shardformer's Llama policy over the world, the vocabulary unpadded (1000 divides by t) and the logits gathered
+    (``parallel_output=False``), so that transformers' loss runs as in the other variants. Two things are mended in
+    this process only (as in ``benchmarks/tp_side_by_side.py``): colossalai's CPU accelerator passes a device to
+    ``torch.get_rng_state()``, and its ``manual_seed`` raises on CPU; and without sequence parallelism a group of this
+    rank alone is its sequence-parallel group (else it takes the world and gathers the outputs along the sequence)."""
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+    from colossalai.shardformer import ShardConfig, ShardFormer
+
+    CpuAccelerator.get_rng_state = lambda self, device=None: torch.get_rng_state()
+    CpuAccelerator.manual_seed = lambda self, seed: torch.manual_seed(seed)
+    alone = [dist.new_group([r]) for r in range(P)]  # every rank creates every group
+    options: Dict[str, Any] = {
+        "enable_sequence_parallelism": True,
+        "sequence_parallelism_mode": "split_gather",
+        "sequence_parallel_process_group": dist.group.WORLD,
+    }
+    if not sequence_parallel:
+        options = {"sequence_parallel_process_group": alone[dist.get_rank()]}
+    config = ShardConfig(
+        tensor_parallel_process_group=dist.group.WORLD,
+        enable_tensor_parallelism=True,
+        parallel_output=False,
+        make_vocab_size_divisible_by=1,
+        **options,
+    )
+    model, _ = ShardFormer(config).optimize(llama())
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    return model, lambda n, full: full if full.shape == shapes[n] else _matching_slice(full, shapes[n])
+
+
+def _matching_slice(full: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """This rank's equal chunk of ``full`` along the dim whose size differs (shardformer's rows or columns)."""
+    rank = dist.get_rank()
+    dim = next(d for d, (a, b) in enumerate(zip(full.shape, shape)) if a != b)
+    return full.narrow(dim, rank * shape[dim], shape[dim])
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -211,6 +252,8 @@ VARIANTS = (
     "shard_model SP+loss_parallel",
     "parallelize_module plain",
     "parallelize_module SequenceParallel",
+    "shardformer plain",
+    "shardformer SP split_gather",
 )
 
 
