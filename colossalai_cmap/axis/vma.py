@@ -19,10 +19,9 @@ from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Seq
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..wire.exchange import SplitSpec
-from ..wire.primitives import requires_grad, split
-from ..wire.protocol import Link
+from ..wire.exchange import SplitSpec, requires_grad, split
 from ..wire.roles import COPY
+from ..wire.rounds import Link
 
 Axes = FrozenSet[str]
 NONE: Axes = frozenset()

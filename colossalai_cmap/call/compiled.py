@@ -30,8 +30,8 @@ from ..axis.frame import AxisFrame
 from ..integration.groups import resolve_group
 from ..nesting import start_splitting, stop_splitting
 from ..wire.group import Group
-from ..wire.protocol import Link
 from ..wire.roles import COPY, ONCE, SAME, Rows
+from ..wire.rounds import Link
 from ..wire.traced import rows_at, traced_join, traced_split
 from .dispatch import dispatch
 from .options import Options

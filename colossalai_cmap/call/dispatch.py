@@ -22,9 +22,9 @@ from ..errors import CmapError
 from ..integration.groups import collective_device, resolve_group
 from ..nesting import nested_in_split
 from ..wire import comm
+from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
-from ..wire.primitives import not_differentiable, requires_grad
-from ..wire.protocol import Link, link_for
+from ..wire.rounds import Link, link_for
 from . import exit
 from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .options import check_placement

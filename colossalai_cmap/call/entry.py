@@ -13,10 +13,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..nesting import tracking
-from ..wire.exchange import SplitSpec
-from ..wire.primitives import requires_grad, split
-from ..wire.protocol import Link
+from ..wire.exchange import SplitSpec, requires_grad, split
 from ..wire.roles import COPY, KEEP, Role, Rows
+from ..wire.rounds import Link
 from . import module_params
 from .options import Options
 from .plan import CallPlan, Planned

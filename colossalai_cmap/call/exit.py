@@ -14,10 +14,9 @@ from torch.utils._pytree import tree_flatten
 from ..digests import digest
 from ..errors import CmapError
 from ..wire import comm
-from ..wire.exchange import Exit, JoinSpec, Learned, join_values, report_failure
-from ..wire.primitives import join
-from ..wire.protocol import Disagreement, Kind, Link, Status
+from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values, report_failure
 from ..wire.roles import KEEP, ONCE, SAME, Rows
+from ..wire.rounds import Disagreement, Kind, Link, Status
 from .checks import agreed_fields, explain
 from .layout import BATCHED, replicated_checksums
 from .options import Options

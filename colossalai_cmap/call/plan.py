@@ -15,8 +15,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..digests import digest
 from ..wire.group import Group
-from ..wire.protocol import Link
 from ..wire.roles import tensor_split_sizes
+from ..wire.rounds import Link
 from .layout import OutLayout
 from .options import Options
 from .specs import flatten_args

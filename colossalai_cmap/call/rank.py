@@ -23,11 +23,10 @@ from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
 from ..errors import RankFailure
 from ..nesting import CONTROL_FLOW, splitting, tracking
-from ..wire import protocol
-from ..wire.exchange import CallTag
+from ..wire import rounds
+from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
-from ..wire.primitives import requires_grad
-from ..wire.protocol import Link
+from ..wire.rounds import Link
 from . import closures, module_params, views
 from .entry import enter
 from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
@@ -205,8 +204,8 @@ def _frame_and_seed(
     if opts.randomness == "different":
         seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())
     if need_sizes:
-        header = protocol.Header(protocol.Kind.OP, rows=plan.rows, input_sig=0, digest=1)
-        rnd = protocol.checked_round(link, header, "the call's start")
+        header = rounds.Header(rounds.Kind.OP, rows=plan.rows, input_sig=0, digest=1)
+        rnd = rounds.checked_round(link, header, "the call's start")
         sizes = tuple(h.rows for h in rnd.table)
     if opts.randomness == "different":
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)

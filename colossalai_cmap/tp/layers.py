@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..wire.comm import default_timeout
-from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.exchange import JoinSpec, SplitSpec, join, needs_function, split
 from ..wire.group import Group
 from ..wire.native import (
     Copy,
@@ -35,9 +35,8 @@ from ..wire.native import (
     scatter_sequence_sum,
     summed,
 )
-from ..wire.primitives import join, needs_function, split
-from ..wire.protocol import Link, link_for
 from ..wire.roles import Rows, tensor_split_sizes
+from ..wire.rounds import Link, link_for
 from .sequence import LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
 __all__ = [

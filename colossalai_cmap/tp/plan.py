@@ -20,11 +20,10 @@ from ..errors import CmapError
 from ..integration.groups import resolve_group
 from ..wire import comm
 from ..wire.comm import default_timeout
-from ..wire.exchange import JoinSpec
+from ..wire.exchange import JoinSpec, join
 from ..wire.group import Group
-from ..wire.primitives import join
-from ..wire.protocol import link_for
 from ..wire.roles import Rows, tensor_split_sizes
+from ..wire.rounds import link_for
 from .layers import CALL, PARALLEL_LAYERS, Entries, HeadGroupLinear, RowParallelLinear
 from .loss import CausalLMLoss
 from .rng import RegionRandom

@@ -26,8 +26,8 @@ from torch import nn
 from ..wire.comm import default_timeout
 from ..wire.group import Group
 from ..wire.native import ScatterToSequence, SequenceSpec, all_reduce, gather_sequence
-from ..wire.protocol import Link, link_for
 from ..wire.roles import tensor_split_sizes
+from ..wire.rounds import Link, link_for
 
 __all__ = ["SequenceState", "Regather", "LinearOnGathered", "pad_to_sequence"]
 

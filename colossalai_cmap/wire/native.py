@@ -26,7 +26,7 @@ Function            this rank's result                              native colle
 
 ``Sum`` and ``Copy`` are Megatron's *g* and *f*, for tensor-parallel layers: one all-reduce and no status round, so
 a layer costs what Megatron's costs (a rank that fails between layers leaves its peers waiting until the timeout,
-which then names it). Each of the others is one status round of a fixed, small size (:mod:`protocol`: a peer that failed or left meets this rank there,
+which then names it). Each of the others is one status round of a fixed, small size (:mod:`.rounds`: a peer that failed or left meets this rank there,
 and every rank raises together), then the native collective on the data: only the rows the destination needs move.
 Uneven row counts are padded to the largest for the first two (gloo needs equal sizes); the all-to-all takes them
 as they are. Every rule is written with ``apply`` of these Functions, so double backward, ``torch.func`` transforms
@@ -39,8 +39,9 @@ import torch
 
 from .. import faults
 from ..digests import digest
-from . import comm, protocol
-from .protocol import Header, Kind, Link, Status
+from . import comm, rounds
+from .exchange import needs_function
+from .rounds import Header, Kind, Link, Status
 
 
 class NativeSpec(NamedTuple):
@@ -77,10 +78,10 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
     # what every rank of the group shares (an all-to-all's row counts are this rank's own)
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
     header = Header(spec.kind, Status.FAILED if failure else Status.OK, digest=sig, inline=1)
-    rnd = protocol.checked_round(spec.link, header, spec.what)
+    rnd = rounds.checked_round(spec.link, header, spec.what)
     if rnd.failed:
         link = spec.link._replace(call=f"{spec.link.call}: {spec.what}")
-        protocol.raise_failures(rnd, failure, cause, link, in_func=spec.kind == Kind.OP)
+        rounds.raise_failures(rnd, failure, cause, link, in_func=spec.kind == Kind.OP)
 
 
 def _first(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -368,8 +369,6 @@ _PLAIN = {ReduceScatter: reduce_scatter, AllGather: all_gather, AllToAll: all_to
 
 def run(fn: Any, spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
     """``fn`` (one of the Functions) where a derivative or a function transform needs it, else its plain side."""
-    from .primitives import needs_function
-
     if needs_function([x]):
         return fn.apply(spec, x)
     return _PLAIN[fn](spec, x)
@@ -377,8 +376,6 @@ def run(fn: Any, spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
 
 def summed(link: Link, x: torch.Tensor) -> torch.Tensor:
     """:class:`Sum` where a derivative or a function transform needs it, else the plain all-reduce."""
-    from .primitives import needs_function
-
     return Sum.apply(link, x) if needs_function([x]) else all_reduce(link, x)
 
 
