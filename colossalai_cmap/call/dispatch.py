@@ -6,7 +6,7 @@ The path (docs/design.md has the picture):
    inputs: run as plain ``torch.vmap`` here (:func:`_run_local`), with no communication.
 2. Plan: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
    make a plan (:mod:`.plan`; with ``src=r`` the plan and this rank's shard come from rank r, :mod:`.from_src`).
-   A rank whose planning fails carries a :class:`~colossalai_cmap.call.rank.Failed` outcome on to the exit.
+   A rank whose planning fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
 3. This rank's part (:mod:`.rank`), then the exit (:mod:`.exit`), which returns the result or raises on every rank.
 4. Keep the plan and the outputs' layout for the next call with the same key, and what the call did.
 """
@@ -28,9 +28,10 @@ from ..wire.rounds import Link, link_for
 from . import exit
 from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .options import check_placement
-from .plan import FastPath, Planned, key_of, make_plan
-from .rank import Failed, Outputs, run_rank
-from .site import CallSite, LastCall
+from .plan import key_of, make_plan
+from .rank import run_rank
+from .records import Failed, FastPath, LastCall, Outputs, Planned
+from .site import CallSite
 from .specs import flatten, flatten_args, unflatten
 
 

@@ -18,7 +18,7 @@ from ..wire.roles import COPY, KEEP, Role, Rows
 from ..wire.rounds import Link
 from . import module_params
 from .options import Options
-from .plan import CallPlan, Planned
+from .records import CallPlan, Planned
 
 
 class Entered(NamedTuple):

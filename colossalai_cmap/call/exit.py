@@ -16,12 +16,11 @@ from ..errors import CmapError
 from ..wire import comm
 from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values, report_failure
 from ..wire.roles import KEEP, ONCE, SAME, Rows
-from ..wire.rounds import Disagreement, Kind, Link, Status
+from ..wire.rounds import Disagreement, Kind, Link, Status, gather_objects
 from .checks import agreed_fields, explain
 from .layout import BATCHED, replicated_checksums
 from .options import Options
-from .plan import CallPlan, Planned
-from .rank import Failed, Outputs
+from .records import CallPlan, Failed, Outputs, Planned
 from .specs import unflatten
 from .views import place, signature
 
@@ -83,7 +82,7 @@ def _dst(opts: Options) -> int:
 def _all_checksums(out: Outputs, link: Link) -> Any:
     """Every rank's out_dims=None checksums (the error path of check_inputs)."""
     mine = () if out.empty else replicated_checksums(out.flat, out.layout)
-    return comm.all_gather_object(mine, link.round_group, link.call, link.timeout, link.round_device)
+    return gather_objects(link, mine)
 
 
 def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:

@@ -17,8 +17,8 @@ from ..errors import RankFailure
 from ..wire import comm
 from ..wire.rounds import Link, scatter_rows
 from .options import Options
-from .plan import CallPlan, Planned, shares
-from .rank import Failed
+from .plan import shares
+from .records import CallPlan, Failed, Planned
 from .specs import describe_arg, flatten_args, leaf_paths
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"

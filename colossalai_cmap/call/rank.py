@@ -14,49 +14,25 @@ the status round, so every rank raises together. The steps:
 """
 
 import contextlib
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import TreeSpec
 
 from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
-from ..errors import RankFailure
 from ..nesting import CONTROL_FLOW, splitting, tracking
-from ..wire import rounds
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
-from ..wire.rounds import Link
+from ..wire.rounds import Link, agree_rows
 from . import closures, module_params, views
 from .entry import enter
 from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
-from .plan import CallPlan, Planned
+from .records import CallPlan, Failed, Outputs, Planned
 from .site import CallSite
 from .specs import flatten, flatten_out_dims, normalise_out_dim
-from .views import View
-
-
-class Outputs(NamedTuple):
-    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty shard."""
-
-    flat: List[Any]
-    spec: TreeSpec
-    layout: OutLayout
-    empty: bool  # ran a stand-in example
-    graph_sig: int  # the closure edges of its autograd graph (0: none)
-    mutated: int  # bit k: func changed the k-th mapped input in place
-    captures: Optional[bool] = None  # closure-captured tensors met (None: not looked for)
-    views: Tuple[View, ...] = ()  # outputs that view the caller's mapped inputs: returned as such, not gathered
-
-
-class Failed(NamedTuple):
-    """This rank's part failed: the record every rank receives (None on a rank that only learned of a peer's
-    failure, as with ``src=r``), and the exception here."""
-
-    failure: Optional[RankFailure]
-    cause: Optional[BaseException]
 
 
 def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
@@ -204,9 +180,7 @@ def _frame_and_seed(
     if opts.randomness == "different":
         seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())
     if need_sizes:
-        header = rounds.Header(rounds.Kind.OP, rows=plan.rows, input_sig=0, digest=1)
-        rnd = rounds.checked_round(link, header, "the call's start")
-        sizes = tuple(h.rows for h in rnd.table)
+        sizes = agree_rows(link, plan.rows)
     if opts.randomness == "different":
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)
     offset = sum(sizes[: link.group.rank]) if sizes is not None else 0

@@ -23,7 +23,7 @@ import torch
 from ..digests import digest
 from .layout import BATCHED, OutLayout
 from .options import Options
-from .plan import CallPlan
+from .records import CallPlan
 
 # the input seen as another dtype: through view_as_real, view_as_complex (of its storage as pairs), or view(dtype)
 REAL, COMPLEX, CAST = "real", "complex", "cast"

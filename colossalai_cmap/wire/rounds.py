@@ -526,6 +526,17 @@ def checked_round(link: Link, header: Header, what: str) -> Round:
     return rnd
 
 
+def agree_rows(link: Link, rows: int, what: str = "the call's start") -> Tuple[int, ...]:
+    """Every rank's row count, in group-rank order: one ``OP`` round, for when only each rank knows its own."""
+    rnd = checked_round(link, Header(Kind.OP, rows=rows, input_sig=0, digest=1), what)
+    return tuple(h.rows for h in rnd.table)
+
+
+def gather_objects(link: Link, obj: Any) -> List[Any]:
+    """Every rank's picklable ``obj``, over the group the rounds take (an error path's details, never data)."""
+    return comm.all_gather_object(obj, link.round_group, link.call, link.timeout, link.round_device)
+
+
 GUARD_DIGEST = 0x6A2D0001  # a guarded backward's failure (:mod:`.guard`): its round names the call's backward
 _GUARDED = threading.local()  # depth of guarded backwards (:mod:`.guard`) running on this thread
 
