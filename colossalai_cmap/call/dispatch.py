@@ -25,7 +25,7 @@ from ..wire import comm
 from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.rounds import Link, link_for
-from . import exit
+from .conclude import conclude
 from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .options import check_placement
 from .plan import key_of, make_plan
@@ -93,9 +93,9 @@ def _run_and_conclude(
     nothing hangs and no rank writes a ``.grad`` alone."""
     opts = site.options
     if isinstance(planned, Failed):
-        return planned, exit.conclude(opts, None, planned, None, link)
+        return planned, conclude(opts, None, planned, None, link)
     result = run_rank(site, planned, link, hint)
-    out = exit.conclude(opts, planned.plan, result, planned, link)
+    out = conclude(opts, planned.plan, result, planned, link)
     if out is None or not opts.refuses_grad or not torch.is_grad_enabled():
         return result, out
     return result, _refuse_grad(site, out, result.flat, leaves, planned.kwargs, planned.source_needs_grad)

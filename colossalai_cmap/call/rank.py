@@ -26,7 +26,7 @@ from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
 from ..wire.rounds import Link, agree_rows
 from . import closures, module_params, views
-from .entry import enter
+from .entry import enter, first_example
 from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
@@ -148,7 +148,7 @@ def _stand_in(opts: Options, plan: CallPlan, inputs: Planned, leaves: List[Any],
             out[i] = inputs.leaves[i].narrow(d, 0, 1)  # a view, as rank 0's rows are: its outputs' views match
             continue
         elif opts.src is None and plan.batch > 0:
-            row = inputs.leaves[i].narrow(d, 0, 1).detach().clone()
+            row = first_example(inputs.leaves[i], d)
         else:
             shape = list(mine.shape)
             shape[d] = 1
