@@ -1,4 +1,5 @@
-"""The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in ``dispatch``."""
+"""The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in a driver:
+``dispatch``, or ``compiled`` inside ``torch.compile``."""
 
 import functools
 from typing import Any, Callable, Optional, Union

@@ -1,4 +1,5 @@
-"""The one orchestrator of a call, from the arguments to the result.
+"""The eager driver of a call, from the arguments to the result (``compiled`` is the driver inside
+``torch.compile``; both run the steps of ``plan``, ``entry``, ``execute`` and ``conclude``).
 
 The path (docs/design.md has the picture):
 
@@ -7,7 +8,7 @@ The path (docs/design.md has the picture):
 2. Plan: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
    make a plan (:mod:`.plan`; with ``src=r`` the plan and this rank's shard come from rank r, :mod:`.from_src`).
    A rank whose planning fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
-3. This rank's part (:mod:`.rank`), then the exit (:mod:`.exit`), which returns the result or raises on every rank.
+3. This rank's part (:mod:`.rank`), then the exit (:mod:`.conclude`), which returns the result or raises on every rank.
 4. Keep the plan and the outputs' layout for the next call with the same key, and what the call did.
 """
 

@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 MODES = ("vmap", "batched", "loop")
 RANDOMNESS = ("error", "different", "same", "per_example")
-Placement = Union[int, str, None]
+Endpoint = Union[int, str, None]  # dst or src: a group rank, "local", or None (src only)
 
 
 @dataclass(frozen=True, eq=False)
@@ -16,8 +16,8 @@ class Options:
     in_dims: Any
     out_dims: Any
     group: Any
-    dst: Placement
-    src: Placement
+    dst: Endpoint
+    src: Endpoint
     randomness: str
     chunk_size: Optional[int]
     mode: str
