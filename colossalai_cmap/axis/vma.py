@@ -20,8 +20,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..wire.exchange import SplitSpec, requires_grad, split
+from ..wire.link import Link
 from ..wire.roles import COPY
-from ..wire.rounds import Link
 
 Axes = FrozenSet[str]
 NONE: Axes = frozenset()

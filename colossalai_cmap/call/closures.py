@@ -28,8 +28,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..digests import digest
 from ..wire.exchange import JoinSpec, SplitSpec, join, requires_grad, split
+from ..wire.link import Link
 from ..wire.roles import COPY
-from ..wire.rounds import Link
 from .module_params import References
 
 WHAT = "the gradient of closure-captured tensors"

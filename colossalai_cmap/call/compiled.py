@@ -29,7 +29,7 @@ from ..axis.frame import AxisFrame
 from ..integration.groups import resolve_group
 from ..nesting import start_splitting, stop_splitting
 from ..wire.group import Group
-from ..wire.rounds import Link
+from ..wire.link import Link
 from ..wire.traced import rows_at
 from .conclude import conclude_traced
 from .entry import enter_kwargs_traced, enter_traced, first_example

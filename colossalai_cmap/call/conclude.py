@@ -15,8 +15,9 @@ from ..digests import digest
 from ..errors import CmapError
 from ..wire import comm
 from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values, report_failure
+from ..wire.link import Link
 from ..wire.roles import KEEP, ONCE, SAME, Rows
-from ..wire.rounds import Disagreement, Kind, Link, Status, gather_objects
+from ..wire.rounds import Disagreement, Kind, Status, gather_objects
 from ..wire.traced import traced_join
 from .checks import agreed_fields, explain
 from .entry import needs_grad_traced

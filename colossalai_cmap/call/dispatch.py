@@ -25,7 +25,7 @@ from ..nesting import nested_in_split
 from ..wire import comm
 from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
-from ..wire.rounds import Link, link_for
+from ..wire.link import Link, link_for
 from .conclude import conclude
 from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .options import check_placement

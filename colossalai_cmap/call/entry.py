@@ -14,8 +14,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..nesting import tracking
 from ..wire.exchange import SplitSpec, requires_grad, split
+from ..wire.link import Link
 from ..wire.roles import COPY, KEEP, Role, Rows
-from ..wire.rounds import Link
 from ..wire.traced import rows_at, traced_split
 from . import module_params
 from .options import Options

@@ -158,7 +158,9 @@ def run_shard(
     """
     indices = None if frame is None else shard_indices(frame, shard.rows, frame.device)
     if opts.randomness == "per_example":
-        return _run_per_example(opts, func, shard, kwargs, frame, indices, seeds, thread_modes)
+        return _run_per_example(
+            opts, func, shard, kwargs, frame, indices=indices, seeds=seeds, thread_modes=thread_modes
+        )
     if opts.mode == "vmap":
         plain = shard.rows or opts.chunk_size is None
         if vmapped is not None and frame is None and plain and not opts.places_outputs:
@@ -428,6 +430,7 @@ def _run_per_example(
     shard: Shard,
     kwargs: Dict[str, Any],
     frame: Optional[AxisFrame],
+    *,
     indices: Any,
     seeds: ExampleSeeds,
     thread_modes: Sequence[Any],

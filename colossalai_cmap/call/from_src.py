@@ -15,7 +15,8 @@ from .. import faults
 from ..digests import digest
 from ..errors import RankFailure
 from ..wire import comm
-from ..wire.rounds import Link, scatter_rows
+from ..wire.link import Link
+from ..wire.rounds import scatter_rows
 from .options import Options
 from .plan import shares
 from .records import CallPlan, Failed, Planned

@@ -24,7 +24,8 @@ from ..axis.frame import AxisFrame, axis_scope
 from ..nesting import CONTROL_FLOW, splitting, tracking
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
-from ..wire.rounds import Link, agree_rows
+from ..wire.link import Link
+from ..wire.rounds import agree_rows
 from . import closures, module_params, views
 from .entry import enter, first_example
 from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy

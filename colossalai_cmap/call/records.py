@@ -7,7 +7,7 @@ from torch.utils._pytree import TreeSpec
 
 from ..errors import RankFailure
 from ..stats import CollectiveLog
-from ..wire.rounds import Link
+from ..wire.link import Link
 
 
 class CallPlan(NamedTuple):

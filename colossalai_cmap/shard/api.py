@@ -20,8 +20,8 @@ from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
 from ..wire.guard import guard
+from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
-from ..wire.rounds import Link, link_for
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
 from .exit import Outcome, conclude
 from .mesh import Mesh, MeshView, resolve_mesh

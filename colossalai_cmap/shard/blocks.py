@@ -22,8 +22,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
+from ..wire.link import Link
 from ..wire.roles import COPY, ONCE, is_rows
-from ..wire.rounds import Kind, Link
+from ..wire.rounds import Kind
 from .specs import Placement, Step
 
 

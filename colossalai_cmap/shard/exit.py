@@ -17,8 +17,9 @@ import torch
 from ..errors import CmapError
 from ..wire import rounds
 from ..wire.exchange import Exit, JoinSpec, join_values, report_failure
+from ..wire.link import Link
 from ..wire.roles import Rows
-from ..wire.rounds import Disagreement, Header, Kind, Link, Status
+from ..wire.rounds import Disagreement, Header, Kind, Status
 from .mesh import MeshView
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, SplitSpec, join, needs_function, split
 from ..wire.group import Group
+from ..wire.link import Link, link_for
 from ..wire.native import (
     GatherFromSequence,
     ReduceScatterToSequence,
@@ -37,7 +38,6 @@ from ..wire.native import (
     summed,
 )
 from ..wire.roles import Rows, tensor_split_sizes
-from ..wire.rounds import Link, link_for
 from .sequence import LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
 __all__ = [

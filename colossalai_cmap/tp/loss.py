@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from ..wire.comm import default_timeout
 from ..wire.group import Group
+from ..wire.link import Link, link_for
 from ..wire.native import all_reduce, all_reduce_max
 from ..wire.roles import tensor_split_sizes
-from ..wire.rounds import Link, link_for
 from .layers import CALL
 
 __all__ = ["vocab_parallel_cross_entropy", "CausalLMLoss"]

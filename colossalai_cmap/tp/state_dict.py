@@ -15,8 +15,8 @@ from torch import nn
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, join_values
 from ..wire.group import Group
+from ..wire.link import link_for
 from ..wire.roles import Rows
-from ..wire.rounds import link_for
 from .layers import CALL, PARALLEL_LAYERS, Slice
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_parameters"]

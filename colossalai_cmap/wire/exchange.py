@@ -24,8 +24,9 @@ import torch.autograd.forward_ad as fwAD
 from .. import faults
 from ..errors import RankFailure
 from . import rounds
+from .link import Link, pack_payload, unpack_payload
 from .roles import FIRST, IN_PLACE, SHARE, Role, Rows, is_rows, join_transpose, shifted, split_transpose
-from .rounds import Header, Kind, Link, Round, Status, pack_payload, unpack_payload
+from .rounds import Header, Kind, Round, Status
 
 # ---- the records, and the plain sides
 

@@ -31,8 +31,9 @@ import torch.autograd.forward_ad as fwAD
 
 from . import rounds
 from .exchange import CallTag, Entry, JoinSpec, join
+from .link import Link
 from .roles import split_transpose
-from .rounds import Header, Kind, Link, Status
+from .rounds import Header, Kind, Status
 
 WHAT = "the gradients of func's inputs"
 

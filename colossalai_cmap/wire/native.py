@@ -43,7 +43,8 @@ from .. import faults
 from ..digests import digest
 from . import comm, rounds
 from .exchange import needs_function
-from .rounds import Header, Kind, Link, Status
+from .link import Link
+from .rounds import Header, Kind, Status
 
 
 class NativeSpec(NamedTuple):
