@@ -15,7 +15,7 @@ data takes its own collective, at its native cost: every round would carry the p
 payload grown to the size of one large call would tax every later round on the group, however small.
 
 The channel also keeps the shape of the last call exit's data phase (every rank derives it from the same table), so
-that the next exit of that shape can send its data together with its status round (:mod:`.rounds`, the data phase), and whether
+that the next exit of that shape can send its data together with its status round (:mod:`.rounds`), and whether
 this rank left a backward unfinished (then it does not send data early: a peer may still wait in that backward).
 
 **The route (the payload).** An exchange's route through its round: which tensors travel, and where each sits in
@@ -133,7 +133,7 @@ _HOST = torch.device("cpu")
 class Link(NamedTuple):
     """Where an exchange communicates, and how its errors are named.
 
-    ``group`` and ``device`` are the data's: where its collectives run. ``status`` is the host group its rounds take
+    ``group`` and ``device`` are the data's: where its collectives run. ``host`` is the host group its rounds take
     instead (with nothing of the data inline), or None when rounds run on ``group`` itself; see :func:`link_for`.
     """
 
@@ -141,15 +141,15 @@ class Link(NamedTuple):
     device: torch.device
     call: str
     timeout: Optional[float]
-    status: Optional[Group] = None
+    host: Optional[Group] = None  # the group's host group (GroupState.host), where the rounds take one
 
     @property
     def round_group(self) -> Group:
-        return self.group if self.status is None else self.status
+        return self.group if self.host is None else self.host
 
     @property
     def round_device(self) -> torch.device:
-        return self.device if self.status is None else _HOST
+        return self.device if self.host is None else _HOST
 
     def host_side(self) -> "Link":
         """The link for host-side metadata (CPU tensors): everything over the group the rounds take."""

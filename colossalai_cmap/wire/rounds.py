@@ -138,7 +138,7 @@ def route(
 
     Over a host group, only ``host`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
     own collective on the data's group, so the round never copies device memory."""
-    ch, inline = link.channel(), host or link.status is None
+    ch, inline = link.channel(), host or link.host is None
     if after is not None:
         return cached_route(
             {}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors, inline
@@ -158,7 +158,7 @@ def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = Non
     work = comm.issue_all_gather(ch.recv.view(-1), ch.send, group, link.call, name)
     early = also() if also is not None else None
     comm.wait_for(work, group, link.call, link.timeout)
-    if link.status is None:  # the table sits in the data's own buffers
+    if link.host is None:  # the table sits in the data's own buffers
         stats.host_read()
     rnd = Round(tuple(unpack_header(row) for row in ch.read_rows()), ch.payloads, early)
     ch.agree(max(h.block for h in rnd.table))
