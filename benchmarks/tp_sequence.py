@@ -24,7 +24,6 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from benchmarks import world
 from benchmarks.paths import test_support

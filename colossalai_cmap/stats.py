@@ -80,7 +80,7 @@ def close_log(log: CollectiveLog) -> None:
 
 
 def describe(log: CollectiveLog, group_size: int, local: bool, fast_path: bool, plan: Any) -> CallStats:
-    """A call's :class:`CallStats` (``plan`` is its :class:`~colossalai_cmap.plan.CallPlan`, or None)."""
+    """A call's :class:`CallStats` (``plan`` is its :class:`~colossalai_cmap.call.records.CallPlan`, or None)."""
     batch, sizes = (plan.batch, plan.sizes) if plan is not None else (-1, None)
     ops = tuple(op for op, _ in log.entries)
     return CallStats(group_size, local, fast_path, batch, sizes, log.count, log.bytes, ops, log.host_reads)

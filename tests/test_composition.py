@@ -289,7 +289,7 @@ def check_meta():
     """Meta tensors carry shapes only: cmap gives vmap's shapes with no communication, and so does a Join."""
     from colossalai_cmap.integration.groups import resolve_group
     from colossalai_cmap.wire.exchange import JoinSpec, join_values
-    from colossalai_cmap.wire.protocol import Link
+    from colossalai_cmap.wire.link import Link
     from colossalai_cmap.wire.roles import COPY, Rows
 
     x, w = torch.empty(7, 3, device="meta"), torch.empty(3, device="meta")

@@ -127,7 +127,7 @@ def native_bound(op: str, n: int, P: int) -> Tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------ the measured workload
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
-ROUND_CAP = 48 + 1024  # a round's header and its largest payload, per rank (wire/channel.py)
+ROUND_CAP = 48 + 1024  # a round's header and its largest payload, per rank (wire/rounds.py)
 _MESHES: Dict[int, Any] = {}
 
 

@@ -21,11 +21,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..wire.exchange import JoinSpec
+from ..wire.exchange import JoinSpec, join
 from ..wire.native import AllGather, AllToAll, ReduceScatter
-from ..wire.primitives import join
-from ..wire.protocol import Kind
 from ..wire.roles import COPY, MAX, MIN, Role, Rows
+from ..wire.rounds import Kind
 from . import lowering
 from . import ops as axes
 from . import vma

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequ
 
 import torch
 
-from ..wire.protocol import Link
+from ..wire.link import Link
 
 
 class ExampleLoop(Protocol):

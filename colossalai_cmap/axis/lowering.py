@@ -14,11 +14,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from ..wire import native as wire_native
-from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.exchange import JoinSpec, SplitSpec, join, split
 from ..wire.native import NativeSpec
-from ..wire.primitives import join, split
-from ..wire.protocol import Kind
 from ..wire.roles import COPY
+from ..wire.rounds import Kind
 from ..wire.traced import gather_under_vmap
 from .frame import AxisFrame
 from .rules import AxisRule

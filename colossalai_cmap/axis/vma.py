@@ -22,10 +22,9 @@ from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Seq
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..wire.exchange import CallTag, SplitSpec
+from ..wire.exchange import CallTag, SplitSpec, requires_grad, split
 from ..wire.guard import as_is
-from ..wire.primitives import requires_grad, split
-from ..wire.protocol import Link
+from ..wire.link import Link
 from ..wire.roles import COPY
 
 Axes = FrozenSet[str]

@@ -1,9 +1,15 @@
-"""One cmap call: the public function and ``Cmapped``, options, argument specs, the plan, the orchestrator, this
-rank's shard, and the exit.
+"""One cmap call: one pipeline of steps, and three drivers that run them.
 
-``api`` -> ``dispatch`` (the one orchestrator) -> ``plan`` / ``from_src`` (planning) -> ``rank`` (this rank's part:
-``entry``, ``execute``, ``layout``, ``closures``, ``module_params``, ``views``) -> ``exit`` (the status round,
-``checks``, the gather, in-place write-back and the outputs that are views of the caller's inputs).
+Imports go down, five levels at most:
+
+1. leaves: ``options``, ``specs``, ``layout``, ``module_params``, ``loop`` and ``records`` (the records the steps
+   hand each other: ``CallPlan``, ``Planned``, ``FastPath``, ``Outputs``, ``Failed``, ``LastCall``);
+2. steps: ``plan``, ``entry``, ``execute``, ``closures``, ``views``, ``checks``, and ``site`` (what one cmap keeps);
+3. ``from_src`` (planning with ``src=r``), ``rank`` (this rank's part: entry, stand-in, run, outputs) and
+   ``conclude`` (the exit: the status round, the gather, in-place write-back, views of the caller's inputs);
+4. the drivers: ``dispatch`` (eager across the group, and a world of one in ``_run_local``) and ``compiled``
+   (inside ``torch.compile``: each step's traced form, beside its eager form in the step's module);
+5. ``api`` (``cmap``, ``Cmapped``), which picks the driver and hands ``compiled`` the eager one.
 
 May import: ``axis``, ``integration``, ``wire`` and the leaf modules. Nothing imports it but ``tp`` and the package's
 lazy public names.

@@ -1,4 +1,5 @@
-"""The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in ``dispatch``."""
+"""The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in a driver:
+``dispatch``, or ``compiled`` inside ``torch.compile``."""
 
 import functools
 from typing import Any, Callable, Optional, Union
@@ -9,12 +10,15 @@ import torch.distributed as dist
 from ..integration.groups import resolve_group
 from ..stats import CallStats, describe
 from ..wire.comm import default_timeout
-from .compiled import run_compiled
+from .compiled import eager_fallbacks, run_compiled
 from .dispatch import dispatch
 from .options import Options, make_options
 from .site import CallSite
 
 __all__ = ["cmap", "Cmapped"]
+
+# The eager driver, out of the graph, for what only it does (made once, outside any graph: dynamo only calls it).
+_EAGER = eager_fallbacks(dispatch)
 
 
 def cmap(
@@ -167,7 +171,7 @@ class Cmapped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return run_compiled(self._site, args, kwargs)
+            return run_compiled(self._site, args, kwargs, _EAGER)
         return dispatch(self._site, args, kwargs)
 
     def __repr__(self) -> str:

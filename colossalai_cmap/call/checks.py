@@ -7,7 +7,7 @@ error, before any data moves.
 from typing import Any, Callable, Sequence, Tuple
 
 from ..errors import CmapError
-from ..wire.protocol import Disagreement, Header
+from ..wire.rounds import Disagreement, Header
 from .options import Options
 
 

@@ -27,9 +27,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..digests import digest
-from ..wire.exchange import JoinSpec, SplitSpec
-from ..wire.primitives import join, requires_grad, split
-from ..wire.protocol import Link
+from ..wire.exchange import JoinSpec, SplitSpec, join, requires_grad, split
+from ..wire.link import Link
 from ..wire.roles import COPY
 from .module_params import References
 

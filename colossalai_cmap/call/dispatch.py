@@ -1,4 +1,5 @@
-"""The one orchestrator of a call, from the arguments to the result.
+"""The eager driver of a call, from the arguments to the result (``compiled`` is the driver inside
+``torch.compile``; both run the steps of ``plan``, ``entry``, ``execute`` and ``conclude``).
 
 The path (docs/design.md has the picture):
 
@@ -6,8 +7,8 @@ The path (docs/design.md has the picture):
    inputs: run as plain ``torch.vmap`` here (:func:`_run_local`), with no communication.
 2. Plan: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
    make a plan (:mod:`.plan`; with ``src=r`` the plan and this rank's shard come from rank r, :mod:`.from_src`).
-   A rank whose planning fails carries a :class:`~colossalai_cmap.call.rank.Failed` outcome on to the exit.
-3. This rank's part (:mod:`.rank`), then the exit (:mod:`.exit`), which returns the result or raises on every rank.
+   A rank whose planning fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
+3. This rank's part (:mod:`.rank`), then the exit (:mod:`.conclude`), which returns the result or raises on every rank.
 4. Keep the plan and the outputs' layout for the next call with the same key, and what the call did.
 """
 
@@ -22,15 +23,16 @@ from ..errors import CmapError
 from ..integration.groups import collective_device, resolve_group
 from ..nesting import nested_in_split
 from ..wire import comm
+from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
-from ..wire.primitives import not_differentiable, requires_grad
-from ..wire.protocol import Link, link_for
-from . import exit
+from ..wire.link import Link, link_for
+from .conclude import conclude
 from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .options import check_placement
-from .plan import FastPath, Planned, key_of, make_plan
-from .rank import Failed, Outputs, run_rank
-from .site import CallSite, LastCall
+from .plan import key_of, make_plan
+from .rank import run_rank
+from .records import Failed, FastPath, LastCall, Outputs, Planned
+from .site import CallSite
 from .specs import flatten, flatten_args, unflatten
 
 
@@ -92,9 +94,9 @@ def _run_and_conclude(
     nothing hangs and no rank writes a ``.grad`` alone."""
     opts = site.options
     if isinstance(planned, Failed):
-        return planned, exit.conclude(opts, None, planned, None, link)
+        return planned, conclude(opts, None, planned, None, link)
     result = run_rank(site, planned, link, hint)
-    out = exit.conclude(opts, planned.plan, result, planned, link)
+    out = conclude(opts, planned.plan, result, planned, link)
     if out is None or not opts.refuses_grad or not torch.is_grad_enabled():
         return result, out
     return result, _refuse_grad(site, out, result.flat, leaves, planned.kwargs, planned.source_needs_grad)

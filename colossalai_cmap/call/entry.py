@@ -6,20 +6,21 @@ inputs are gathered, the gradients of unmapped inputs, keyword tensors and the p
 (:mod:`module_params`) are summed over the group. The tag is where the closure walk (:mod:`closures`) stops.
 """
 
-from typing import Any, Dict, List, NamedTuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..nesting import tracking
-from ..wire.exchange import SplitSpec
-from ..wire.primitives import requires_grad, split
-from ..wire.protocol import Link
+from ..wire.exchange import SplitSpec, requires_grad, split
+from ..wire.link import Link
 from ..wire.roles import COPY, KEEP, Role, Rows
+from ..wire.traced import rows_at, traced_split
 from . import module_params
 from .options import Options
-from .plan import CallPlan, Planned
+from .records import CallPlan, Planned
+from .specs import flatten, unflatten
 
 
 class Entered(NamedTuple):
@@ -61,3 +62,43 @@ def _role(opts: Options, plan: CallPlan, i: int) -> Role:
     if d is None:
         return COPY
     return Rows(d, plan.sizes) if opts.src is None else KEEP
+
+
+def first_example(leaf: torch.Tensor, dim: int) -> torch.Tensor:
+    """The global first example, detached: the stand-in of an empty share (eagerly and traced)."""
+    return leaf.narrow(dim, 0, 1).detach().clone()
+
+
+# ---- traced: the entry inside torch.compile
+
+
+def needs_grad_traced(v: Any) -> bool:
+    # a compiled call sees plain tensors: no functorch wrapper to look under (dynamo traces no such look)
+    return isinstance(v, torch.Tensor) and v.requires_grad
+
+
+def enter_traced(
+    leaves: Sequence[Any], dims: Sequence[Optional[int]], sizes: Tuple[int, ...], pg: Any, rank: int
+) -> List[Any]:
+    """:func:`enter` inside ``torch.compile``: this rank's share of the flat arguments. With ``pg`` (gradients
+    crossing ranks), tensors that require grad pass a traced Split: mapped rows (their gradient rows all-gathered in
+    backward), others whole (summed)."""
+    out = []
+    for v, d in zip(leaves, dims):
+        if d is not None and pg is not None and needs_grad_traced(v):
+            out.append(traced_split(v, Rows(d, sizes), pg, rank))
+        elif d is not None:
+            out.append(v.narrow(d, *rows_at(sizes, rank)))
+        elif pg is not None and needs_grad_traced(v):
+            out.append(traced_split(v, COPY, pg, rank))
+        else:
+            out.append(v)
+    return out
+
+
+def enter_kwargs_traced(kwargs: Dict[str, Any], pg: Any, rank: int) -> Dict[str, Any]:
+    """Keyword tensors are not mapped: those that require grad get their gradient summed over the ranks."""
+    if not kwargs or pg is None:
+        return kwargs
+    leaves, spec = flatten(kwargs)
+    return unflatten([traced_split(v, COPY, pg, rank) if needs_grad_traced(v) else v for v in leaves], spec)

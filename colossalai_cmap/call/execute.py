@@ -6,12 +6,13 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+from torch._functorch import vmap as functorch_vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
 from .loop import LoopBarrier
 from .options import Options
-from .specs import flatten_out_dims, normalise_out_dim, unflatten
+from .specs import flatten, flatten_out_dims, normalise_out_dim, unflatten
 
 # torch.vmap's own sentence, for a random draw under randomness="error" (loop mode checks the generator's state)
 RANDOM_IN_ERROR_MODE = (
@@ -119,11 +120,21 @@ class Shard(NamedTuple):
         return self._replace(leaves=leaves, rows=count)
 
     def device(self) -> torch.device:
-        """The first tensor's device (the CPU without one): the generator that draws besides the CPU's."""
-        return next((v.device for v in self.leaves if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        """The first tensor's device (the CPU without one): the generator that draws besides the CPU's. A plain loop:
+        dynamo traces no ``next`` with a default."""
+        for v in self.leaves:
+            if isinstance(v, torch.Tensor):
+                return v.device
+        return torch.device("cpu")
 
     def example(self, i: int) -> Tuple[Any, ...]:
         return tree_unflatten([v if d is None else v.select(d, i) for v, d in zip(self.leaves, self.dims)], self.spec)
+
+
+def shard_indices(frame: AxisFrame, rows: int, device: torch.device) -> torch.Tensor:
+    """The global index of each of the shard's ``rows`` examples (a stand-in's: from 0), for ``axis_index``."""
+    first = 0 if frame.dummy else frame.offset
+    return torch.arange(first, first + rows, dtype=torch.int64, device=device)
 
 
 def run_shard(
@@ -145,12 +156,11 @@ def run_shard(
     example the same draws. With ``"per_example"`` (and its ``seeds``) every example runs alone, under its own
     generator state (:func:`_run_per_example`).
     """
-    indices = None
-    if frame is not None:
-        first = 0 if frame.dummy else frame.offset
-        indices = torch.arange(first, first + shard.rows, dtype=torch.int64, device=frame.device)
+    indices = None if frame is None else shard_indices(frame, shard.rows, frame.device)
     if opts.randomness == "per_example":
-        return _run_per_example(opts, func, shard, kwargs, frame, indices, seeds, thread_modes)
+        return _run_per_example(
+            opts, func, shard, kwargs, frame, indices=indices, seeds=seeds, thread_modes=thread_modes
+        )
     if opts.mode == "vmap":
         plain = shard.rows or opts.chunk_size is None
         if vmapped is not None and frame is None and plain and not opts.places_outputs:
@@ -230,6 +240,30 @@ def _vmap(
     return _place(opts, out, seen, shard) if place else out
 
 
+def run_shard_traced(
+    opts: Options,
+    func: Callable,
+    shard: Shard,
+    kwargs: Dict[str, Any],
+    frame: Optional[AxisFrame],
+) -> Any:
+    """:func:`run_shard` inside ``torch.compile``: func over the shard's examples, by ``torch.vmap``'s own steps,
+    with the vmap level kept in the axis frame (the named-axis ops lower at that level), or one batched call."""
+    leaves, dims, spec, rows = shard
+    if opts.mode == "batched":
+        if frame is not None:
+            frame.index = shard_indices(frame, rows, shard.device())
+        return func(*unflatten(leaves, spec), **kwargs)
+    if frame is None:
+        chunk = opts.chunk_size if rows else None
+        return torch.vmap(func, opts.in_dims, opts.out_dims, chunk_size=chunk)(*unflatten(leaves, spec), **kwargs)
+    with functorch_vmap.vmap_increment_nesting(rows, opts.randomness) as level:
+        frame.level = level
+        frame.index = torch._C._functorch._add_batch_dim(shard_indices(frame, rows, shard.device()), 0, level)
+        args = functorch_vmap._create_batched_inputs(list(dims), list(leaves), level, spec)
+        return _place_traced(opts, func(*args, **kwargs), level, rows)
+
+
 def _refuse_batched_none(opts: Options, flat: Sequence[Any], dims: Sequence[Any]) -> None:
     """Inside vmap: an out_dims=None output must not depend on this map's examples."""
     level = torch._C._functorch.maybe_current_level()
@@ -264,6 +298,31 @@ def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], sha
         itself = source is not None and shard.dims[source] == dim
         placed.append(shard.leaves[source] if itself else t.movedim(0, dim))
     return tree_unflatten(placed, seen["spec"])
+
+
+def _place_traced(opts: Options, out: Any, level: int, rows: int) -> Any:
+    """:func:`_place` inside ``torch.compile``: vmap's outputs at ``out_dims``, as ``torch.vmap`` returns them. An
+    ``out_dims=None`` output must not depend on the example: dynamo cannot ask whether a tensor is batched, so its rows
+    are read as a view, which is a broadcast (stride 0) exactly when every example holds the same value."""
+    flat, spec = flatten(out)
+    dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
+    placed = []
+    for i, (v, d) in enumerate(zip(flat, dims)):
+        if not isinstance(v, torch.Tensor):
+            if d is not None:
+                raise ValueError(f"{opts.call}: output {i} must be a Tensor to be mapped, got {type(v).__name__}.")
+            placed.append(v)
+        elif d is None:
+            if rows > 1 and torch._C._functorch._remove_batch_dim(v, level, rows, 0).stride(0) != 0:
+                raise ValueError(
+                    f"{opts.call}: output {i} depends on the example but its out_dim is None; give it an int "
+                    f"out_dim, or reduce it over the axis first, e.g. with psum."
+                )
+            placed.append(v)
+        else:
+            d = normalise_out_dim(opts.call, d, v.dim(), i)
+            placed.append(torch._C._functorch._remove_batch_dim(v, level, rows, d))
+    return unflatten(placed, spec)
 
 
 def _name(opts: Options) -> str:
@@ -371,6 +430,7 @@ def _run_per_example(
     shard: Shard,
     kwargs: Dict[str, Any],
     frame: Optional[AxisFrame],
+    *,
     indices: Any,
     seeds: ExampleSeeds,
     thread_modes: Sequence[Any],

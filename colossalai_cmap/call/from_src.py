@@ -15,11 +15,11 @@ from .. import faults
 from ..digests import digest
 from ..errors import RankFailure
 from ..wire import comm
-from ..wire.protocol import Link
-from ..wire.transfer import scatter_rows
+from ..wire.link import Link
+from ..wire.rounds import scatter_rows
 from .options import Options
-from .plan import CallPlan, Planned, shares
-from .rank import Failed
+from .plan import shares
+from .records import CallPlan, Failed, Planned
 from .specs import describe_arg, flatten_args, leaf_paths
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
@@ -123,7 +123,7 @@ def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...
 def _send_shards(
     meta: SourceMeta, plan: CallPlan, full: Optional[List[Any]], src: int, link: Link
 ) -> Tuple[Dict[int, torch.Tensor], Optional[List[Any]]]:
-    """One scatter of every mapped leaf (:func:`~colossalai_cmap.wire.transfer.scatter_rows`); an empty share gets
+    """One scatter of every mapped leaf (:func:`~colossalai_cmap.wire.rounds.scatter_rows`); an empty share gets
     the first example in its block, as its stand-in."""
     mapped = [i for i, (kind, _) in enumerate(meta.kinds) if kind == _MAPPED]
     sent = None if full is None else [full[i] for i in mapped]

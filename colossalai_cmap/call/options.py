@@ -4,11 +4,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Optional, Sequence, Union
 
-from .specs import call_name, check_in_dims_type
-
 MODES = ("vmap", "batched", "loop")
 RANDOMNESS = ("error", "different", "same", "per_example")
-Placement = Union[int, str, None]
+Endpoint = Union[int, str, None]  # dst or src: a group rank, "local", or None (src only)
 
 
 @dataclass(frozen=True, eq=False)
@@ -18,8 +16,8 @@ class Options:
     in_dims: Any
     out_dims: Any
     group: Any
-    dst: Placement
-    src: Placement
+    dst: Endpoint
+    src: Endpoint
     randomness: str
     chunk_size: Optional[int]
     mode: str
@@ -86,6 +84,20 @@ def make_options(func: Callable, **kwargs: Any) -> Options:
     if opts.timeout is not None and not (isinstance(opts.timeout, (int, float)) and opts.timeout > 0):
         raise ValueError(f"{call}: timeout must be a positive number of seconds, got {opts.timeout!r}.")
     return opts
+
+
+def call_name(func: Callable, in_dims: Any) -> str:
+    """The ``cmap(f, in_dims=...)`` prefix every error message starts with."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return f"cmap({name}, in_dims={in_dims!r})"
+
+
+def check_in_dims_type(call: str, in_dims: Any) -> None:
+    if in_dims is None or isinstance(in_dims, (int, tuple)):
+        return
+    raise ValueError(
+        f"{call}: expected `in_dims` to be int or a (potentially nested) tuple matching the structure of inputs, got: {type(in_dims)}."
+    )
 
 
 def check_placement(call: str, name: str, value: Any, size: Optional[int], allowed: Sequence[Any]) -> None:

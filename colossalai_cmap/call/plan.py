@@ -6,57 +6,18 @@ same key reads it back instead of checking and planning again. That cache is the
 runs the same steps either way.
 """
 
-from collections import OrderedDict
 from functools import lru_cache
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..digests import digest
 from ..wire.group import Group
-from ..wire.protocol import Link
 from ..wire.roles import tensor_split_sizes
-from .layout import OutLayout
 from .options import Options
+from .records import CallPlan
 from .specs import flatten_args
-
-_CACHE_SIZE = 64
-
-
-class CallPlan(NamedTuple):
-    """One argument signature's plan on one group."""
-
-    spec: TreeSpec
-    dims: Tuple[Optional[int], ...]  # each leaf's in-dim, non-negative; None for unmapped leaves
-    batch: int  # the global batch; -1 with src="local", where only the round knows it
-    sizes: Optional[Tuple[int, ...]]  # rows per group rank; None with src="local"
-    rows: int  # this rank's rows
-    offset: int  # where they start in the global batch (0 with src="local")
-    input_sig: int  # what ranks compare to catch different inputs
-
-    mapped: Tuple[int, ...]  # the positions of the mapped leaves
-
-
-class Planned(NamedTuple):
-    """A plan and what this rank was given for it: the flat positional leaves (whole; with ``src=r``, this rank's
-    shard under the source's structure), the kwargs, and with ``src=r`` the example an empty shard runs instead and
-    whether an input required grad on the source (the receiving rank's output then refuses backward too)."""
-
-    plan: CallPlan
-    leaves: List[Any]
-    kwargs: Dict[str, Any]
-    stand_in: Any = None
-    source_needs_grad: bool = False
-
-
-class FastPath(NamedTuple):
-    """What a finished call leaves for the next one with the same key: its plan, where it communicates, and the
-    outputs' layout."""
-
-    plan: CallPlan
-    link: Link
-    layout: Optional[OutLayout]
 
 
 @lru_cache(maxsize=1024)
@@ -124,26 +85,3 @@ def key_of(leaves: Sequence[Any], kwargs: Dict[str, Any], group: Group) -> Tuple
             (v.shape, v.dtype) if isinstance(v, torch.Tensor) else const_key(v) for v in kw_leaves
         )
     return (id(group.pg), group.rank) + parts
-
-
-class PlanCache:
-    """The fast path's records, least recently used first out."""
-
-    def __init__(self) -> None:
-        self._entries: "OrderedDict[Tuple[Any, ...], FastPath]" = OrderedDict()
-
-    def get(self, key: Tuple[Any, ...], spec: TreeSpec) -> Optional[FastPath]:
-        found = self._entries.get(key)
-        if found is None or (found.plan.spec is not spec and found.plan.spec != spec):
-            return None
-        self._entries.move_to_end(key)
-        return found
-
-    def put(self, key: Tuple[Any, ...], record: FastPath) -> None:
-        self._entries[key] = record
-        self._entries.move_to_end(key)
-        while len(self._entries) > _CACHE_SIZE:
-            self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -14,50 +14,26 @@ the status round, so every rank raises together. The steps:
 """
 
 import contextlib
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import TreeSpec
 
 from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
-from ..errors import RankFailure
 from ..nesting import CONTROL_FLOW, splitting, tracking
-from ..wire import protocol
-from ..wire.exchange import CallTag
+from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
-from ..wire.primitives import requires_grad
-from ..wire.protocol import Link
+from ..wire.link import Link
+from ..wire.rounds import agree_rows
 from . import closures, module_params, views
-from .entry import enter
+from .entry import enter, first_example
 from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
-from .plan import CallPlan, Planned
+from .records import CallPlan, Failed, Outputs, Planned
 from .site import CallSite
 from .specs import flatten, flatten_out_dims, normalise_out_dim
-from .views import View
-
-
-class Outputs(NamedTuple):
-    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty shard."""
-
-    flat: List[Any]
-    spec: TreeSpec
-    layout: OutLayout
-    empty: bool  # ran a stand-in example
-    graph_sig: int  # the closure edges of its autograd graph (0: none)
-    mutated: int  # bit k: func changed the k-th mapped input in place
-    captures: Optional[bool] = None  # closure-captured tensors met (None: not looked for)
-    views: Tuple[View, ...] = ()  # outputs that view the caller's mapped inputs: returned as such, not gathered
-
-
-class Failed(NamedTuple):
-    """This rank's part failed: the record every rank receives (None on a rank that only learned of a peer's
-    failure, as with ``src=r``), and the exception here."""
-
-    failure: Optional[RankFailure]
-    cause: Optional[BaseException]
 
 
 def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
@@ -173,7 +149,7 @@ def _stand_in(opts: Options, plan: CallPlan, inputs: Planned, leaves: List[Any],
             out[i] = inputs.leaves[i].narrow(d, 0, 1)  # a view, as rank 0's rows are: its outputs' views match
             continue
         elif opts.src is None and plan.batch > 0:
-            row = inputs.leaves[i].narrow(d, 0, 1).detach().clone()
+            row = first_example(inputs.leaves[i], d)
         else:
             shape = list(mine.shape)
             shape[d] = 1
@@ -205,9 +181,7 @@ def _frame_and_seed(
     if opts.randomness == "different":
         seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())
     if need_sizes:
-        header = protocol.Header(protocol.Kind.OP, rows=plan.rows, input_sig=0, digest=1)
-        rnd = protocol.checked_round(link, header, "the call's start")
-        sizes = tuple(h.rows for h in rnd.table)
+        sizes = agree_rows(link, plan.rows)
     if opts.randomness == "different":
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)
     offset = sum(sizes[: link.group.rank]) if sizes is not None else 0

@@ -2,25 +2,41 @@
 and what the last call did. ``Cmapped`` (the public callable) owns one; the call path reads it and
 :func:`~colossalai_cmap.call.dispatch.dispatch` is the only writer of what a call learned."""
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
+from torch.utils._pytree import TreeSpec
 
-from ..stats import CollectiveLog
 from .module_params import References, reaches_trainable
 from .options import Options
-from .plan import CallPlan, PlanCache
+from .records import FastPath, LastCall
+
+_CACHE_SIZE = 64
 
 
-class LastCall(NamedTuple):
-    """What the last call did on this rank, kept raw (``Cmapped.stats`` describes it; it is rarely read)."""
+class PlanCache:
+    """The fast path's records, least recently used first out."""
 
-    log: CollectiveLog
-    group_size: int
-    local: bool
-    fast_path: bool
-    plan: Optional[CallPlan]
+    def __init__(self) -> None:
+        self._entries: "OrderedDict[Tuple[Any, ...], FastPath]" = OrderedDict()
+
+    def get(self, key: Tuple[Any, ...], spec: TreeSpec) -> Optional[FastPath]:
+        found = self._entries.get(key)
+        if found is None or (found.plan.spec is not spec and found.plan.spec != spec):
+            return None
+        self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: Tuple[Any, ...], record: FastPath) -> None:
+        self._entries[key] = record
+        self._entries.move_to_end(key)
+        while len(self._entries) > _CACHE_SIZE:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(eq=False)

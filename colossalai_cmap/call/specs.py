@@ -45,12 +45,6 @@ def unflatten(leaves: Sequence[Any], spec: TreeSpec) -> Any:
     return tree_unflatten(list(leaves), spec)
 
 
-def call_name(func: Callable, in_dims: Any) -> str:
-    """The ``cmap(f, in_dims=...)`` prefix every error message starts with."""
-    name = getattr(func, "__name__", None) or type(func).__name__
-    return f"cmap({name}, in_dims={in_dims!r})"
-
-
 def _param_names(func: Callable) -> List[str]:
     try:
         target = func.forward if isinstance(func, torch.nn.Module) else func
@@ -93,14 +87,6 @@ def leaf_paths(spec: TreeSpec) -> List[str]:
     return [keystr(p) for p, _ in with_path]
 
 
-def check_in_dims_type(call: str, in_dims: Any) -> None:
-    if in_dims is None or isinstance(in_dims, (int, tuple)):
-        return
-    raise ValueError(
-        f"{call}: expected `in_dims` to be int or a (potentially nested) tuple matching the structure of inputs, got: {type(in_dims)}."
-    )
-
-
 def _leaf_dims(call: str, in_dims: Any, count: int, spec: TreeSpec) -> List[Any]:
     """``in_dims`` broadcast to the ``count`` leaves of the args (it may be a pytree prefix, as vmap takes)."""
     if in_dims is None or isinstance(in_dims, int):
@@ -116,7 +102,6 @@ def _leaf_dims(call: str, in_dims: Any, count: int, spec: TreeSpec) -> List[Any]
 
 def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str) -> FlatArgs:
     """Flatten ``args`` and match ``in_dims`` to its leaves, raising vmap's errors with pytree paths."""
-    check_in_dims_type(call, in_dims)
     if isinstance(in_dims, tuple) and len(in_dims) != len(args):
         raise ValueError(
             f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has length {len(in_dims)} "

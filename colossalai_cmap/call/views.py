@@ -23,7 +23,7 @@ import torch
 from ..digests import digest
 from .layout import BATCHED, OutLayout
 from .options import Options
-from .plan import CallPlan
+from .records import CallPlan
 
 # the input seen as another dtype: through view_as_real, view_as_complex (of its storage as pairs), or view(dtype)
 REAL, COMPLEX, CAST = "real", "complex", "cast"
@@ -68,7 +68,7 @@ def find_views(
         where = _storage(v)
         for j in sources:
             if where is not None and where == storages[j]:
-                view = _geometry(i, j, v, leaf.out_dim, given[j], plan, inputs[j])
+                view = _geometry(i, j, v, leaf.out_dim, given[j], plan=plan, x=inputs[j])
                 if view is not None:  # else another input over the same storage may fit
                     found.append(view)
                     break
@@ -76,7 +76,7 @@ def find_views(
 
 
 def _geometry(
-    i: int, j: int, v: torch.Tensor, out_dim: int, given: Any, plan: CallPlan, x: torch.Tensor
+    i: int, j: int, v: torch.Tensor, out_dim: int, given: Any, *, plan: CallPlan, x: torch.Tensor
 ) -> Optional[View]:
     as_dtype = _as_dtype(x, v.dtype)
     if as_dtype is False:

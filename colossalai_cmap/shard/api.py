@@ -18,10 +18,9 @@ from ..integration.groups import collective_device
 from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
 from ..wire import comm
 from ..wire.comm import default_timeout
-from ..wire.exchange import CallTag, SplitSpec
+from ..wire.exchange import CallTag, SplitSpec, split
 from ..wire.guard import guard
-from ..wire.primitives import split
-from ..wire.protocol import Link, link_for
+from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
 from .exit import Outcome, conclude

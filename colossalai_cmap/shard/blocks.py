@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..wire.exchange import CallTag, JoinSpec, SplitSpec
-from ..wire.primitives import join, split
-from ..wire.protocol import Kind, Link
+from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
+from ..wire.link import Link
 from ..wire.roles import COPY, ONCE, is_rows
+from ..wire.rounds import Kind
 from .specs import Placement, Step
 
 

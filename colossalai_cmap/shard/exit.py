@@ -15,10 +15,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CmapError
-from ..wire import protocol
+from ..wire import rounds
 from ..wire.exchange import Exit, JoinSpec, join_values, report_failure
-from ..wire.protocol import Disagreement, Header, Kind, Link, Status
+from ..wire.link import Link
 from ..wire.roles import Rows
+from ..wire.rounds import Disagreement, Header, Kind, Status
 from .mesh import MeshView
 
 
@@ -43,7 +44,7 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
         if link.group.pg is whole.group.pg:
             continue
         status = Status.FAILED if failure is not None else Status.OK
-        protocol.status_round(link, Header(Kind.STATUS, status, inline=1))
+        rounds.status_round(link, Header(Kind.STATUS, status, inline=1))
     if failure is not None:
         report_failure(JoinSpec(whole, (), kind=Kind.STATUS), *failure)
     exit_ = Exit(Status.OK, 0, outcome.layout_sig, 0, outcome.graph_sig, 0, 0, False, ("digest", "graph_sig"))

@@ -3,15 +3,16 @@ its vocabulary-parallel ``Embedding``, built on cmap's two primitives. The style
 layer keeps the style object that built it, and reads its ``name`` for messages and ``gathers`` for a gathered
 output.
 
-Megatron's two conjugate operators are roles of the primitives (:mod:`roles`):
+Megatron's two conjugate operators are the round-free native Functions (:mod:`~colossalai_cmap.wire.native`):
 
-- *f*, entering the tensor-parallel region: ``Split(COPY)``, the identity forward, the sum over the group
+- *f*, entering the tensor-parallel region: ``RoundFreeCopy``, the identity forward, the sum over the group
   backward. A column-parallel layer applies it to its replicated input.
-- *g*, leaving it: ``Join(COPY)``, the sum over the group forward, the identity backward. A row-parallel layer and
-  the vocabulary-parallel embedding apply it to their partial results.
+- *g*, leaving it: ``RoundFreeSum``, the sum over the group forward (one ``all_reduce``), the identity backward. A
+  row-parallel layer and the vocabulary-parallel embedding apply it to their partial results.
 
-A gathered column-parallel output is ``Join(Rows)`` along the last dim, whose backward takes this rank's slice.
-Every exchange is a round of the status protocol, so a failure on one rank reaches all of them.
+Neither takes a status round, so a layer costs what Megatron's costs; a rank that fails between layers leaves its
+peers waiting until the timeout, which then names it. A gathered column-parallel output is ``Join(Rows)`` along the
+last dim, whose backward takes this rank's slice: that exchange is a round of the status protocol.
 
 Layers that read the same input tensor (q, k and v; gate and up) enter it once: they share one :class:`Entries`
 per sharded model, so autograd adds their input gradients before the single backward sum.
@@ -24,19 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..wire.comm import default_timeout
-from ..wire.exchange import JoinSpec, SplitSpec
+from ..wire.exchange import JoinSpec, SplitSpec, join, needs_function, split
 from ..wire.group import Group
+from ..wire.link import Link, link_for
 from ..wire.native import (
-    Copy,
     GatherFromSequence,
     ReduceScatterToSequence,
+    RoundFreeCopy,
     all_reduce,
     gather_sequence,
     scatter_sequence_sum,
     summed,
 )
-from ..wire.primitives import join, needs_function, split
-from ..wire.protocol import Link, link_for
 from ..wire.roles import Rows, tensor_split_sizes
 from .sequence import LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
@@ -99,7 +99,7 @@ class Slice(NamedTuple):
 
 
 class Entries:
-    """The replicated inputs that entered the tensor-parallel region (``Split(COPY)``), shared by the column-
+    """The replicated inputs that entered the tensor-parallel region (``RoundFreeCopy``), shared by the column-
     parallel layers of one sharded model, so that layers reading the same tensor make one backward sum.
 
     An entry is reused only for the very same tensor object, unchanged (its version counter), under the same grad
@@ -167,7 +167,7 @@ class Entries:
         hit = self.found.get(id(x))
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]
-        entered = Copy.apply(link, x)
+        entered = RoundFreeCopy.apply(link, x)
         self._remember(x, state, entered)
         return entered
 
@@ -401,7 +401,7 @@ class HeadGroupLinear(_Sharded):
     def _enter(self, p: Optional[torch.Tensor], link: Link) -> Optional[torch.Tensor]:
         if p is None or self.group.size == 1 or not needs_function([p]):
             return p
-        return Copy.apply(link, p)
+        return RoundFreeCopy.apply(link, p)
 
     def slices(self) -> Dict[str, Slice]:
         return {}  # replicated

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from ..wire.comm import default_timeout
 from ..wire.group import Group
+from ..wire.link import Link, link_for
 from ..wire.native import all_reduce, all_reduce_max
-from ..wire.protocol import Link, link_for
 from ..wire.roles import tensor_split_sizes
 from .layers import CALL
 

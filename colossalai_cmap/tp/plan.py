@@ -20,10 +20,9 @@ from ..errors import CmapError
 from ..integration.groups import resolve_group
 from ..wire import comm
 from ..wire.comm import default_timeout
-from ..wire.exchange import JoinSpec
+from ..wire.exchange import JoinSpec, join
 from ..wire.group import Group
-from ..wire.primitives import join
-from ..wire.protocol import link_for
+from ..wire.link import link_for
 from ..wire.roles import Rows, tensor_split_sizes
 from .layers import CALL, PARALLEL_LAYERS, Entries, HeadGroupLinear, RowParallelLinear
 from .loss import CausalLMLoss
@@ -183,18 +182,7 @@ def shard_model(
         model.loss_function = CausalLMLoss(group_)
     _fork_region_random(model, assignments, group_)
     if sequence is not None and group_.size > 1:
-        model.register_forward_pre_hook(sequence.read_length, with_kwargs=True)
-        for layer in layers:
-            layer.register_forward_pre_hook(sequence.enter_layer, with_kwargs=True)
-        head = model.get_output_embeddings()
-        head.keeps_gathered = True
-        modules = dict(model.named_modules())
-        parents = {
-            a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise) and a.module is not head
-        }
-        for path in sorted(parents - {""}):
-            modules[path].register_forward_pre_hook(entries.gather_input, with_kwargs=True)
-        _sum_replicated_grads(model, sequence)
+        _hook_sequence_parallel(model, sequence, layers, assignments, entries)
     for owner, counts in heads.items():
         for attr, value in counts.items():
             setattr(owner, attr, value)
@@ -203,6 +191,23 @@ def shard_model(
     if check_inputs and group_.size > 1:
         model.register_forward_pre_hook(InputCheck(group_), with_kwargs=True)
     return model
+
+
+def _hook_sequence_parallel(
+    model: nn.Module, sequence: Any, layers: Any, assignments: List[Assignment], entries: Entries
+) -> None:
+    """Sequence parallelism's hooks: the sequence length read on entry, each decoder layer entered with its rows, the
+    colwise layers' parents gathering their input once, and the replicated parameters' gradients summed."""
+    model.register_forward_pre_hook(sequence.read_length, with_kwargs=True)
+    for layer in layers:
+        layer.register_forward_pre_hook(sequence.enter_layer, with_kwargs=True)
+    head = model.get_output_embeddings()
+    head.keeps_gathered = True
+    modules = dict(model.named_modules())
+    parents = {a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise) and a.module is not head}
+    for path in sorted(parents - {""}):
+        modules[path].register_forward_pre_hook(entries.gather_input, with_kwargs=True)
+    _sum_replicated_grads(model, sequence)
 
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, Any], size: int) -> List[Assignment]:

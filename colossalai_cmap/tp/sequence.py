@@ -25,8 +25,8 @@ from torch import nn
 
 from ..wire.comm import default_timeout
 from ..wire.group import Group
+from ..wire.link import Link, link_for
 from ..wire.native import ScatterToSequence, SequenceSpec, all_reduce, gather_sequence
-from ..wire.protocol import Link, link_for
 from ..wire.roles import tensor_split_sizes
 
 __all__ = ["SequenceState", "Regather", "LinearOnGathered", "pad_to_sequence"]

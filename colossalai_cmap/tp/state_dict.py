@@ -15,7 +15,7 @@ from torch import nn
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, join_values
 from ..wire.group import Group
-from ..wire.protocol import link_for
+from ..wire.link import link_for
 from ..wire.roles import Rows
 from .layers import CALL, PARALLEL_LAYERS, Slice
 

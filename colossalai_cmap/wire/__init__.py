@@ -1,9 +1,15 @@
 """The wire: everything that talks to ``torch.distributed``.
 
-Process groups and their per-process state (:mod:`.group`), bounded waits (:mod:`.comm`) whose errors name the ranks
-that did not arrive (:mod:`.presence`), the status protocol's rounds (:mod:`.protocol`, :mod:`.channel`,
-:mod:`.route`), the data phase (:mod:`.transfer`), and the two communication primitives every layer above uses,
-``Split`` and ``Join`` (:mod:`.roles`, :mod:`.exchange`, :mod:`.primitives`).
+One module per concept, imports going down:
+
+1. :mod:`.group` (process groups and their per-process state), :mod:`.roles` (what each tensor of an exchange is),
+   :mod:`.presence` (this process's count of collectives, read when a peer does not arrive);
+2. :mod:`.comm` (bounded waits, whose errors name the ranks that did not arrive), :mod:`.link` (where an exchange
+   communicates: the ``Link``, the group's round buffers, the route of what rides in a round's payload),
+   :mod:`.traced` (``Split`` and ``Join`` inside ``torch.compile``);
+3. :mod:`.rounds` (a round of the status protocol: its header, its kinds, its failures, and the data phase);
+4. :mod:`.exchange` (``Split`` and ``Join``, the two primitives every layer above uses, and their plain sides);
+5. :mod:`.native` (collectives at their native algorithm's cost, no round) and :mod:`.guard` (the guarded backward).
 
 May import: torch, and the package's leaf modules (``errors``, ``faults``, ``stats``, ``digests``). Never the layers
 above it (``call``, ``axis``, ``tp``, ``integration``): a round returns what it learned, and its caller decides.

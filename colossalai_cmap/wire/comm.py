@@ -61,6 +61,8 @@ def _track(group: Group) -> presence.Track:
         raise CmapError(
             f"{state.failure} No further cmap collective runs on this group: create a new group (or restart)."
         )
+    if state.track is None:
+        state.track = presence.track(str(getattr(group.pg, "group_name", group.ranks)), group.ranks)
     return state.track
 
 

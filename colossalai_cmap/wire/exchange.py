@@ -1,8 +1,17 @@
-"""The plain (not differentiable) sides of the two primitives, with their records: ``split_values`` (no
-communication) and ``join_values`` (one round of the status protocol, and a data phase for what does not fit it).
+"""``Split`` and ``Join``, the two communication primitives every layer above uses, with their records and their
+plain (not differentiable) sides.
 
-:mod:`primitives` wraps them as autograd Functions; when no tensor needs a derivative and no function transform is
-active, the call path uses these directly.
+``split_values`` takes this rank's part of global values (no communication); ``join_values`` makes per-rank values
+global in one round of the status protocol (:mod:`.rounds`), and a data phase for what does not fit it.
+
+``Split`` and ``Join`` wrap them as autograd Functions that compose with functorch: each is a
+``torch.autograd.Function`` in the ``setup_context`` style, with ``backward``, ``jvp`` and ``vmap`` rules, so that
+torch's autograd and torch.func handle everything around them: closures, higher-order gradients,
+``grad``/``vjp``/``jvp``/``jacrev``/``jacfwd``/``hessian``, an outer ``torch.vmap`` and nesting. The backward of each
+is the other (:mod:`.roles` has the transpose of every role), built from ``apply`` calls, so double backward works.
+
+:func:`join` and :func:`split` are what the layers above call: the Functions where a derivative or a function
+transform needs them, else the plain ``join_values`` and ``split_values``, without the Function machinery.
 """
 
 import weakref
@@ -10,13 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .. import faults
 from ..errors import RankFailure
-from . import protocol, transfer
-from .protocol import Header, Kind, Link, Round, Status
-from .roles import FIRST, IN_PLACE, SHARE, Role, Rows, is_rows
-from .route import pack, unpack
+from . import rounds
+from .link import Link, pack_payload, unpack_payload
+from .roles import FIRST, IN_PLACE, SHARE, Role, Rows, is_rows, join_transpose, shifted, split_transpose
+from .rounds import Header, Kind, Round, Status
+
+# ---- the records, and the plain sides
 
 
 class Exit(NamedTuple):
@@ -24,7 +36,7 @@ class Exit(NamedTuple):
 
     After the round, before any data moves, :func:`join_values` compares the ``agree`` fields across every rank's
     header and the ``agree_nonempty`` fields across the ranks that ran real examples; the first that differs raises
-    :class:`~colossalai_cmap.wire.protocol.Disagreement` on every rank, for the caller to explain.
+    :class:`~colossalai_cmap.wire.rounds.Disagreement` on every rank, for the caller to explain.
     """
 
     status: int
@@ -155,7 +167,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
-    rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors, host=spec.host)
+    rt = rounds.route(link, (spec.what, spec.roles, sizes), tensors, host=spec.host)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -163,30 +175,30 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         if faults.ACTIVE:
             faults.check("backward" if spec.kind == Kind.SYNC else "pack", group)
         if rt.fits:
-            pack(rt, tensors)
+            pack_payload(rt, tensors)
         if rt.inline is False and rt.items:
             if faults.ACTIVE:
                 faults.check("gather", group)
-            prep = transfer.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
+            prep = rounds.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
     ch = link.channel()
     if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
         ch.open_backward()
-    early = transfer.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
+    early = rounds.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if spec.exit is not None:
-        transfer.meet_early(rnd, ch, link)
+        rounds.meet_early(rnd, ch, link)
     if rnd.failed:
-        protocol.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
+        rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
     if spec.exit is not None:
         if spec.learned is not None:
             spec.learned.table = rnd.table
-        protocol.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
+        rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results = _deliver(spec, rt, rnd, tensors, prep)
     if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
-        ch.backward_open, ch.last_data = False, transfer.early_shape(prep) if prep is not None else None
+        ch.backward_open, ch.last_data = False, rounds.early_shape(prep) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 
@@ -196,14 +208,14 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = protocol.route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host)
+        rt = rounds.route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host)
         if not rnd.inline:
-            prep = transfer.prepare(rt.items, tensors, sizes, link.group, spec.dst)
+            prep = rounds.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
-        return unpack(rt, spec.dst in (-1, link.group.rank))
+        return unpack_payload(rt, spec.dst in (-1, link.group.rank))
     if all(h.early for h in rnd.table):
-        return transfer.taken_early(prep)
-    return transfer.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
+        return rounds.taken_early(prep)
+    return rounds.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
 
 
 def _shapes_only(
@@ -233,9 +245,9 @@ def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -
     """This rank's side of a call's exit when func raised here: the same round, then every rank raises."""
     link = spec.link
     header = Header(Kind.STATUS, Status.FAILED, inline=1)
-    rnd = protocol.status_round(link, header)
-    transfer.meet_early(rnd, link.channel(), link)
-    protocol.raise_failures(rnd, failure, cause, link)
+    rnd = rounds.status_round(link, header)
+    rounds.meet_early(rnd, link.channel(), link)
+    rounds.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 
 
@@ -264,9 +276,175 @@ def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Heade
 def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = None) -> Round:
     link = spec.link
     if spec.kind == Kind.STATUS:
-        return protocol.status_round(link, header, early)
-    return protocol.checked_round(link, header, spec.what)
+        return rounds.status_round(link, header, early)
+    return rounds.checked_round(link, header, spec.what)
 
 
 def _name(spec: JoinSpec) -> str:
     return spec.link.call if spec.kind == Kind.STATUS else f"{spec.link.call}: {spec.what}"
+
+
+# ---- the autograd Functions, and the verbs the layers above call
+
+
+def requires_grad(t: Any) -> bool:
+    """Whether ``t`` requires grad at any autograd level (a vmap wrapper hides its inner tensor's flag)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    while not t.requires_grad:
+        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+        t = torch._C._functorch.get_unwrapped(t)
+    return True
+
+
+def needs_function(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the Function machinery is needed: a derivative to track, or a function transform to obey."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def join(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    """Per-rank values to global ones: :class:`Join` where a derivative or a function transform needs it (never
+    with a ``dst``: only that rank gets the result, so no backward could meet), else the plain exchange."""
+    if spec.dst == -1 and needs_function(tensors):
+        return Join.apply(spec, *tensors)
+    return join_values(spec, tensors)
+
+
+def split(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """Global values to per-rank ones: :class:`Split` where a derivative or a function transform needs it."""
+    return Split.apply(spec, *tensors) if needs_function(tensors) else split_values(spec, tensors)
+
+
+def _non_differentiable(ctx: Any, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    """Outputs that carry no derivative, as vmap's would: integer ones, and (outside function transforms and
+    forward-mode AD) those whose input needs none, so that ``requires_grad`` comes back as the input had it."""
+    plain = torch._C._functorch.maybe_current_level() is None and fwAD._current_level < 0
+    fixed = [
+        o
+        for o, x in zip(outputs, inputs)
+        if isinstance(o, torch.Tensor)
+        and (not (o.is_floating_point() or o.is_complex()) or (plain and not x.requires_grad))
+    ]
+    if fixed:
+        ctx.mark_non_differentiable(*fixed)
+
+
+def _wanted(ctx: Any, grads: Sequence[Any]) -> list:
+    return [i for i, g in enumerate(grads) if ctx.needs_input_grad[i + 1] and g is not None]
+
+
+def _spread(picked: Sequence[int], values: Sequence[Any], count: int) -> Tuple[Any, ...]:
+    out: list = [None] * count
+    for i, v in zip(picked, values):
+        out[i] = v
+    return (None, *out)
+
+
+def _vmapped(apply: Callable, spec: Any, in_dims: Sequence[Optional[int]], xs: Sequence[Any]) -> Tuple[Any, Any]:
+    """Both vmap rules: each batched tensor's vmap dim goes to the front, row dims shift by one; one collective."""
+    batched = [d is not None for d in in_dims[1:]]
+    moved = [x.movedim(d, 0) if d is not None else x for x, d in zip(xs, in_dims[1:])]
+    out = apply(spec._replace(roles=shifted(spec.roles, batched)), *moved)
+    return out, tuple(0 if b else None for b in batched)
+
+
+class Join(torch.autograd.Function):
+    """Per-rank values to global ones (see :mod:`.roles`); backward is :class:`Split`."""
+
+    @staticmethod
+    def forward(spec: JoinSpec, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(o if o is not x else x.view_as(x) for o, x in zip(join_values(spec, xs), xs))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.spec = inputs[0]
+        ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[1:]]  # zeros for a missing tangent
+        _non_differentiable(ctx, inputs[1:], output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        spec, picked = ctx.spec, _wanted(ctx, grads)
+        sized = spec.sized_roles()
+        roles = [join_transpose(sized[i]) for i in picked]
+        out = Split.apply(SplitSpec(spec.link, tuple(roles)), *[grads[i] for i in picked]) if picked else ()
+        return _spread(picked, out, len(grads))
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, *tangents: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+        # Every rank joins every tangent (zeros where one has none): a peer's may be set where this one's is not.
+        full = [t if t is not None else torch.zeros(s, dtype=d, device=v) for t, (s, d, v) in zip(tangents, ctx.like)]
+        sub = JoinSpec(ctx.spec.link, ctx.spec.sized_roles(), f"the tangents of {ctx.spec.what}", sync=True)
+        return tuple(Join.apply(sub, *full))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], spec: JoinSpec, *xs: torch.Tensor) -> Tuple[Any, Any]:
+        return _vmapped(Join.apply, spec, in_dims, xs)
+
+
+class Split(torch.autograd.Function):
+    """Global values to this rank's per-rank values (see :mod:`.roles`); backward is :class:`Join`."""
+
+    @staticmethod
+    def forward(spec: SplitSpec, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(o if o is not x else x.view_as(x) for o, x in zip(split_values(spec, xs), xs))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.spec = inputs[0]
+        owner = inputs[0].owner
+        if owner is not None:
+            ctx._cmap_owner = owner
+            if owner.running:
+                owner.note_entry(inputs[0], inputs[1:], output)
+        ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
+        _non_differentiable(ctx, inputs[1:], output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        spec, picked = ctx.spec, _wanted(ctx, grads)
+        if spec.owner is not None and spec.owner.running:  # a gradient taken inside func: per example, here
+            return _spread(picked, [local_transpose(spec, spec.roles[i], grads[i]) for i in picked], len(grads))
+        roles = tuple(split_transpose(spec.roles[i]) for i in picked)
+        out = Join.apply(JoinSpec(spec.link, roles), *[grads[i] for i in picked]) if picked else ()
+        return _spread(picked, out, len(grads))
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, *tangents: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+        spec = ctx.spec
+        picked = [i for i, t in enumerate(tangents) if t is not None]
+        sub = SplitSpec(spec.link, tuple(spec.roles[i] for i in picked))
+        out = Split.apply(sub, *[tangents[i] for i in picked]) if picked else ()
+        return _spread(picked, out, len(tangents))[1:]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], spec: SplitSpec, *xs: torch.Tensor) -> Tuple[Any, Any]:
+        return _vmapped(Split.apply, spec, in_dims, xs)
+
+
+class _Refused(torch.autograd.Function):
+    """Identity forward; backward raises the message (no collective is involved, so nothing can hang)."""
+
+    @staticmethod
+    def forward(message: str, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.message = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, ...]:
+        raise RuntimeError(ctx.message)
+
+
+def not_differentiable(value: Any, message: str) -> Any:
+    """``value`` marked so that backpropagating through it raises ``message``."""
+    if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
+        return value
+    return _Refused.apply(message, value.detach().requires_grad_())
+
+
+__all__ = ["Join", "Split", "join", "split", "requires_grad", "not_differentiable"]

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankFailure
-from . import presence
 
 
 @dataclass(frozen=True)
@@ -49,15 +48,15 @@ class GroupState:
 
     Attributes:
         group: the group's record.
-        channels: the round buffers and agreed state per device (:mod:`~colossalai_cmap.wire.channel`).
+        channels: the round buffers and agreed state per device (:class:`~colossalai_cmap.wire.rounds.Channel`).
         broken: why the group is unusable (a wait failed, so its collective sequence may be out of step), or None.
         failure: the error of the wait that failed on it, raised again by any later collective on it.
-        track: this process's count of cmap collectives on the group, and the latest (:mod:`.presence`).
+        track: this process's count of cmap collectives on the group (:mod:`.presence`), made by its first one.
         host: the gloo group on the same ranks that status rounds (and CPU tensors in an nccl world) take, or None.
     """
 
     group: Group
-    track: presence.Track
+    track: Any = None  # a presence.Track, made by :mod:`.comm` on the first collective
     channels: Dict[torch.device, Any] = field(default_factory=dict)
     broken: Optional[str] = None
     failure: str = ""
@@ -73,8 +72,7 @@ def state_of(pg: dist.ProcessGroup) -> GroupState:
     found = _STATES.get(id(pg))
     if found is None or found[0] is not pg:
         group = Group(pg, dist.get_rank(pg), dist.get_world_size(pg), tuple(dist.get_process_group_ranks(pg)))
-        track = presence.track(str(getattr(pg, "group_name", group.ranks)), group.ranks)
-        found = _STATES[id(pg)] = (pg, GroupState(group, track))
+        found = _STATES[id(pg)] = (pg, GroupState(group))
         if id(pg) not in _HOSTS and (host_plane_forced() or "gloo" not in group.backend()):
             host_of(group)
     return found[1]

@@ -13,7 +13,7 @@ this rank's backward through func's graph (``torch.autograd.grad`` down to those
 then the Splits' transposes itself, each a ``Join`` as their own backward would be, so the node that catches an
 exception is the node that owns the next round. If func's graph raised, it posts the failure in a ``SYNC`` round
 instead: a peer is then in one of those Joins or in a backward round inside func's graph, meets the failure there,
-and every rank raises the same ``CmapError`` (:func:`~.protocol.raise_failures`), the failing rank with its
+and every rank raises the same ``CmapError`` (:func:`~.rounds.raise_failures`), the failing rank with its
 exception as ``__cause__``. Each rank has made the same rounds when ``.backward()`` raises, or returns. The Joins
 are the rounds the Splits' backward made before, so the guard costs no round; only where none of them
 communicates (``src="local"`` with ``dst="local"`` and no closure) does it add one, so that a failure has a round to
@@ -30,11 +30,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from . import protocol
-from .exchange import CallTag, Entry, JoinSpec
-from .primitives import join
-from .protocol import Header, Kind, Link, Status
+from . import rounds
+from .exchange import CallTag, Entry, JoinSpec, join
+from .link import Link
 from .roles import split_transpose
+from .rounds import Header, Kind, Status
 
 WHAT = "the gradients of func's inputs"
 
@@ -154,7 +154,7 @@ class _Guard(torch.autograd.Function):
                 )
             pairs = [(o, g) for o, g in zip(graph.outs, grads) if g is not None]
             if pairs and graph.boundary:
-                with protocol.guarding():
+                with rounds.guarding():
                     found = torch.autograd.grad(
                         [o for o, _ in pairs],
                         graph.boundary,
@@ -165,13 +165,13 @@ class _Guard(torch.autograd.Function):
                     )
                 at = {id(t): g for t, g in zip(graph.boundary, found) if g is not None}
         except Exception as exc:
-            if protocol.was_told(exc, link):  # raised from a round: every rank raises it already
+            if rounds.was_told(exc, link):  # raised from a round: every rank raises it already
                 raise
             failure, cause = link.group.failure(exc), exc
         _let_go_unless_retained(ctx, graph)
         if failure is not None:
-            rnd = protocol.checked_round(link, Header(Kind.SYNC, Status.FAILED, digest=protocol.GUARD_DIGEST), WHAT)
-            protocol.raise_failures(rnd, failure, cause, link)
+            rnd = rounds.checked_round(link, Header(Kind.SYNC, Status.FAILED, digest=rounds.GUARD_DIGEST), WHAT)
+            rounds.raise_failures(rnd, failure, cause, link)
         _transposes(graph, at)
         return (None, *[at.get(id(x)) for x in graph.inputs])
 

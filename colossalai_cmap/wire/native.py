@@ -12,8 +12,8 @@ Function            this rank's result                              native colle
 ``AllGather``       every rank's rows along ``dim``, in order       ``all_gather_into_tensor``    ``ReduceScatter``
 ``AllToAll``        from each rank r, the rows r sent it, in order  ``all_to_all_single``         ``AllToAll``, the
                                                                                                   sizes swapped
-``Sum``             the sum over ranks (a value every rank holds)   ``all_reduce``, no round      ``Copy``
-``Copy``            the value itself (entering per-rank work)       none                          ``Sum``
+``RoundFreeSum``    the sum over ranks (a value every rank holds)   ``all_reduce``, no round      ``RoundFreeCopy``
+``RoundFreeCopy``   the value itself (entering per-rank work)       none                          ``RoundFreeSum``
 ``GatherFrom``      every rank's rows of a sequence, no round       ``all_gather_into_tensor``    ``ReduceScatterTo``
 ``Sequence``                                                                                      ``Sequence``
 ``ReduceScatterTo`` its rows of the sum over ranks, no round        ``reduce_scatter_tensor``     ``GatherFrom``
@@ -24,10 +24,12 @@ Function            this rank's result                              native colle
                                                                     round                         derivative)
 ==================  ==============================================  ============================  ==================
 
-``Sum`` and ``Copy`` are Megatron's *g* and *f*, for tensor-parallel layers: one all-reduce and no status round, so
-a layer costs what Megatron's costs (a rank that fails between layers leaves its peers waiting until the timeout,
-which then names it). Each of the others is one status round of a fixed, small size (:mod:`protocol`: a peer that failed or left meets this rank there,
-and every rank raises together), then the native collective on the data: only the rows the destination needs move.
+``RoundFreeSum`` and ``RoundFreeCopy`` are Megatron's *g* and *f*, for tensor-parallel layers: one all-reduce and
+no status round, so a layer costs what Megatron's costs (a rank that fails between layers leaves its peers waiting
+until the timeout, which then names it). ``Join`` and ``Split`` with role ``COPY`` are the same *g* and *f* through
+a status round, for cmap's own exchanges; the names say the difference. Each of the others here is one status
+round of a fixed, small size (:mod:`.rounds`: a peer that failed or left meets this rank there, and every rank
+raises together), then the native collective on the data: only the rows the destination needs move.
 Uneven row counts are padded to the largest for the first two (gloo needs equal sizes); the all-to-all takes them
 as they are. Every rule is written with ``apply`` of these Functions, so double backward, ``torch.func`` transforms
 and an outer ``torch.vmap`` compose (the vmap dim rides along as a data dim after ``dim``).
@@ -39,8 +41,10 @@ import torch
 
 from .. import faults
 from ..digests import digest
-from . import comm, protocol
-from .protocol import Header, Kind, Link, Status
+from . import comm, rounds
+from .exchange import needs_function
+from .link import Link
+from .rounds import Header, Kind, Status
 
 
 class NativeSpec(NamedTuple):
@@ -77,10 +81,10 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
     # what every rank of the group shares (an all-to-all's row counts are this rank's own)
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
     header = Header(spec.kind, Status.FAILED if failure else Status.OK, digest=sig, inline=1)
-    rnd = protocol.checked_round(spec.link, header, spec.what)
+    rnd = rounds.checked_round(spec.link, header, spec.what)
     if rnd.failed:
         link = spec.link._replace(call=f"{spec.link.call}: {spec.what}")
-        protocol.raise_failures(rnd, failure, cause, link, in_func=spec.kind == Kind.OP)
+        rounds.raise_failures(rnd, failure, cause, link, in_func=spec.kind == Kind.OP)
 
 
 def _first(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -221,7 +225,7 @@ class AllToAll(torch.autograd.Function):
 
 def all_reduce(link: Link, x: torch.Tensor) -> torch.Tensor:
     """The sum over the group of every rank's ``x``, with no status round: Megatron's *g* (the plain side of
-    :class:`Sum`). A rank that fails before it leaves its peers waiting until the timeout, as in Megatron."""
+    :class:`RoundFreeSum`). A rank that fails before it leaves its peers waiting until the timeout, as in Megatron."""
     if x.is_meta:
         return torch.empty_like(x)
     out = x.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
@@ -313,9 +317,9 @@ class ScatterToSequence(torch.autograd.Function):
         return None, GatherFromSequence.apply(ctx.spec, grad)
 
 
-class Sum(torch.autograd.Function):
+class RoundFreeSum(torch.autograd.Function):
     """Megatron's *g*: per-rank partial values to their sum, on every rank, in one all-reduce; backward is
-    :class:`Copy` (the identity), since the sum is a value every rank holds alike."""
+    :class:`RoundFreeCopy` (the identity), since the sum is a value every rank holds alike."""
 
     @staticmethod
     def forward(link: Link, x: torch.Tensor) -> torch.Tensor:
@@ -327,20 +331,20 @@ class Sum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, Copy.apply(ctx.link, grad)
+        return None, RoundFreeCopy.apply(ctx.link, grad)
 
     @staticmethod
     def jvp(ctx: Any, _: Any, tangent: torch.Tensor) -> torch.Tensor:
-        return Sum.apply(ctx.link, tangent)
+        return RoundFreeSum.apply(ctx.link, tangent)
 
     @staticmethod
     def vmap(info: Any, in_dims: Tuple[Optional[int], ...], link: Link, x: torch.Tensor) -> Tuple[Any, Any]:
-        return Sum.apply(link, x), in_dims[1]
+        return RoundFreeSum.apply(link, x), in_dims[1]
 
 
-class Copy(torch.autograd.Function):
+class RoundFreeCopy(torch.autograd.Function):
     """Megatron's *f*: a value every rank holds alike, entering per-rank computations: the identity forward, and
-    backward the sum of the ranks' gradients (:class:`Sum`)."""
+    backward the sum of the ranks' gradients (:class:`RoundFreeSum`)."""
 
     @staticmethod
     def forward(link: Link, x: torch.Tensor) -> torch.Tensor:
@@ -352,15 +356,15 @@ class Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, Sum.apply(ctx.link, grad)
+        return None, RoundFreeSum.apply(ctx.link, grad)
 
     @staticmethod
     def jvp(ctx: Any, _: Any, tangent: torch.Tensor) -> torch.Tensor:
-        return Copy.apply(ctx.link, tangent)
+        return RoundFreeCopy.apply(ctx.link, tangent)
 
     @staticmethod
     def vmap(info: Any, in_dims: Tuple[Optional[int], ...], link: Link, x: torch.Tensor) -> Tuple[Any, Any]:
-        return Copy.apply(link, x), in_dims[1]
+        return RoundFreeCopy.apply(link, x), in_dims[1]
 
 
 _PLAIN = {ReduceScatter: reduce_scatter, AllGather: all_gather, AllToAll: all_to_all}
@@ -368,18 +372,14 @@ _PLAIN = {ReduceScatter: reduce_scatter, AllGather: all_gather, AllToAll: all_to
 
 def run(fn: Any, spec: NativeSpec, x: torch.Tensor) -> torch.Tensor:
     """``fn`` (one of the Functions) where a derivative or a function transform needs it, else its plain side."""
-    from .primitives import needs_function
-
     if needs_function([x]):
         return fn.apply(spec, x)
     return _PLAIN[fn](spec, x)
 
 
 def summed(link: Link, x: torch.Tensor) -> torch.Tensor:
-    """:class:`Sum` where a derivative or a function transform needs it, else the plain all-reduce."""
-    from .primitives import needs_function
-
-    return Sum.apply(link, x) if needs_function([x]) else all_reduce(link, x)
+    """:class:`RoundFreeSum` where a derivative or a function transform needs it, else the plain all-reduce."""
+    return RoundFreeSum.apply(link, x) if needs_function([x]) else all_reduce(link, x)
 
 
 __all__ = [
@@ -387,8 +387,8 @@ __all__ = [
     "ReduceScatter",
     "AllGather",
     "AllToAll",
-    "Sum",
-    "Copy",
+    "RoundFreeSum",
+    "RoundFreeCopy",
     "run",
     "summed",
     "all_reduce",

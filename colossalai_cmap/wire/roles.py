@@ -1,4 +1,4 @@
-"""What each tensor of a :class:`~colossalai_cmap.wire.primitives.Split` or ``Join`` is, and the transpose of each.
+"""What each tensor of a :class:`~colossalai_cmap.wire.exchange.Split` or ``Join`` is, and the transpose of each.
 
 Every rank holds its own copy of each value. A *global* value (a caller's tensor under ``src=None``, a closure, a
 result on every rank) is the same on every rank; a *per-rank* value is this rank's own (its rows, its partial sums).

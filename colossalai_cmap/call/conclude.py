@@ -6,7 +6,7 @@ outputs that view the caller's inputs are those views (:mod:`views`), with no da
 moves, but the round still runs: a failure anywhere must reach every rank.
 """
 
-from typing import Any, Sequence
+from typing import Any, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -14,16 +14,17 @@ from torch.utils._pytree import tree_flatten
 from ..digests import digest
 from ..errors import CmapError
 from ..wire import comm
-from ..wire.exchange import Exit, JoinSpec, Learned, join_values, report_failure
-from ..wire.primitives import join
-from ..wire.protocol import Disagreement, Kind, Link, Status
+from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values, report_failure
+from ..wire.link import Link
 from ..wire.roles import KEEP, ONCE, SAME, Rows
+from ..wire.rounds import Disagreement, Kind, Status, gather_objects
+from ..wire.traced import traced_join
 from .checks import agreed_fields, explain
+from .entry import needs_grad_traced
 from .layout import BATCHED, replicated_checksums
 from .options import Options
-from .plan import CallPlan, Planned
-from .rank import Failed, Outputs
-from .specs import unflatten
+from .records import CallPlan, Failed, Outputs, Planned
+from .specs import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .views import place, signature
 
 
@@ -84,7 +85,7 @@ def _dst(opts: Options) -> int:
 def _all_checksums(out: Outputs, link: Link) -> Any:
     """Every rank's out_dims=None checksums (the error path of check_inputs)."""
     mine = () if out.empty else replicated_checksums(out.flat, out.layout)
-    return comm.all_gather_object(mine, link.round_group, link.call, link.timeout, link.round_device)
+    return gather_objects(link, mine)
 
 
 def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:
@@ -126,3 +127,33 @@ def _write_back(opts: Options, plan: CallPlan, inputs: Planned, mask: int, link:
         full = join_values(JoinSpec(link, roles, "the in-place changes of mapped inputs"), rows)
         for i, value in zip(picked, full):
             inputs.leaves[i].copy_(value)
+
+
+# ---- traced: the exit inside torch.compile
+
+
+def conclude_traced(opts: Options, out: Any, sizes: Tuple[int, ...], pg: Any, rank: int) -> Any:
+    """:func:`conclude` inside ``torch.compile``, with no round. The result on this rank: batched outputs cut to this
+    rank's rows (a stand-in's cut off), then all-gathered along their out-dim (``dst=-1``) or kept (``dst="local"``);
+    an ``out_dims=None`` output passes a ``SAME`` Join (``dst=-1``: its backward gives its gradient to one rank only)
+    or a ``ONCE`` Join (``dst="local"``: each rank its cotangent over P), so that the sum over ranks counts it once."""
+    flat, spec = flatten(out)
+    dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
+    mine = sizes[rank]
+    result = []
+    for i, (v, d) in enumerate(zip(flat, dims)):
+        if not isinstance(v, torch.Tensor):
+            result.append(v)
+            continue
+        if d is not None:
+            d = normalise_out_dim(opts.call, d, v.dim() - 1, i)
+            v = v.narrow(d, 0, mine) if v.shape[d] != mine else v
+        if pg is None or (opts.dst == "local" and d is not None):  # nothing moves: every rank keeps its own
+            result.append(v)
+        elif d is not None:
+            result.append(traced_join(v, Rows(d, sizes), pg, rank))
+        elif torch.is_grad_enabled() and needs_grad_traced(v):
+            result.append(traced_join(v, ONCE if opts.dst == "local" else SAME, pg, rank))
+        else:
+            result.append(v)
+    return unflatten(result, spec)

@@ -1,0 +1,77 @@
+"""The records a call's steps hand each other: its plan and what this rank was given for it, this rank's outputs or
+its failure, what a finished call leaves for the next one, and what the last call did."""
+
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+from torch.utils._pytree import TreeSpec
+
+from ..errors import RankFailure
+from ..stats import CollectiveLog
+from ..wire.link import Link
+
+
+class CallPlan(NamedTuple):
+    """One argument signature's plan on one group."""
+
+    spec: TreeSpec
+    dims: Tuple[Optional[int], ...]  # each leaf's in-dim, non-negative; None for unmapped leaves
+    batch: int  # the global batch; -1 with src="local", where only the round knows it
+    sizes: Optional[Tuple[int, ...]]  # rows per group rank; None with src="local"
+    rows: int  # this rank's rows
+    offset: int  # where they start in the global batch (0 with src="local")
+    input_sig: int  # what ranks compare to catch different inputs
+
+    mapped: Tuple[int, ...]  # the positions of the mapped leaves
+
+
+class Planned(NamedTuple):
+    """A plan and what this rank was given for it: the flat positional leaves (whole; with ``src=r``, this rank's
+    shard under the source's structure), the kwargs, and with ``src=r`` the example an empty shard runs instead and
+    whether an input required grad on the source (the receiving rank's output then refuses backward too)."""
+
+    plan: CallPlan
+    leaves: List[Any]
+    kwargs: Dict[str, Any]
+    stand_in: Any = None
+    source_needs_grad: bool = False
+
+
+class FastPath(NamedTuple):
+    """What a finished call leaves for the next one with the same key: its plan, where it communicates, and the
+    outputs' layout."""
+
+    plan: CallPlan
+    link: Link
+    layout: Any  # the outputs' layout.OutLayout, or None
+
+
+class Outputs(NamedTuple):
+    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty shard."""
+
+    flat: List[Any]
+    spec: TreeSpec
+    layout: Any  # the outputs' layout.OutLayout
+    empty: bool  # ran a stand-in example
+    graph_sig: int  # the closure edges of its autograd graph (0: none)
+    mutated: int  # bit k: func changed the k-th mapped input in place
+    captures: Optional[bool] = None  # closure-captured tensors met (None: not looked for)
+    # views.View records: the outputs that view the caller's mapped inputs, returned as such, not gathered
+    views: Tuple[Any, ...] = ()
+
+
+class Failed(NamedTuple):
+    """This rank's part failed: the record every rank receives (None on a rank that only learned of a peer's
+    failure, as with ``src=r``), and the exception here."""
+
+    failure: Optional[RankFailure]
+    cause: Optional[BaseException]
+
+
+class LastCall(NamedTuple):
+    """What the last call did on this rank, kept raw (``Cmapped.stats`` describes it; it is rarely read)."""
+
+    log: CollectiveLog
+    group_size: int
+    local: bool
+    fast_path: bool
+    plan: Optional[CallPlan]
