@@ -338,11 +338,11 @@ def _check_vma(
             f"{site.call}: shard_map applied to the function {site.name!r} was given out_specs which require "
             f"replication which can't be statically inferred given the mesh:\n\nThe mesh given has shape {shape} "
             f"with corresponding axis names {view.names}.\n\n" + "\n\n".join(found) + "\n\nCheck if these output "
-            f"values are meant to be replicated over those mesh axes. If not, consider revising the corresponding "
-            f"out_specs entries. If so, consider disabling the check by passing the check_vma=False argument to "
-            f"shard_map. A value made by all_gather, psum_scatter, all_to_all, ppermute or axis_index varies, and so "
-            f"does anything computed from it (zeros_like and full_like included); psum, pmax, pmin or "
-            f"all_gather_invariant make a value invariant over their axes."
+            "values are meant to be replicated over those mesh axes. If not, consider revising the corresponding "
+            "out_specs entries. If so, consider disabling the check by passing the check_vma=False argument to "
+            "shard_map. A value made by all_gather, psum_scatter, all_to_all, ppermute or axis_index varies, and so "
+            "does anything computed from it (zeros_like and full_like included); psum, pmax, pmin or "
+            "all_gather_invariant make a value invariant over their axes."
         )
 
 
