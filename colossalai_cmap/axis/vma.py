@@ -55,12 +55,18 @@ _PLAIN = {
 
 
 class Tracker(TorchFunctionMode):
-    """The types of the tensors ``f`` makes, over the manual axes ``links`` names (each axis's group)."""
+    """The types of the tensors ``f`` makes, over the manual axes ``links`` names (each axis's group).
 
-    def __init__(self, links: Dict[str, Link]) -> None:
+    A tracker nested in another (``parent``: a ``smap`` inside a map over other axes of its mesh) types the parent's
+    axes too, and reads the types the parent gave; the parent rests while the nested one runs.
+    """
+
+    def __init__(self, links: Dict[str, Link], parent: Optional["Tracker"] = None) -> None:
         super().__init__()
-        self.links, self.serial, self.paused = links, next(_SERIAL), 0
-        self.axes: Axes = frozenset(links)
+        self.parent, self.serial, self.paused = parent, next(_SERIAL), 0
+        self.links = links if parent is None else {**parent.links, **links}
+        self.serials = frozenset({self.serial}) | (parent.serials if parent is not None else frozenset())
+        self.axes: Axes = frozenset(self.links)
         self.start = torch._C._autograd._get_sequence_nr()  # autograd nodes numbered from here were made in f
         self.cast: Dict[Tuple[int, Axes], Tuple[torch.Tensor, torch.Tensor]] = {}  # one cast per tensor and axes
 
@@ -97,20 +103,20 @@ class Tracker(TorchFunctionMode):
         if not isinstance(t, torch.Tensor):
             return NONE
         found = t.__dict__.get(_ATTR)
-        if found is not None and found[0] == self.serial:
+        if found is not None and found[0] in self.serials:
             return found[1]
         # a function transform's wrapper made outside any op this mode saw (torch.vmap's inputs): its tensor's type
         inner = t
         while torch._C._functorch.is_functorch_wrapped_tensor(inner):
             inner = torch._C._functorch.get_unwrapped(inner)
             found = inner.__dict__.get(_ATTR)
-            if found is not None and found[0] == self.serial:
+            if found is not None and found[0] in self.serials:
                 return found[1]
         node = t.grad_fn
         if node is None or node._sequence_nr() < self.start:
-            return NONE
+            return self.parent.of(t) if self.parent is not None and node is not None else NONE
         # made in f by no op this mode saw (torch.vmap's unwrapped outputs): the types its graph's nodes recorded
-        axes = _recorded(node, self.serial, self.start)
+        axes = _recorded(node, self.serials, self.start)
         t.__dict__[_ATTR] = (self.serial, axes)
         return axes
 
@@ -165,7 +171,7 @@ class Tracker(TorchFunctionMode):
             self.paused -= 1
 
 
-def _recorded(node: Any, serial: int, start: int) -> Axes:
+def _recorded(node: Any, serials: FrozenSet[int], start: int) -> Axes:
     """The union of the types recorded on the nodes nearest to ``node`` in its graph, among those made in f."""
     axes, seen, todo = NONE, set(), [node]
     while todo:
@@ -174,7 +180,7 @@ def _recorded(node: Any, serial: int, start: int) -> Axes:
             continue
         seen.add(id(n))
         found = n.metadata.get(_ATTR)
-        if found is not None and found[0] == serial:
+        if found is not None and found[0] in serials:
             axes = axes | found[1]
         elif type(n).__name__ != "AccumulateGrad" and n._sequence_nr() >= start:
             todo.extend(f for f, _ in n.next_functions)
@@ -226,10 +232,14 @@ def typed_axes(names: Sequence[str]) -> Optional[Tracker]:
 
 @contextlib.contextmanager
 def tracking(tracker: Tracker) -> Iterator[Tracker]:
-    """Type every op inside the block."""
+    """Type every op inside the block (a nested tracker's parent rests meanwhile: one mode types each op)."""
+    if tracker.parent is not None:
+        tracker.parent.paused += 1
     _ACTIVE.append(tracker)
     try:
         with tracker:
             yield tracker
     finally:
         _ACTIVE.pop()
+        if tracker.parent is not None:
+            tracker.parent.paused -= 1
