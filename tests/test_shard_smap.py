@@ -266,3 +266,186 @@ def test_smap_errors_where_jax_raises(worlds):
         assert "The context mesh cannot be empty" in got["no mesh"][3]
         assert "smap axis_name should be a `str`" in got["tuple axis name"][3]
         assert "to be a subset of" in got["unknown axis"][3]
+
+
+# ------------------------------------------------------------------------------------------ axis_index_groups
+# name: (groups, f written with the library's psum/pmean/all_gather (each takes axis_index_groups=), out shape)
+def grouped_cases(m):
+    return {
+        "psum [[0, 1], [2, 3]]": lambda b: m.psum(m.sin(b), "i", axis_index_groups=[[0, 1], [2, 3]]),
+        "psum [[3, 1], [0, 2]]": lambda b: m.psum(b * b, "i", axis_index_groups=[[3, 1], [0, 2]]),
+        "pmean [[0, 2], [1, 3]]": lambda b: m.pmean(b * 3, "i", axis_index_groups=[[0, 2], [1, 3]]),
+        "all_gather [[0, 2], [3, 1]]": lambda b: m.all_gather(m.sin(b), "i", axis_index_groups=[[0, 2], [3, 1]]),
+        "all_gather tiled axis 1": lambda b: m.all_gather(
+            b * b, "i", axis_index_groups=[[2, 0], [1, 3]], axis=1, tiled=True
+        ),
+        "psum of all_gather": lambda b: m.psum(
+            m.all_gather(b, "i", axis_index_groups=[[1, 0], [3, 2]], tiled=True),
+            "i",
+            axis_index_groups=[[0, 3], [1, 2]],
+        ),
+    }
+
+
+def jax_grouped(name):
+    f = grouped_cases(JaxNamesGrouped())[name]
+    sm = jax.shard_map(
+        f,
+        mesh=jax.make_mesh((4,), ("i",), (jax.sharding.AxisType.Auto,)),
+        in_specs=jax.P("i"),
+        out_specs=jax.P("i"),
+        check_vma=False,
+    )
+    x = _inputs([(8, 3)])[0]
+
+    @jax.jit
+    def values_and_grads(x, ct):
+        y, vjp = jax.vjp(sm, x)
+        return y, vjp(ct)
+
+    shape = jax.eval_shape(sm, x).shape
+    ct = np.random.RandomState(7).randint(-3, 4, size=shape).astype(np.float32)
+    y, (g,) = values_and_grads(x, ct)
+    return [np.asarray(y)], [np.asarray(g)], ct
+
+
+class JaxNamesGrouped:
+    def __init__(self):
+        self.psum, self.pmean, self.all_gather, self.sin = lax.psum, lax.pmean, lax.all_gather, jnp.sin
+
+
+class CmNamesGrouped:
+    def __init__(self):
+        self.psum, self.pmean, self.all_gather, self.sin = cm.psum, cm.pmean, cm.all_gather, torch.sin
+
+
+def cm_grouped(cts):
+    """Every case with check_vma on and off: values and the gradient for jax's cotangent."""
+    mesh = sc.mesh((4,), ("i",))
+    out = {}
+    for name, ct in cts.items():
+        for check in (True, False):
+            f = grouped_cases(CmNamesGrouped())[name]
+            x = torch.from_numpy(_inputs([(8, 3)])[0]).requires_grad_()
+            y = shard_map(f, mesh, P("i"), P("i"), check_vma=check)(x)
+            y.backward(torch.from_numpy(ct))
+            out[name, check] = ([y.detach().numpy()], [x.grad.numpy()])
+    return out
+
+
+def grouped_errors():
+    mesh = sc.mesh((4,), ("i",))
+    out = {}
+    for label, groups in (("uneven", [[0, 1, 2], [3]]), ("no cover", [[0, 1], [1, 2]]), ("short", [[0, 1], [2]])):
+        try:
+            shard_map(lambda b: cm.psum(b, "i", axis_index_groups=groups), mesh, P("i"), P("i"))(torch.ones(4))
+            out[label] = "no error"
+        except cm.CmapError as exc:
+            out[label] = (isinstance(exc, ValueError), str(exc))
+    try:  # a grouped psum is invariant within its group only: its type varies over the axis
+        shard_map(lambda b: cm.psum(b, "i", axis_index_groups=[[0, 1], [2, 3]]), mesh, P("i"), P())(torch.ones(4))
+        out["typed P()"] = "no error"
+    except cm.CmapError as exc:
+        out["typed P()"] = (isinstance(exc, ValueError), str(exc))
+    return out
+
+
+def test_axis_index_groups_against_jax(worlds):
+    """Grouped psum, pmean and all_gather in shard_map: values and gradients on every rank are jax's (check_vma=False,
+    the only mode where jax has them), with check_vma on and off; jax's check_vma=True raises NotImplementedError."""
+    want, cts = {}, {}
+    names = list(grouped_cases(JaxNamesGrouped()))
+    for name in names:
+        ys, grads, ct = jax_grouped(name)
+        want[name], cts[name] = (ys, grads), ct
+    with pytest.raises(NotImplementedError):
+        f = grouped_cases(JaxNamesGrouped())["psum [[0, 1], [2, 3]]"]
+        jax.shard_map(
+            f,
+            mesh=jax.make_mesh((4,), ("i",), (jax.sharding.AxisType.Auto,)),
+            in_specs=jax.P("i"),
+            out_specs=jax.P("i"),
+        )(np.ones(8, np.float32))
+    got = worlds(4).run(cm_grouped, cts)
+    for name in names:
+        for check in (True, False):
+            tol = lambda kind, k: (1e-5, 1e-5)  # noqa: E731 (sin's ulps, as above)
+            sc.compare_with_jax([rank[name, check] for rank in got], want[name], tol, f"{name} check_vma={check}")
+    for errors in worlds(4).run(grouped_errors):
+        assert errors["uneven"][0] and "every group must have the same size" in errors["uneven"][1], errors
+        assert errors["no cover"][0] and "must cover all indices exactly once" in errors["no cover"][1], errors
+        assert errors["short"][0] and "must cover all indices exactly once" in errors["short"][1], errors
+        assert errors["typed P()"][0] and "possibly varying over {i}" in errors["typed P()"][1], errors
+
+
+# cmap's named axes: 8 examples on 4 ranks; groups within a rank, across ranks, and mixed
+CMAP_GROUPS = {
+    "within ranks": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "across ranks": [[0, 5], [4, 1], [2, 7], [6, 3]],
+    "fours": [[7, 0, 3, 4], [1, 2, 5, 6]],
+}
+
+
+def grouped_reference(x, groups, op):
+    """Per example, its group's sum or its group's values in order (single process)."""
+    out = []
+    for i in range(x.shape[0]):
+        g = next(g for g in groups if i in g)
+        rows = torch.stack([x[j] for j in g])
+        out.append(rows.sum(0) if op == "psum" else rows)
+    return torch.stack(out)
+
+
+def cmap_grouped(mode):
+    x = sc.randn(8, 3, seed=4)
+    out = {}
+    for label, groups in CMAP_GROUPS.items():
+        for op in ("psum", "all_gather"):
+            fn = getattr(cm, op)
+
+            def f(v):
+                return fn(torch.sin(v), "b", axis_index_groups=groups) * 2
+
+            got = sc.values_and_grads(cm.cmap(f, axis_name="b", mode=mode), x)
+            want = sc.values_and_grads(lambda t: grouped_reference(torch.sin(t), groups, op) * 2, x)
+            sc.compare(f"{label} {op} {mode}", got, want)
+            out[label, op] = True
+    return out
+
+
+@pytest.mark.parametrize("mode", ["vmap", "batched"])
+def test_axis_index_groups_in_cmap_axes(worlds, mode):
+    """In cmap's named axes the groups are of examples: their values and gradients are those of the single-process
+    reference, for groups within a rank (no communication), across ranks and of four."""
+    got = worlds(4).run(cmap_grouped, mode)
+    assert all(all(r.values()) for r in got)
+
+
+def grouped_bytes():
+    """Bytes this rank sends for a psum of 4096 float32 over the whole 4-rank axis and within groups of 2."""
+    import wire_tap
+
+    mesh = sc.mesh((4,), ("i",))
+    x = torch.randn(4096)  # this rank's block: local=True, so nothing but the psum and the exit's round travels
+    out = {}
+    for label, groups in (("full", None), ("pairs", [[0, 1], [2, 3]]), ("strided pairs", [[0, 2], [1, 3]])):
+        f = shard_map(
+            lambda b: cm.psum(b, "i", axis_index_groups=groups), mesh, P("i"), P("i"), check_vma=False, local=True
+        )
+        f(x)  # the sub-groups are made on first use
+        with wire_tap.counting() as log:
+            f(x)
+        out[label] = (log.sent, log.names())
+    return out
+
+
+def test_axis_index_groups_bytes(worlds):
+    """A grouped psum is an all-reduce over the group's ranks: per rank 2 (g - 1) / g n for groups of g, not the
+    full group's 2 (P - 1) / P n (plus the call's few KiB of status rounds, alike in both)."""
+    got = worlds(4).run(grouped_bytes)
+    n = 4096 * 4
+    for r in got:
+        full, pairs, strided = r["full"][0], r["pairs"][0], r["strided pairs"][0]
+        print("bytes per rank, full / pairs / strided pairs:", full, pairs, strided)
+        assert abs((full - pairs) - (1.5 - 1.0) * n) < 1024, r  # the data's bytes differ by the ring's
+        assert pairs <= 1.0 * n + 16 * 1024 and strided <= 1.0 * n + 16 * 1024, r

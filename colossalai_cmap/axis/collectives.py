@@ -26,7 +26,7 @@ from ..wire.native import AllGather, AllToAll, ReduceScatter
 from ..wire.primitives import join
 from ..wire.protocol import Kind
 from ..wire.roles import COPY, MAX, MIN, Role, Rows
-from . import lowering
+from . import grouped, lowering
 from . import ops as axes
 from . import vma
 from .frame import lookup
@@ -63,8 +63,14 @@ def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
     return x
 
 
-def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+def psum(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
     """Sum of ``x`` over every example of the axis (all ranks); every example gets the same value.
+
+    With ``axis_index_groups`` (a partition of the axis's indices into groups of one size), the sum over each
+    member's group only, as a collective over the ranks that hold the group's members (one per set of such ranks),
+    never over the whole axis. Inside a ``shard_map`` with ``check_vma=True`` the result is invariant within its
+    group only, so its type still varies over the axis (jax 0.10 raises NotImplementedError there), and the
+    transpose is the same grouped sum.
 
     Inside a ``shard_map`` with ``check_vma=True`` the result is invariant over the axis, and the sum of a value
     varying over it transposes to nothing (jax's ``psum_invariant``); a value invariant over it is first cast to
@@ -73,15 +79,32 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     Example:
         >>> cmap(lambda x: x / psum(x.sum(), "i"), axis_name="i")(torch.rand(10, 3))  # normalise by the total
     """
+    if axis_index_groups is not None:
+        name, groups = _grouping("psum", axis_name, axis_index_groups)
+        return _typed(x, axis_name, True, lambda v: axes.apply(v, name, "psum_grouped", groups))
     tracker = vma.typed_axes(_names(axis_name))
     if tracker is None:
         return _over(x, axis_name, "psum")
     return _invariant(tracker, x, axis_name, "psum", COPY)
 
 
-def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Mean of ``x`` over every example of the axis."""
+def pmean(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
+    """Mean of ``x`` over every example of the axis (with ``axis_index_groups``, over each member's group)."""
+    if axis_index_groups is not None:
+        size = len(_grouping("pmean", axis_name, axis_index_groups)[1][0])
+        return psum(x, axis_name, axis_index_groups=axis_index_groups) / size
     return psum(x, axis_name) / axis_size(axis_name)
+
+
+def _grouping(op: str, axis_name: AxisName, groups: Any) -> Tuple[str, grouped.Groups]:
+    """The one axis name and the checked groups of an ``axis_index_groups`` call."""
+    names = _names(axis_name)
+    if len(names) != 1:
+        raise ValueError(
+            f"{op}(x, {axis_name!r}, axis_index_groups=...): axis_index_groups takes one axis name; group the "
+            f"indices of one axis."
+        )
+    return names[0], grouped.check_groups(op, names[0], groups, axis_size(names[0]))
 
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -95,11 +118,28 @@ def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 
 def all_gather(
-    x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying"
+    x: torch.Tensor,
+    axis_name: AxisName,
+    *,
+    axis_index_groups: Optional[Sequence[Sequence[int]]] = None,
+    axis: int = 0,
+    tiled: bool = False,
+    to: str = "varying",
 ) -> torch.Tensor:
     """Every example's ``x``, in global order, stacked along a new dim ``axis`` (size B), or with ``tiled``
     concatenated along the existing dim ``axis``. The transpose of :func:`psum_scatter`. The result varies over
-    the axis; ``to="invarying"`` is :func:`all_gather_invariant` (jax 0.10's spelling)."""
+    the axis; ``to="invarying"`` is :func:`all_gather_invariant` (jax 0.10's spelling).
+
+    With ``axis_index_groups``, the values of each member's group only, in the group's order (the new dim has the
+    group's size), as a collective over the ranks that hold the group's members; its transpose is the grouped sum
+    of the cotangents, each member its own slice."""
+    if axis_index_groups is not None:
+        if to != "varying":
+            raise NotImplementedError(
+                f"all_gather(x, {axis_name!r}, axis_index_groups=..., to={to!r}): grouped gathers vary (as in jax)."
+            )
+        name, groups = _grouping("all_gather", axis_name, axis_index_groups)
+        return _typed(x, axis_name, True, lambda v: _grouped_gather(v, name, groups, axis, tiled))
     if to == "invarying":
         return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
     if to != "varying":
@@ -133,6 +173,18 @@ def _all_gather(x: torch.Tensor, axis_name: AxisName, axis: int, tiled: bool) ->
         return full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
 
     return _per_example(axis_name, arrange, out)
+
+
+def _grouped_gather(x: torch.Tensor, name: str, groups: grouped.Groups, axis: int, tiled: bool) -> torch.Tensor:
+    out = axes.apply(x, name, "all_gather_grouped", groups)
+    shape, size = _example_shape(name, x), len(groups[0])
+    axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
+
+    def arrange(full: torch.Tensor) -> torch.Tensor:
+        full = full.reshape(size, *shape)
+        return full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
+
+    return _per_example(name, arrange, out)
 
 
 def pcast(x: torch.Tensor, axis_name: AxisName, *, to: str) -> torch.Tensor:
@@ -477,6 +529,23 @@ def _inverse(sources: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(inverse)
 
 
+def _groups_at_dim_0(groups: Any) -> Tuple[Any, int]:
+    return (groups, 0)
+
+
+def _groups_of(arg: Tuple[Any, int]) -> Any:
+    return arg[0]
+
+
+def _gathered_to_dim(full: torch.Tensor, arg: Tuple[Any, int]) -> torch.Tensor:
+    return full.movedim(0, arg[1])
+
+
+def _lead_before_grouped_dim(arg: Tuple[Any, int]) -> Tuple[Tuple[Any, int], int]:
+    """Another map's dim leads the rows, so the gathered dim a grouped scatter sums moves one on."""
+    return (arg[0], arg[1] + 1), 0
+
+
 # Each op's rules, by jax.lax's name: what AxisOp follows. A transpose names another op of this table; an op with
 # no traced rule is composed of psum and all_gather inside torch.compile (see _native).
 RULES: Mapping[str, AxisRule] = register(
@@ -562,5 +631,39 @@ RULES: Mapping[str, AxisRule] = register(
         batching=_lead_in_front,
         transpose=Transpose("ppermute", arg=_inverse),  # the inverse permutation
         collective=AllToAll,
+    ),
+    # axis_index_groups: each member gets its own group's result, so these are per-example ops (grouped.py)
+    AxisRule(
+        "psum_grouped",
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.sum_rows,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_in_front,
+        transpose=Transpose("psum_grouped"),
+        collective=COPY,
+    ),
+    AxisRule(
+        "all_gather_grouped",
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.gather_rows_grouped,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_after_gathered,
+        transpose=Transpose("psum_scatter_grouped", arg=_groups_at_dim_0),
+        collective=AllGather,
+    ),
+    AxisRule(
+        "psum_scatter_grouped",
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.scatter_rows_grouped,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_before_grouped_dim,
+        transpose=Transpose("all_gather_grouped", arg=_groups_of, arrange=_gathered_to_dim),
+        collective=COPY,
     ),
 )
