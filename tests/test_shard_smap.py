@@ -449,3 +449,20 @@ def test_axis_index_groups_bytes(worlds):
         print("bytes per rank, full / pairs / strided pairs:", full, pairs, strided)
         assert abs((full - pairs) - (1.5 - 1.0) * n) < 1024, r  # the data's bytes differ by the ring's
         assert pairs <= 1.0 * n + 16 * 1024 and strided <= 1.0 * n + 16 * 1024, r
+
+
+def cm_untyped_outer():
+    """smap inside a shard_map with check_vma=False: refused, by name, on every rank."""
+    names = CmNames()
+    names.shard_map = lambda *a, **k: shard_map(*a, **k, check_vma=False)
+    x, w = (torch.from_numpy(a) for a in _inputs([(8, 3), (3,)]))
+    try:
+        in_shard_map(names, x, w)
+        return "no error"
+    except cm.CmapError as exc:
+        return (isinstance(exc, ValueError), str(exc))
+
+
+def test_smap_in_an_untyped_shard_map(worlds):
+    for got in worlds(4).run(cm_untyped_outer):
+        assert got[0] and "inside a shard_map with check_vma=False" in got[1], got

@@ -121,6 +121,12 @@ class Smapped:
                 f"{self.call}: axis_name={name!r} is already manual here: the shard_map or smap around this call "
                 f"maps over it (jax: DuplicateSpecError). Map over another axis, or call it outside that map."
             )
+        if where.view is not None and where.manual and vma.current() is None:
+            raise ValueError(
+                f"{self.call}: called inside a shard_map with check_vma=False; smap is typed (jax's smap has "
+                f"check_vma=True), and its gradients inside an untyped map are not supported. Pass check_vma=True "
+                f"(the default) to that shard_map, or write the two maps as one shard_map over both axes."
+            )
         in_specs = self._in_specs(args)
         out_axes: List[Any] = []  # each output leaf's axis, as f returned it (for the negative ones)
         typed: List[Any] = []  # each output leaf's type inside f (a nested smap's outputs keep the others' axes)
