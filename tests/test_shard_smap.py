@@ -342,6 +342,13 @@ def grouped_errors():
             out[label] = "no error"
         except cm.CmapError as exc:
             out[label] = (isinstance(exc, ValueError), str(exc))
+    try:  # loop mode's examples meet at one stacked value, with no per-example results
+        cm.cmap(lambda v: cm.psum(v, "b", axis_index_groups=[[0, 1], [2, 3]]), axis_name="b", mode="loop")(
+            torch.ones(4)
+        )
+        out["loop"] = "no error"
+    except cm.CmapError as exc:
+        out["loop"] = (isinstance(exc, NotImplementedError), str(exc))
     try:  # a grouped psum is invariant within its group only: its type varies over the axis
         shard_map(lambda b: cm.psum(b, "i", axis_index_groups=[[0, 1], [2, 3]]), mesh, P("i"), P())(torch.ones(4))
         out["typed P()"] = "no error"
@@ -376,6 +383,7 @@ def test_axis_index_groups_against_jax(worlds):
         assert errors["no cover"][0] and "must cover all indices exactly once" in errors["no cover"][1], errors
         assert errors["short"][0] and "must cover all indices exactly once" in errors["short"][1], errors
         assert errors["typed P()"][0] and "possibly varying over {i}" in errors["typed P()"][1], errors
+        assert errors["loop"][0] and "not in mode='loop'" in errors["loop"][1], errors
 
 
 # cmap's named axes: 8 examples on 4 ranks; groups within a rank, across ranks, and mixed

@@ -104,6 +104,10 @@ def _grouping(op: str, axis_name: AxisName, groups: Any) -> Tuple[str, grouped.G
             f"{op}(x, {axis_name!r}, axis_index_groups=...): axis_index_groups takes one axis name; group the "
             f"indices of one axis."
         )
+    if lookup(names[0], op).mode == "loop":  # its examples meet at one stacked value: no per-example results
+        raise NotImplementedError(
+            f"{op}(x, {axis_name!r}, axis_index_groups=...): not in mode='loop'; use mode='vmap' or 'batched'."
+        )
     return names[0], grouped.check_groups(op, names[0], groups, axis_size(names[0]))
 
 

@@ -103,7 +103,7 @@ def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
         out = exchange(frame, x, rule, name, arg)
         return out if rule.per_example else out.unsqueeze(0).expand(x.shape[0], *out.shape)
     if frame.mode == "loop" and not torch._C._functorch.is_batchedtensor(x):
-        return frame.loop.run(x, lambda stacked: exchange(frame, stacked, rule, name, arg))
+        return frame.loop.run(x, lambda stacked: exchange(frame, stacked, rule, name))
     if torch.compiler.is_compiling():
         return traced_vmap(frame, x, rule, name, arg)
     if rule.per_example:
