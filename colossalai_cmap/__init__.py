@@ -28,6 +28,8 @@ _LAZY = {
     "axis_index": "axis.collectives",
     "axis_size": "axis.collectives",
     "shard_map": "shard.api",
+    "smap": "shard.smap",
+    "set_mesh": "shard.mesh",
     "P": "shard.specs",
     "Mesh": "shard.mesh",
     "shard_model": "tp.plan",

@@ -68,17 +68,35 @@ CASES = [
     Case("axis_index", "axis_index", lambda B: (3,)),
 ]
 
+# axis_index_groups: one group of every example, in reverse order (B=2 and 3 split no other way into equal groups).
+# Not in CASES: loop mode refuses them (its examples meet at one stacked value); test_axis_rules runs them.
+GROUPED_CASES = [
+    Case("psum grouped", "psum", lambda B: (3,), lambda B: {"axis_index_groups": [list(range(B))[::-1]]}),
+    Case(
+        "all_gather grouped",
+        "all_gather",
+        lambda B: (2, 3),
+        lambda B: {"axis_index_groups": [list(range(B))[::-1]], "axis": 1},
+    ),
+]
+
 
 # -------------------------------------------------------------------------------------------------- the oracles
 def _each(B: int, fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
     return torch.stack([fn(i) for i in range(B)])
 
 
-def _psum(X: torch.Tensor) -> torch.Tensor:
+def _psum(X: torch.Tensor, axis_index_groups: Any = None) -> torch.Tensor:
+    if axis_index_groups is not None:  # each example, its group's sum
+        sums = {i: torch.stack([X[j] for j in g]).sum(0) for g in axis_index_groups for i in g}
+        return _each(X.shape[0], lambda i: sums[i])
     return X.sum(0, keepdim=True).expand_as(X)
 
 
-def _all_gather(X: torch.Tensor, axis: int = 0, tiled: bool = False) -> torch.Tensor:
+def _all_gather(X: torch.Tensor, axis: int = 0, tiled: bool = False, axis_index_groups: Any = None) -> torch.Tensor:
+    if axis_index_groups is not None:  # each example, its group's values in the group's order
+        rows = {i: torch.stack([X[j] for j in g]) for g in axis_index_groups for i in g}
+        return _each(X.shape[0], lambda i: _all_gather(rows[i], axis, tiled)[0])
     g = X.movedim(0, axis)
     g = g.flatten(axis, axis + 1) if tiled else g
     return g.unsqueeze(0).expand(X.shape[0], *g.shape)
@@ -119,7 +137,7 @@ ORACLES: Dict[str, Callable[..., torch.Tensor]] = {
 
 
 # ------------------------------------------------------------------------------------ run on every rank of a world
-BY_NAME = {case.name: case for case in CASES}
+BY_NAME = {case.name: case for case in CASES + GROUPED_CASES}
 
 # (axis as the inner func names it, case): the inner map is "j" (mesh axis 1), the outer "i" (mesh axis 0)
 NESTED = [

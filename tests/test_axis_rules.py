@@ -29,15 +29,20 @@ PER_RULE = {
     "psum_scatter": "psum_scatter dim=1",
     "all_to_all": "all_to_all 0,1",
     "ppermute": "ppermute partial",
+    "psum_grouped": "psum grouped",
+    "all_gather_grouped": "all_gather grouped",
+    "psum_scatter_grouped": "all_gather grouped",  # the grouped gather's transpose: its backward runs it
 }
 # the public names that are no collective of their own: a psum over the size, the axis's size and index, and the
 # varying-axis casts and their compositions (pcast/pvary move nothing; all_gather_invariant is a gather, pbroadcast a
 # masked psum)
 COMPOSED = {"pmean", "axis_index", "axis_size", "pcast", "pvary", "all_gather_invariant", "pbroadcast"}
+# the rules of axis_index_groups= (psum's and all_gather's, and the grouped gather's transpose)
+GROUPED = {"psum_grouped", "all_gather_grouped", "psum_scatter_grouped"}
 
 
 def test_the_table_covers_every_public_collective():
-    assert set(RULES) == set(collectives.__all__) - COMPOSED
+    assert set(RULES) - GROUPED == set(collectives.__all__) - COMPOSED
     assert set(PER_RULE) == set(RULES)
     assert all(rule.name == name for name, rule in RULES.items())
 
@@ -49,7 +54,7 @@ def test_each_transpose_is_an_op_of_the_table():
         back = RULES[name].transpose.op
         assert back in RULES, f"{name}'s transpose {back!r} is not in the table"
         # a linear op's transpose is transposed back to it: psum, all_to_all and ppermute to themselves,
-        # all_gather and psum_scatter to each other
+        # all_gather and psum_scatter to each other (and so their grouped forms)
         assert RULES[back].transpose.op == name
 
 
@@ -64,6 +69,9 @@ def test_each_kind_has_its_result_shape():
         "psum_scatter": "per-example",
         "all_to_all": "per-example",
         "ppermute": "per-example",
+        "psum_grouped": "per-example",  # each member gets its own group's result
+        "all_gather_grouped": "per-example",
+        "psum_scatter_grouped": "per-example",
     }
 
 

@@ -21,11 +21,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..wire.exchange import JoinSpec, join
 from ..wire.native import AllGather, AllToAll, ReduceScatter
-from ..wire.roles import COPY, MAX, MIN, Role, Rows
-from ..wire.rounds import Kind
-from . import lowering
+from ..wire.roles import COPY, MAX, MIN
+from . import grouped, lowering
 from . import ops as axes
 from . import vma
 from .frame import lookup
@@ -62,8 +60,14 @@ def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
     return x
 
 
-def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+def psum(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
     """Sum of ``x`` over every example of the axis (all ranks); every example gets the same value.
+
+    With ``axis_index_groups`` (a partition of the axis's indices into groups of one size), the sum over each
+    member's group only, as a collective over the ranks that hold the group's members (one per set of such ranks),
+    never over the whole axis. Inside a ``shard_map`` with ``check_vma=True`` the result is invariant within its
+    group only, so its type still varies over the axis (jax 0.10 raises NotImplementedError there), and the
+    transpose is the same grouped sum.
 
     Inside a ``shard_map`` with ``check_vma=True`` the result is invariant over the axis, and the sum of a value
     varying over it transposes to nothing (jax's ``psum_invariant``); a value invariant over it is first cast to
@@ -72,38 +76,76 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     Example:
         >>> cmap(lambda x: x / psum(x.sum(), "i"), axis_name="i")(torch.rand(10, 3))  # normalise by the total
     """
+    if axis_index_groups is not None:
+        name, groups = _grouping("psum", axis_name, axis_index_groups)
+        return vma.typed(_names(axis_name), x, True, lambda v: axes.apply(v, name, "psum_grouped", groups))
     tracker = vma.typed_axes(_names(axis_name))
     if tracker is None:
         return _over(x, axis_name, "psum")
-    return _invariant(tracker, x, axis_name, "psum", COPY)
+    return vma.joined(tracker, x, _names(axis_name), "psum", COPY)
 
 
-def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Mean of ``x`` over every example of the axis."""
+def pmean(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
+    """Mean of ``x`` over every example of the axis (with ``axis_index_groups``, over each member's group)."""
+    if axis_index_groups is not None:
+        size = len(_grouping("pmean", axis_name, axis_index_groups)[1][0])
+        return psum(x, axis_name, axis_index_groups=axis_index_groups) / size
     return psum(x, axis_name) / axis_size(axis_name)
+
+
+def _grouping(op: str, axis_name: AxisName, groups: Any) -> Tuple[str, grouped.Groups]:
+    """The one axis name and the checked groups of an ``axis_index_groups`` call."""
+    names = _names(axis_name)
+    if len(names) != 1:
+        raise ValueError(
+            f"{op}(x, {axis_name!r}, axis_index_groups=...): axis_index_groups takes one axis name; group the "
+            f"indices of one axis."
+        )
+    if lookup(names[0], op).mode == "loop":  # its examples meet at one stacked value: no per-example results
+        raise NotImplementedError(
+            f"{op}(x, {axis_name!r}, axis_index_groups=...): not in mode='loop'; use mode='vmap' or 'batched'."
+        )
+    return names[0], grouped.check_groups(op, names[0], groups, axis_size(names[0]))
 
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise maximum over every example of the axis. Not differentiable."""
-    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "pmax"))
+    return vma.typed(_names(axis_name), x, False, lambda v: _over(v, axis_name, "pmax"))
 
 
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise minimum over every example of the axis. Not differentiable."""
-    return _typed(x, axis_name, False, lambda v: _over(v, axis_name, "pmin"))
+    return vma.typed(_names(axis_name), x, False, lambda v: _over(v, axis_name, "pmin"))
 
 
 def all_gather(
-    x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying"
+    x: torch.Tensor,
+    axis_name: AxisName,
+    *,
+    axis_index_groups: Optional[Sequence[Sequence[int]]] = None,
+    axis: int = 0,
+    tiled: bool = False,
+    to: str = "varying",
 ) -> torch.Tensor:
     """Every example's ``x``, in global order, stacked along a new dim ``axis`` (size B), or with ``tiled``
     concatenated along the existing dim ``axis``. The transpose of :func:`psum_scatter`. The result varies over
-    the axis; ``to="invarying"`` is :func:`all_gather_invariant` (jax 0.10's spelling)."""
+    the axis; ``to="invarying"`` is :func:`all_gather_invariant` (jax 0.10's spelling).
+
+    With ``axis_index_groups``, the values of each member's group only, in the group's order (the new dim has the
+    group's size), as a collective over the ranks that hold the group's members; its transpose is the grouped sum
+    of the cotangents, each member its own slice."""
+    if axis_index_groups is not None:
+        if to != "varying":
+            raise NotImplementedError(
+                f"all_gather(x, {axis_name!r}, axis_index_groups=..., to={to!r}): grouped gathers vary (as in jax)."
+            )
+        name, groups = _grouping("all_gather", axis_name, axis_index_groups)
+        return vma.typed(_names(axis_name), x, True, lambda v: _all_gather(v, name, axis, tiled, groups))
     if to == "invarying":
         return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
     if to != "varying":
         raise ValueError(f"all_gather(x, {axis_name!r}, to={to!r}): to must be 'varying' or 'invarying'.")
-    return _typed(x, axis_name, True, lambda v: _all_gather(v, axis_name, axis, tiled))
+    return vma.typed(_names(axis_name), x, True, lambda v: _all_gather(v, axis_name, axis, tiled))
 
 
 def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -115,16 +157,22 @@ def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0,
         return _all_gather(x, axis_name, axis, tiled)
     shape = _example_shape(axis_name, x)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather_invariant", "axis")
-    full = _invariant(tracker, x, axis_name, "all_gather_invariant", None)
+    full = vma.joined(tracker, x, _names(axis_name), "all_gather_invariant", None)
     with tracker.pause():
         full = full.reshape(-1, *shape)  # the axes of a tuple name, the first one major
         full = full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
     return tracker.mark(full, tracker.of(x) - set(_names(axis_name)))
 
 
-def _all_gather(x: torch.Tensor, axis_name: AxisName, axis: int, tiled: bool) -> torch.Tensor:
-    out = _over(x, axis_name, "all_gather")
-    shape, size = _example_shape(axis_name, x), axis_size(axis_name)
+def _all_gather(
+    x: torch.Tensor, axis_name: AxisName, axis: int, tiled: bool, groups: Optional[grouped.Groups] = None
+) -> torch.Tensor:
+    """The gather over the axis, or with ``groups`` over this example's group (one axis name), then arranged."""
+    if groups is None:
+        out, size = _over(x, axis_name, "all_gather"), axis_size(axis_name)
+    else:
+        out, size = axes.apply(x, axis_name, "all_gather_grouped", groups), len(groups[0])
+    shape = _example_shape(axis_name, x)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
 
     def arrange(full: torch.Tensor) -> torch.Tensor:
@@ -143,16 +191,7 @@ def pcast(x: torch.Tensor, axis_name: AxisName, *, to: str) -> torch.Tensor:
         raise ValueError(f"pcast(x, {axis_name!r}, to={to!r}): only to='varying' is supported.")
     for name in names:
         lookup(name, "pcast")
-    tracker = vma.typed_axes(names)
-    if tracker is None or not names:
-        return x
-    already = sorted(tracker.of(x) & set(names))
-    if already:
-        raise ValueError(
-            f"pcast(x, {axis_name!r}, to='varying'): Unsupported pcast from=varying, to='varying': x already varies "
-            f"over {already}. Cast only the axes it is invariant over."
-        )
-    return tracker.vary(x, names)
+    return vma.cast_to_varying(x, names, f"pcast(x, {axis_name!r}, to='varying')")
 
 
 def pvary(x: torch.Tensor, axis_names: AxisName) -> torch.Tensor:
@@ -185,7 +224,7 @@ def psum_scatter(
     Along ``shard_map`` mesh axes a tiled dim need not divide by the axis size: rank ``i`` gets the ``i``-th
     ``torch.tensor_split`` chunk (the first ``length % size`` one longer), where jax requires division.
     """
-    return _typed(x, axis_name, True, lambda v: _psum_scatter(v, axis_name, scatter_dimension, tiled))
+    return vma.typed(_names(axis_name), x, True, lambda v: _psum_scatter(v, axis_name, scatter_dimension, tiled))
 
 
 def _psum_scatter(x: torch.Tensor, axis_name: AxisName, scatter_dimension: int, tiled: bool) -> torch.Tensor:
@@ -213,7 +252,7 @@ def all_to_all(
     ``i``-th ``torch.tensor_split`` chunk of every rank's value (the first ``length % size`` one longer), where jax
     requires division. Every rank's ``x`` has the same shape, as in jax.
     """
-    return _typed(x, axis_name, True, lambda v: _all_to_all(v, axis_name, split_axis, concat_axis, tiled))
+    return vma.typed(_names(axis_name), x, True, lambda v: _all_to_all(v, axis_name, split_axis, concat_axis, tiled))
 
 
 def _all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int, tiled: bool) -> torch.Tensor:
@@ -249,7 +288,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int
     """Example ``dst`` gets example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``; examples that no pair names
     as a destination get zeros. Its transpose is the inverse permutation. Over one axis name only the pairs' values
     move, each once."""
-    return _typed(x, axis_name, True, lambda v: _ppermute(v, axis_name, perm))
+    return vma.typed(_names(axis_name), x, True, lambda v: _ppermute(v, axis_name, perm))
 
 
 def _ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
@@ -290,45 +329,6 @@ def axis_size(axis_name: AxisName) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
-def _typed(x: torch.Tensor, axis_name: AxisName, varying: bool, run: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``run(x)``, typed when a ``shard_map`` with ``check_vma=True`` types the axes: ``x`` first cast to varying
-    over the axes it is invariant over (jax inserts that ``pcast``), and the result varying over them (``varying``)
-    or invariant (a reduction that carries no gradient)."""
-    names = _names(axis_name)
-    tracker = vma.typed_axes(names)
-    if tracker is None:
-        return run(x)
-    before = tracker.of(x)
-    with tracker.pause():
-        if varying and isinstance(x, torch.Tensor) and not set(names) <= before:
-            x = tracker.vary(x, set(names) - before)
-        out = run(x)
-    return tracker.mark(out, before | set(names) if varying else before - set(names))
-
-
-def _invariant(tracker: vma.Tracker, x: torch.Tensor, axis_name: AxisName, op: str, role: Optional[Role]) -> Any:
-    """``x`` cast to varying over the axes, then a Join over each, innermost first: the sum (``role`` COPY, jax's
-    ``psum_invariant``) or every member's value stacked along a new dim 0 (``role`` None, ``all_gather_invariant``).
-    A Join's transpose is a Split: nothing (COPY) or this rank's slice (rows), with no communication."""
-    names = _names(axis_name)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}(x, {axis_name!r}): x must be a Tensor, got {type(x).__name__}.")
-    before = tracker.of(x)
-    with tracker.pause():
-        if not set(names) <= before:
-            x = tracker.vary(x, set(names) - before)
-        for name in reversed(names):
-            frame = lookup(name, op)
-            if role is None:
-                x = x.unsqueeze(0)
-            if frame.link is not None and frame.link.group.size > 1:
-                step = role if role is not None else Rows(0, (1,) * frame.size)
-                x = join(JoinSpec(frame.link, (step,), f"{op}({name!r})", Kind.OP), [x])[0]
-            if role is None and len(names) > 1 and name != names[-1]:
-                x = x.flatten(0, 1)  # (outer members, inner members, ...) to one dim, the outer major
-    return tracker.mark(x, before - set(names))
-
-
 def _native(axis_name: AxisName) -> bool:
     """Whether the per-example ops take their native collective: over one axis name, eagerly, in a mode where each
     run holds its rows (vmap, batched, or a shard_map axis). Otherwise they are a psum or an all_gather and a
@@ -561,5 +561,39 @@ RULES: Mapping[str, AxisRule] = register(
         batching=_lead_in_front,
         transpose=Transpose("ppermute", arg=_inverse),  # the inverse permutation
         collective=AllToAll,
+    ),
+    # axis_index_groups: each member gets its own group's result, so these are per-example ops (grouped.py)
+    AxisRule(
+        "psum_grouped",
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.sum_rows,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_in_front,
+        transpose=Transpose("psum_grouped"),
+        collective=COPY,
+    ),
+    AxisRule(
+        "all_gather_grouped",
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.gather_rows_grouped,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_after_gathered,
+        transpose=Transpose("psum_scatter_grouped", arg=grouped.groups_at_dim_0),
+        collective=AllGather,
+    ),
+    AxisRule(
+        "psum_scatter_grouped",
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.scatter_rows_grouped,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=grouped.lead_before_grouped_dim,
+        transpose=Transpose("all_gather_grouped", arg=grouped.groups_of, arrange=grouped.gathered_to_dim),
+        collective=COPY,
     ),
 )

@@ -17,15 +17,17 @@ as invariant in a later one; no tensor subclass, no table that keeps tensors ali
 
 import contextlib
 import itertools
-from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..wire.exchange import CallTag, SplitSpec, requires_grad, split
+from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.guard import as_is
 from ..wire.link import Link
-from ..wire.roles import COPY
+from ..wire.roles import COPY, Role, Rows
+from ..wire.rounds import Kind
+from .frame import lookup
 
 Axes = FrozenSet[str]
 NONE: Axes = frozenset()
@@ -58,12 +60,21 @@ _PLAIN = {
 
 
 class Tracker(TorchFunctionMode):
-    """The types of the tensors ``f`` makes, over the manual axes ``links`` names (each axis's group)."""
+    """The types of the tensors ``f`` makes, over the manual axes ``links`` names (each axis's group).
 
-    def __init__(self, links: Dict[str, Link], owner: Optional[CallTag] = None) -> None:
+    A tracker nested in another (``parent``: a ``smap`` inside a map over other axes of its mesh) types the parent's
+    axes too, and reads the types the parent gave; the parent rests while the nested one runs. With ``owner`` (the
+    call's tag), each tensor from outside ``f`` enters through the guard's identity node at its first use.
+    """
+
+    def __init__(
+        self, links: Dict[str, Link], owner: Optional[CallTag] = None, parent: Optional["Tracker"] = None
+    ) -> None:
         super().__init__()
-        self.links, self.serial, self.paused, self.owner = links, next(_SERIAL), 0, owner
-        self.axes: Axes = frozenset(links)
+        self.parent, self.owner, self.serial, self.paused = parent, owner, next(_SERIAL), 0
+        self.links = links if parent is None else {**parent.links, **links}
+        self.serials = frozenset({self.serial}) | (parent.serials if parent is not None else frozenset())
+        self.axes: Axes = frozenset(self.links)
         self.start = torch._C._autograd._get_sequence_nr()  # autograd nodes numbered from here were made in f
         self.cast: Dict[Tuple[int, Axes], Tuple[torch.Tensor, torch.Tensor]] = {}  # one cast per tensor and axes
         self.entered: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # one alias per tensor from outside f
@@ -110,20 +121,20 @@ class Tracker(TorchFunctionMode):
         if not isinstance(t, torch.Tensor):
             return NONE
         found = t.__dict__.get(_ATTR)
-        if found is not None and found[0] == self.serial:
+        if found is not None and found[0] in self.serials:
             return found[1]
         # a function transform's wrapper made outside any op this mode saw (torch.vmap's inputs): its tensor's type
         inner = t
         while torch._C._functorch.is_functorch_wrapped_tensor(inner):
             inner = torch._C._functorch.get_unwrapped(inner)
             found = inner.__dict__.get(_ATTR)
-            if found is not None and found[0] == self.serial:
+            if found is not None and found[0] in self.serials:
                 return found[1]
         node = t.grad_fn
         if node is None or node._sequence_nr() < self.start:
-            return NONE
+            return self.parent.of(t) if self.parent is not None and node is not None else NONE
         # made in f by no op this mode saw (torch.vmap's unwrapped outputs): the types its graph's nodes recorded
-        axes = _recorded(node, self.serial, self.start)
+        axes = _recorded(node, self.serials, self.start)
         t.__dict__[_ATTR] = (self.serial, axes)
         return axes
 
@@ -206,7 +217,7 @@ class Tracker(TorchFunctionMode):
             self.paused -= 1
 
 
-def _recorded(node: Any, serial: int, start: int) -> Axes:
+def _recorded(node: Any, serials: FrozenSet[int], start: int) -> Axes:
     """The union of the types recorded on the nodes nearest to ``node`` in its graph, among those made in f."""
     axes, seen, todo = NONE, set(), [node]
     while todo:
@@ -215,7 +226,7 @@ def _recorded(node: Any, serial: int, start: int) -> Axes:
             continue
         seen.add(id(n))
         found = n.metadata.get(_ATTR)
-        if found is not None and found[0] == serial:
+        if found is not None and found[0] in serials:
             axes = axes | found[1]
         elif type(n).__name__ != "AccumulateGrad" and n._sequence_nr() >= start:
             todo.extend(f for f, _ in n.next_functions)
@@ -281,10 +292,68 @@ def typed_axes(names: Sequence[str]) -> Optional[Tracker]:
 
 @contextlib.contextmanager
 def tracking(tracker: Tracker) -> Iterator[Tracker]:
-    """Type every op inside the block."""
+    """Type every op inside the block (a nested tracker's parent rests meanwhile: one mode types each op)."""
+    if tracker.parent is not None:
+        tracker.parent.paused += 1
     _ACTIVE.append(tracker)
     try:
         with tracker:
             yield tracker
     finally:
         _ACTIVE.pop()
+        if tracker.parent is not None:
+            tracker.parent.paused -= 1
+
+
+def joined(tracker: Tracker, x: torch.Tensor, names: Tuple[str, ...], op: str, role: Optional[Role]) -> Any:
+    """``x`` cast to varying over the axes, then a Join over each, innermost first: the sum (``role`` COPY, jax's
+    ``psum_invariant``) or every member's value stacked along a new dim 0 (``role`` None, ``all_gather_invariant``).
+    A Join's transpose is a Split: nothing (COPY) or this rank's slice (rows), with no communication."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{op}(x, {names if len(names) > 1 else names[0]!r}): x must be a Tensor, got {type(x).__name__}."
+        )
+    before = tracker.of(x)
+    with tracker.pause():
+        if not set(names) <= before:
+            x = tracker.vary(x, set(names) - before)
+        for name in reversed(names):
+            frame = lookup(name, op)
+            if role is None:
+                x = x.unsqueeze(0)
+            if frame.link is not None and frame.link.group.size > 1:
+                step = role if role is not None else Rows(0, (1,) * frame.size)
+                x = join(JoinSpec(frame.link, (step,), f"{op}({name!r})", Kind.OP), [x])[0]
+            if role is None and len(names) > 1 and name != names[-1]:
+                x = x.flatten(0, 1)  # (outer members, inner members, ...) to one dim, the outer major
+    return tracker.mark(x, before - set(names))
+
+
+def typed(names: Tuple[str, ...], x: torch.Tensor, varying: bool, run: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``run(x)``, typed when a ``shard_map`` with ``check_vma=True`` types the axes: ``x`` first cast to varying
+    over the axes it is invariant over (jax inserts that ``pcast``), and the result varying over them (``varying``)
+    or invariant (a reduction that carries no gradient)."""
+    tracker = typed_axes(names)
+    if tracker is None:
+        return run(x)
+    before = tracker.of(x)
+    with tracker.pause():
+        if varying and isinstance(x, torch.Tensor) and not set(names) <= before:
+            x = tracker.vary(x, set(names) - before)
+        out = run(x)
+    return tracker.mark(out, before | set(names) if varying else before - set(names))
+
+
+def cast_to_varying(x: torch.Tensor, names: Tuple[str, ...], call: str) -> torch.Tensor:
+    """``pcast``'s cast where the axes are typed: ``x`` must be invariant over them (jax 0.10 refuses a cast from
+    varying); where they are not typed, ``x`` as it is."""
+    tracker = typed_axes(names)
+    if tracker is None or not names:
+        return x
+    already = sorted(tracker.of(x) & set(names))
+    if already:
+        raise ValueError(
+            f"{call}: Unsupported pcast from=varying, to='varying': x already varies over {already}. Cast only the "
+            f"axes it is invariant over."
+        )
+    return tracker.vary(x, names)

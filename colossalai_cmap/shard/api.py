@@ -24,7 +24,7 @@ from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
 from .exit import Outcome, conclude
-from .mesh import Mesh, MeshView, resolve_mesh
+from .mesh import Mesh, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
 
 __all__ = ["shard_map", "P", "Mesh", "ShardMapped"]
@@ -195,17 +195,19 @@ def _run_f(
     try:
         places = _placements(site, "in", opts.in_specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
-        typer = vma.Tracker({n: where.links[n] for n in where.manual}, owner) if opts.check_vma else None
+        parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold
+        typer = vma.Tracker({n: where.links[n] for n in where.manual}, owner, parent) if opts.check_vma else None
         blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
-        with _frames(where), splitting(view.whole.ranks), intercept or contextlib.nullcontext():
+        split_over = manual_ranks(view, where.manual)
+        with _frames(where), splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
             if typer is None:
                 out = site.f(*tree_unflatten(blocks, tree), **kwargs)
             else:
                 with vma.tracking(typer):
-                    for block, p in zip(blocks, places):
+                    for block, given, p in zip(blocks, leaves, places):  # a nested smap's: the outer type too
                         if isinstance(block, torch.Tensor) and p.spec.axes():
-                            typer.mark(block, p.spec.axes())
+                            typer.mark(block, typer.of(given) | set(p.spec.axes()))
                     out = site.f(*tree_unflatten(blocks, tree), **kwargs)
         if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
             out = tree_map(intercept.route, out)

@@ -6,9 +6,10 @@ groups come from the mesh itself (it creates and caches them); the one group ove
 round runs, is the world when the mesh covers it.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class MeshView:
         axes: each axis's group: the ranks that differ from this one along that axis only.
         whole: the group of every rank of the mesh (None off the mesh).
         grid: the global rank at each coordinate, in row-major order.
+        within: for the view of one axis of a mesh (a ``smap`` nested in a map over the others), that mesh's view.
     """
 
     names: Tuple[str, ...]
@@ -55,6 +57,7 @@ class MeshView:
     axes: Dict[str, Group]
     whole: Optional[Group]
     grid: Tuple[int, ...]
+    within: Optional["MeshView"] = None
 
     @property
     def member(self) -> bool:
@@ -77,6 +80,8 @@ _WHOLE: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
 
 def resolve_mesh(call: str, mesh: Any) -> MeshView:
     """This rank's view of ``mesh``, made on first use (collectively, on the mesh's ranks) and kept."""
+    if isinstance(mesh, MeshView):  # one axis of a mesh, as a nested smap runs over it
+        return mesh
     found = _VIEWS.get(id(mesh))
     if found is not None and found[0] is mesh:
         return found[1]
@@ -144,3 +149,95 @@ def _whole(axes: Dict[str, Group], ranks: Tuple[int, ...]) -> Group:
 
 def mesh_size(view: MeshView) -> int:
     return math.prod(view.sizes.values())
+
+
+def manual_ranks(view: MeshView, manual: Sequence[str]) -> Tuple[int, ...]:
+    """The global ranks that differ from this one along the ``manual`` axes only: they hold different blocks, while
+    ranks that differ along the others compute alike."""
+    others = [n for n in view.names if n not in manual]
+    out = []
+    for flat, rank in enumerate(view.grid):
+        coords, rest = {}, flat
+        for n in reversed(view.names):
+            rest, coords[n] = divmod(rest, view.sizes[n])
+        if all(coords[n] == view.coords[n] for n in others):
+            out.append(rank)
+    return tuple(sorted(out))
+
+
+_AXIS_VIEWS: Dict[Tuple[int, str], Tuple[MeshView, MeshView]] = {}
+
+
+def axis_view(view: MeshView, name: str) -> MeshView:
+    """One axis of ``view`` as a mesh of its own (its group the whole), for a map over that axis alone nested in a
+    map over the others: the ranks along it are this rank's peers that differ from it along ``name`` only."""
+    found = _AXIS_VIEWS.get((id(view), name))
+    if found is not None and found[0] is view:
+        return found[1]
+    grid = []
+    for j in range(view.sizes[name]):
+        flat = 0
+        for n in view.names:
+            flat = flat * view.sizes[n] + (j if n == name else view.coords[n])
+        grid.append(view.grid[flat])
+    group = view.axes[name]
+    sub = MeshView(
+        (name,), {name: view.sizes[name]}, {name: view.coords[name]}, {name: group}, group, tuple(grid), view
+    )
+    _AXIS_VIEWS[(id(view), name)] = (view, sub)
+    return sub
+
+
+# ------------------------------------------------------------------------------------------- the mesh in context
+class InContext(NamedTuple):
+    """The mesh a ``smap`` maps over: the whole mesh's view (None: not resolved yet), the mesh object as given, and
+    the axes already manual here (those of the ``shard_map`` and ``smap`` calls now running ``f``)."""
+
+    view: Optional[MeshView]
+    mesh: Any
+    manual: FrozenSet[str]
+
+
+_SET: List[Any] = []  # the meshes set by set_mesh, innermost last
+_RUNNING: List[InContext] = []  # the shard_map and smap calls now running f, innermost last
+
+
+class set_mesh:  # noqa: N801 (jax's name: a setter that is also a context manager)
+    """jax's ``set_mesh``: the mesh a ``smap`` outside any ``shard_map`` maps over.
+
+    As a call it sets the mesh for the process; as a context manager (``with cm.set_mesh(mesh): ...``) for the block
+    only. ``mesh`` is any mesh ``shard_map`` accepts, or None to clear it.
+    """
+
+    def __init__(self, mesh: Any) -> None:
+        self.previous = list(_SET)
+        _SET[:] = [mesh] if mesh is not None else []
+
+    def __enter__(self) -> Any:
+        return _SET[-1] if _SET else None
+
+    def __exit__(self, *exc: Any) -> None:
+        _SET[:] = self.previous
+
+
+def in_context() -> Optional[InContext]:
+    """The mesh in context: the innermost ``shard_map`` running ``f`` (with its manual axes), else the mesh of
+    :class:`set_mesh` (none manual), else None."""
+    if _RUNNING:
+        return _RUNNING[-1]
+    if _SET:
+        return InContext(None, _SET[-1], frozenset())
+    return None
+
+
+@contextlib.contextmanager
+def running(view: MeshView, manual: Sequence[str]) -> Iterator[None]:
+    """While the block runs, ``f`` of a map over ``manual`` of ``view`` runs: a ``smap`` inside maps over the mesh
+    (the whole one, for the view of one of its axes), with these axes and those of the maps around it manual."""
+    root = view.within or view
+    outer = _RUNNING[-1].manual if _RUNNING and _RUNNING[-1].view is root else frozenset()
+    _RUNNING.append(InContext(root, root, outer | frozenset(manual)))
+    try:
+        yield
+    finally:
+        _RUNNING.pop()

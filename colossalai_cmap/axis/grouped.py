@@ -1,0 +1,223 @@
+"""``axis_index_groups=``: ``psum``, ``pmean`` and ``all_gather`` within groups of an axis's members, as sub-group
+collectives.
+
+The groups partition the axis's indices (its examples, or its ranks along a mesh axis) into groups of one size;
+the order inside a group is the gather order. Each group's members live on some ranks of the axis's group: the
+groups whose members live on the same ranks form a bucket, and each bucket is one collective over those ranks
+alone, on a ``torch.distributed`` group made once for them (collectively, by its members) and kept. A bucket on
+one rank needs no communication. Buckets run in one order on every rank, so no two ranks wait on each other in
+different groups. Nothing travels to a rank outside a group: the bytes are the sub-group's, never a full
+collective and a mask.
+"""
+
+import functools
+import itertools
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..wire.group import group_of
+from ..wire.link import Link, link_for
+from .frame import AxisFrame
+from .lowering import _real, _starts, gather_rows, index_table, reduce_rows
+from .rules import AxisRule, rule_of
+
+Groups = Tuple[Tuple[int, ...], ...]
+
+
+def check_groups(op: str, axis_name: Any, groups: Any, size: int) -> Groups:
+    """``groups`` as tuples, after checking that they cover every index of the axis exactly once, in groups of one
+    size (jax checks only the cover, then fails in XLA on groups of different sizes)."""
+    try:
+        found = tuple(tuple(int(i) for i in g) for g in groups)
+    except TypeError:
+        raise TypeError(
+            f"{op}(x, {axis_name!r}, axis_index_groups={groups!r}): axis_index_groups must be a list of lists of "
+            f"axis indices."
+        ) from None
+    where = f"{op}(x, {axis_name!r}, axis_index_groups={[list(g) for g in found]})"
+    if sorted(i for g in found for i in g) != list(range(size)):
+        raise ValueError(
+            f"{where}: axis_index_groups must cover all indices exactly once (jax's words): the axis has {size} "
+            f"members, 0 to {size - 1}, and each must be in one group."
+        )
+    lengths = [len(g) for g in found]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"{where}: the groups have sizes {lengths}; every group must have the same size (jax accepts these and "
+            f"then fails in XLA). Split the axis into groups of one size."
+        )
+    return found
+
+
+class Bucket(NamedTuple):
+    """The groups whose members live on the same ranks: those ranks (group ranks of the axis's group, in order)
+    and the groups (their numbers in ``groups``)."""
+
+    ranks: Tuple[int, ...]
+    groups: Tuple[int, ...]
+
+
+class Layout(NamedTuple):
+    """Where a grouping's members live: each index's rank, each group's number and each index's position in its
+    group, the buckets in the one order every rank runs them, and this rank's first index."""
+
+    owner: Tuple[int, ...]
+    group_of: Tuple[int, ...]
+    position: Tuple[int, ...]
+    buckets: Tuple[Bucket, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def layout(groups: Groups, sizes: Tuple[int, ...]) -> Layout:
+    """The layout of ``groups`` over ranks holding ``sizes`` rows each (consecutive indices, in rank order)."""
+    owner = tuple(r for r, k in enumerate(sizes) for _ in range(k))
+    group_of_index, position = [0] * len(owner), [0] * len(owner)
+    by_ranks: Dict[Tuple[int, ...], List[int]] = {}
+    for k, g in enumerate(groups):
+        for p, i in enumerate(g):
+            group_of_index[i], position[i] = k, p
+        by_ranks.setdefault(tuple(sorted({owner[i] for i in g})), []).append(k)
+    buckets = tuple(Bucket(ranks, tuple(ks)) for ranks, ks in sorted(by_ranks.items()))
+    return Layout(owner, tuple(group_of_index), tuple(position), buckets)
+
+
+_SUBGROUPS: Dict[Tuple[int, ...], Any] = {}
+
+
+def _sub_link(link: Link, ranks: Tuple[int, ...]) -> Link:
+    """The link over these group ranks of ``link``'s group: the group itself, or a group made once for them (its
+    members alone take part in making it) and kept."""
+    if len(ranks) == link.group.size:
+        return link
+    members = tuple(link.group.ranks[r] for r in ranks)
+    pg = _SUBGROUPS.get(members)
+    if pg is None:
+        pg = _SUBGROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
+    return link_for(group_of(pg), link.device, link.call, link.timeout)
+
+
+def _sub_frame(frame: AxisFrame, bucket: Bucket, sizes: Sequence[int]) -> AxisFrame:
+    """The frame of one bucket's collective: its ranks, each holding ``sizes`` rows."""
+    me = bucket.ranks.index(_me(frame))
+    link = None if len(bucket.ranks) == 1 else _sub_link(frame.link, bucket.ranks)
+    return AxisFrame(link, sum(sizes), sum(sizes[:me]), tuple(sizes), frame.mode)
+
+
+def _me(frame: AxisFrame) -> int:
+    return 0 if frame.link is None else frame.link.group.rank
+
+
+def _mine(frame: AxisFrame, groups: Groups) -> Tuple[Layout, int, List[Bucket]]:
+    """The layout, this rank's first index, and the buckets it takes part in, in order."""
+    sizes = tuple(frame.sizes) if frame.link is not None else (frame.size,)
+    found = layout(groups, sizes)
+    me = _me(frame)
+    return found, _starts(sizes)[me], [b for b in found.buckets if me in b.ranks]
+
+
+def _to_rows(
+    frame: AxisFrame,
+    rows: torch.Tensor,
+    found: Layout,
+    first: int,
+    per_group: List[torch.Tensor],
+    numbers: List[int],
+    *,
+    entry: Tuple[int, ...],
+) -> torch.Tensor:
+    """Each of this run's rows gets its group's entry (of shape ``entry``) of ``per_group`` (one tensor per bucket, a
+    row per group of ``numbers``, in order). The stand-in example of an empty shard gets zeros made from it, so that
+    its graph still reaches the call's entry and backward meets on every rank."""
+    if frame.dummy or not numbers:
+        return _zeros_like_entries(rows, entry)
+    table = torch.cat(per_group) if len(per_group) > 1 else per_group[0]
+    at = {k: n for n, k in enumerate(numbers)}
+    picks = tuple(at[found.group_of[first + j]] for j in range(rows.shape[0]))
+    return table.index_select(0, index_table(picks, rows.device))
+
+
+def _zeros_like_entries(rows: torch.Tensor, entry: Tuple[int, ...]) -> torch.Tensor:
+    """Zeros of shape ``(rows, *entry)``, computed from ``rows`` (``entry`` is the rows' own shape, or a group's
+    size before it)."""
+    zeros = rows * 0
+    if tuple(entry) == tuple(rows.shape[1:]):
+        return zeros
+    return zeros.unsqueeze(1).expand(rows.shape[0], entry[0], *rows.shape[1:]).clone()
+
+
+def sum_rows(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, groups: Groups) -> torch.Tensor:
+    """For each of this run's rows, the sum over its group: per bucket, this rank's partial sum of each group, one
+    all-reduce over the bucket's ranks (a Join and a Split, so backward is the same grouped sum)."""
+    real = _real(frame, rows)
+    found, first, mine = _mine(frame, groups)
+    per_group, numbers = [], []
+    for bucket in mine:
+        where = {k: n for n, k in enumerate(bucket.groups)}
+        own = tuple(j for j in range(real.shape[0]) if found.group_of[first + j] in where)
+        slots = tuple(where[found.group_of[first + j]] for j in own)
+        partial = real.new_zeros((len(bucket.groups), *real.shape[1:]))
+        if own:
+            picked = real.index_select(0, index_table(own, real.device))
+            partial = partial.index_add(0, index_table(slots, real.device), picked)
+        sizes = [1] * len(bucket.ranks)
+        per_group.append(reduce_rows(_sub_frame(frame, bucket, sizes), partial.unsqueeze(0), rule_of("psum"), name))
+        numbers.extend(bucket.groups)
+    return _to_rows(frame, rows, found, first, per_group, numbers, entry=tuple(rows.shape[1:]))
+
+
+def gather_rows_grouped(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, groups: Groups
+) -> torch.Tensor:
+    """For each of this run's rows, its group's members' rows stacked in the group's order: per bucket, one
+    all-gather over the bucket's ranks of each rank's members of its groups (backward: a grouped reduce-scatter)."""
+    real = _real(frame, rows)
+    found, first, mine = _mine(frame, groups)
+    size = len(groups[0])
+    per_group, numbers = [], []
+    for bucket in mine:
+        # each rank's part: its members of the bucket's groups, group by group, each group in its order
+        parts = [[i for k in bucket.groups for i in groups[k] if found.owner[i] == r] for r in bucket.ranks]
+        me = bucket.ranks.index(_me(frame))
+        own = real.index_select(0, index_table(tuple(i - first for i in parts[me]), real.device))
+        sub = _sub_frame(frame, bucket, [len(p) for p in parts])
+        full = gather_rows(sub, own, rule_of("all_gather"), name) if sub.link is not None else own
+        at = {i: n for n, i in enumerate(itertools.chain.from_iterable(parts))}
+        order = tuple(at[i] for k in bucket.groups for i in groups[k])
+        per_group.append(full.index_select(0, index_table(order, real.device)).unflatten(0, (-1, size)))
+        numbers.extend(bucket.groups)
+    return _to_rows(frame, rows, found, first, per_group, numbers, entry=(size, *rows.shape[1:]))
+
+
+def scatter_rows_grouped(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Tuple[Groups, int]
+) -> torch.Tensor:
+    """The transpose of :func:`gather_rows_grouped`: for each row, the sum over its group of every member's slice
+    at this row's position along example dim ``d`` (a grouped sum, then each row's own slice)."""
+    groups, d = arg
+    total = sum_rows(frame, rows, rule, name, groups).movedim(d + 1, 1)
+    found, first, _ = _mine(frame, groups)
+    if frame.dummy:
+        return total[:, 0]
+    spots = tuple(found.position[first + j] for j in range(rows.shape[0]))
+    pick = index_table(spots, rows.device).reshape(-1, 1, *([1] * (total.dim() - 2)))
+    return total.gather(1, pick.expand(-1, 1, *total.shape[2:])).squeeze(1)
+
+
+# ---------------------------------------------------------------- the grouped rules' batching and transpose args
+def groups_at_dim_0(groups: Any) -> Tuple[Any, int]:
+    return (groups, 0)
+
+
+def groups_of(arg: Tuple[Any, int]) -> Any:
+    return arg[0]
+
+
+def gathered_to_dim(full: torch.Tensor, arg: Tuple[Any, int]) -> torch.Tensor:
+    return full.movedim(0, arg[1])
+
+
+def lead_before_grouped_dim(arg: Tuple[Any, int]) -> Tuple[Tuple[Any, int], int]:
+    """Another map's dim leads the rows, so the gathered dim a grouped scatter sums moves one on."""
+    return (arg[0], arg[1] + 1), 0
