@@ -96,21 +96,6 @@ def cmap(
         >>> batch_dot(x, y[0]).shape  # None on every rank but group rank 0
         torch.Size([64])
     """
-    if torch.compiler.is_compiling():  # dynamo cannot see func's closures (nor make a cmap): made out of the graph
-        return MADE_INSIDE_COMPILE(
-            func,
-            in_dims,
-            out_dims,
-            group=group,
-            dst=dst,
-            src=src,
-            randomness=randomness,
-            chunk_size=chunk_size,
-            mode=mode,
-            axis_name=axis_name,
-            timeout=timeout,
-            check_inputs=check_inputs,
-        )
     options = dict(
         in_dims=in_dims,
         out_dims=out_dims,
@@ -121,14 +106,16 @@ def cmap(
         chunk_size=chunk_size,
         mode=mode,
         axis_name=axis_name,
-        timeout=timeout if timeout is not None else default_timeout(),
+        timeout=timeout,
         check_inputs=check_inputs,
     )
+    if torch.compiler.is_compiling():  # dynamo cannot see func's closures (nor make a cmap): made out of the graph
+        return MADE_INSIDE_COMPILE(func, **options)
     if func is None:
-        return functools.partial(cmap, **{**options, "timeout": timeout})
+        return functools.partial(cmap, **options)
     if not callable(func):
         raise TypeError(f"cmap: expected a callable or nn.Module as func, got {type(func).__name__}.")
-    opts = make_options(func, **options)
+    opts = make_options(func, **{**options, "timeout": timeout if timeout is not None else default_timeout()})
     if isinstance(group, tuple) and dist.is_available() and dist.is_initialized():
         # Creating a mesh's groups is a collective over the whole world: do it now, when every rank creates this
         # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer shard).

@@ -196,7 +196,10 @@ def _run_f(
         places = _placements(site, "in", opts.in_specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
         parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold
-        typer = vma.Tracker({n: where.links[n] for n in where.manual}, owner, parent) if opts.check_vma else None
+        # a nested smap's tensors from the outer map keep the outer map's graph: no entry node, and the guard steps
+        # aside (the outer map's guard, if any, covers its backward)
+        routing = owner if parent is None else None
+        typer = vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent) if opts.check_vma else None
         blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
         split_over = manual_ranks(view, where.manual)
