@@ -23,7 +23,7 @@ from ..wire.guard import guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
-from .exit import Outcome, conclude
+from .conclude import Outcome, conclude
 from .mesh import Mesh, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
 
