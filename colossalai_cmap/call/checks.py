@@ -4,7 +4,7 @@ They read only the table, which every rank holds whole, so every rank reaches th
 error, before any data moves.
 """
 
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 from ..errors import CmapError
 from ..wire.rounds import Disagreement, Header
@@ -18,16 +18,16 @@ def agreed_fields(opts: Options) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     return inputs + ("digest", "graph_sig"), ("values",) if opts.check_inputs else ()
 
 
-def explain(opts: Options, found: Disagreement, checksums: Callable[[], Any]) -> CmapError:
-    """The error every rank raises for a disagreement found in the exit round. ``checksums``, for out_dims=None
-    outputs that differ (``check_inputs``), fetches every rank's checksums to name the output (one more collective,
-    on this error path only)."""
+def explain(opts: Options, found: Disagreement, checksums: Any = None) -> CmapError:
+    """The error every rank raises for a disagreement found in the exit round. ``checksums``: for out_dims=None
+    outputs that differ (``check_inputs``, ``found.field == "values"``), every rank's checksums, which name the
+    output (the caller fetches them on this error path only)."""
     if found.field in ("input_sig", "batch"):
         return _inputs_error(opts, found.table)
     if found.field == "digest":
         return _layout_error(opts, found.table)
     if found.field == "values":
-        return _replicated_error(opts, checksums())
+        return _replicated_error(opts, checksums)
     return _graph_error(opts, found.table)
 
 
