@@ -17,6 +17,16 @@ from colossalai_cmap import P, shard_map
 _MESHES: Dict[Any, Any] = {}
 
 
+def jax_modules() -> Tuple[Any, Any, Any]:
+    """jax, jax.numpy and jax.lax for a test module run by pytest (skipped where jax is not installed); None on a
+    gloo rank, which imports the module for its ports and never runs jax. Set ``XLA_FLAGS`` before calling it."""
+    if dist.is_initialized():
+        return None, None, None
+    import pytest
+
+    return pytest.importorskip("jax"), pytest.importorskip("jax.numpy"), pytest.importorskip("jax.lax")
+
+
 def mesh(shape: Tuple[int, ...], names: Tuple[str, ...]) -> Any:
     """A DeviceMesh made once per process (making one makes process groups, collectively)."""
     key = ("device", shape, names)

@@ -75,8 +75,9 @@ def _fires(s: Scenario, size: int) -> bool:
     return True
 
 
-class _RaisesInBackward(torch.autograd.Function):
-    """Identity; its backward raises on the chosen rank (the user's own backward code)."""
+class FailsInBackward(torch.autograd.Function):
+    """Identity, whose backward raises on the chosen rank: a failure in the user's own backward code (the soak's and
+    test_faults')."""
 
     generate_vmap_rule = True
 
@@ -91,7 +92,7 @@ class _RaisesInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if dist.get_rank() == ctx.rank:
-            raise ValueError("the user's backward raised (soak)")
+            raise ValueError("the user's backward failed")
         return g, None
 
 
@@ -113,7 +114,7 @@ def _func(s: Scenario, w: torch.Tensor):
             raise ValueError("func raised (soak)")
         y = (v * w).sin() + _collective(s.collective, v)
         if s.kind == "backward":
-            y = _RaisesInBackward.apply(y, s.rank)
+            y = FailsInBackward.apply(y, s.rank)
         if s.kind == "shape" and rank == s.rank:
             y = y[..., :-1]
         return y

@@ -7,6 +7,7 @@ Faults come from the public testing aid ``colossalai_cmap.faults.inject_fault``;
 import pytest
 import torch
 import torch.distributed as dist
+from soak import FailsInBackward
 
 import colossalai_cmap as cm
 from colossalai_cmap.faults import InjectedFault, inject_fault
@@ -90,26 +91,6 @@ def test_group_of_one(worlds):
     assert worlds(1).run(check_group_of_one) == [True]
 
 
-class _FailsInBackward(torch.autograd.Function):
-    """Identity, whose backward raises on one rank: a failure in the user's own backward code."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, rank):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.rank = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        if dist.get_rank() == ctx.rank:
-            raise ValueError("the user's backward failed")
-        return g, None
-
-
 def check_user_backward_failure(axis):
     """func's own backward raises on one rank: every rank raises the same CmapError naming it, a ValueError as the
     original was, with the original as ``__cause__`` on that rank; the user's own collective and the next call work."""
@@ -117,9 +98,9 @@ def check_user_backward_failure(axis):
     x = torch.randn(2 * size, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
     w = torch.ones(3, requires_grad=True)
     f = (
-        (lambda v: cm.pmean(_FailsInBackward.apply(v, size - 1) * w, "i"))
+        (lambda v: cm.pmean(FailsInBackward.apply(v, size - 1) * w, "i"))
         if axis
-        else (lambda v: _FailsInBackward.apply(v, size - 1) * w)
+        else (lambda v: FailsInBackward.apply(v, size - 1) * w)
     )
     out = cm.cmap(f, axis_name="i" if axis else None)(x)
     with pytest.raises(ValueError) as info:
@@ -197,7 +178,7 @@ def check_user_backward_failure_in_shard_map(check_vma):
 
     def run(failing):
         f = cm.shard_map(
-            lambda b, s: cm.psum(_FailsInBackward.apply(b, failing).sin() * w, "i") * s,
+            lambda b, s: cm.psum(FailsInBackward.apply(b, failing).sin() * w, "i") * s,
             m,
             (cm.P("i"), cm.P()),
             cm.P(),

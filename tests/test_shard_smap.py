@@ -24,12 +24,7 @@ from colossalai_cmap import P, shard_map  # noqa: E402
 
 EXAMPLES = sys.modules[__name__]
 
-if torch.distributed.is_initialized():  # a gloo rank, importing this module for the ports: it never runs jax
-    jax = jnp = lax = None
-else:
-    jax = pytest.importorskip("jax")
-    jnp = pytest.importorskip("jax.numpy")
-    lax = pytest.importorskip("jax.lax")
+jax, jnp, lax = sc.jax_modules()  # None on a gloo rank, which imports this module for the ports
 
 
 def jax_mesh():
