@@ -46,7 +46,7 @@ def make_f(w1: torch.Tensor, w2: torch.Tensor) -> Callable[[torch.Tensor], torch
     return f
 
 
-def _timed(fn: Callable[[], None], inner: int) -> float:
+def timed(fn: Callable[[], None], inner: int) -> float:
     """Seconds per call of ``inner`` calls after a barrier, the slowest rank's."""
     dist.barrier()
     start = time.perf_counter()
@@ -90,13 +90,13 @@ def measure(args: argparse.Namespace) -> None:
     first, times = {}, {name: [] for name in variants}
     want = variants["eager batched"](x).detach()
     for name, fn in variants.items():
-        first[name] = _timed(step(fn), 1)
+        first[name] = timed(step(fn), 1)
         assert torch.allclose(fn(x).detach(), want, atol=1e-5), name
     names = list(variants)
     for rep in range(args.reps):
         for k in range(len(names)):  # the starting variant rotates
             name = names[(rep + k) % len(names)]
-            times[name].append(_timed(step(variants[name]), args.inner))
+            times[name].append(timed(step(variants[name]), args.inner))
     if rank == 0:
         print(f"world {size}, batch {args.batch}, backend {args.backend}, {args.reps} repetitions of {args.inner}")
         print(f"{'variant':<26}{'median us':>12}{'range us':>20}{'ratio':>8}{'ratio range':>14}{'first call ms':>16}")

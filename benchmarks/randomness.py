@@ -16,27 +16,15 @@ to "different" (of the medians, and the range of the repetitions' own ratios: th
 
 import argparse
 import statistics
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 import colossalai_cmap as cm
 from benchmarks import world
+from benchmarks.compile import timed
 
 MODES = ("different", "per_example")
-
-
-def _timed(fn: Callable[[], None], inner: int) -> float:
-    """Seconds per call of ``inner`` calls after a barrier, the slowest rank's."""
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    elapsed = torch.tensor([(time.perf_counter() - start) / inner])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def _cases(batch: int) -> Dict[str, Callable[[str], Callable[[], None]]]:
@@ -78,7 +66,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Dict[str, List[float]]]:
         for rep in range(args.reps):
             for k in range(len(MODES)):  # the starting mode alternates
                 mode = MODES[(rep + k) % len(MODES)]
-                times[mode].append(_timed(steps[mode], args.inner))
+                times[mode].append(timed(steps[mode], args.inner))
         out[name] = times
     return out
 
