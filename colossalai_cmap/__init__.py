@@ -27,6 +27,7 @@ _LAZY = {
     "ppermute": "axis.collectives",
     "axis_index": "axis.collectives",
     "axis_size": "axis.collectives",
+    "typeof": "axis.vma",
     "shard_map": "shard.api",
     "smap": "shard.smap",
     "set_mesh": "shard.mesh",

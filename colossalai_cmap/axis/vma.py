@@ -17,7 +17,7 @@ as invariant in a later one; no tensor subclass, no table that keeps tensors ali
 
 import contextlib
 import itertools
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -357,3 +357,55 @@ def cast_to_varying(x: torch.Tensor, names: Tuple[str, ...], call: str) -> torch
             f"axes it is invariant over."
         )
     return tracker.vary(x, names)
+
+
+class ManualAxisType(NamedTuple):
+    """jax 0.10's ``ManualAxisType``: the manual mesh axes a value varies over (``varying``); ``unreduced`` and
+    ``reduced`` are always empty here (cmap has no unreduced values)."""
+
+    varying: Axes
+    unreduced: Axes = NONE
+    reduced: Axes = NONE
+
+
+class Typeof(NamedTuple):
+    """What :func:`typeof` returns: jax's ``ShapedArray`` as far as the types go."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    manual_axis_type: ManualAxisType
+    order: Tuple[str, ...] = ()  # the mesh's axis order, for the printed form
+
+    @property
+    def vma(self) -> Axes:
+        """The axes the value varies over (jax 0.8 and 0.9's ``typeof(x).vma``; jax 0.10's
+        ``typeof(x).manual_axis_type.varying``)."""
+        return self.manual_axis_type.varying
+
+    def __str__(self) -> str:
+        base = f"{str(self.dtype).replace('torch.', '')}[{','.join(map(str, self.shape))}]"
+        names = [a for a in self.order if a in self.vma] + sorted(a for a in self.vma if a not in self.order)
+        if not names:
+            return base
+        return base + "{V:" + (names[0] if len(names) == 1 else "(" + ",".join(names) + ")") + "}"
+
+
+def typeof(x: torch.Tensor) -> Typeof:
+    """jax's ``jax.typeof(x)``: the shape, dtype and varying manual axes of ``x`` (``typeof(x).vma``, jax 0.10's
+    ``typeof(x).manual_axis_type.varying``, a frozenset of axis names).
+
+    Inside a ``shard_map`` with ``check_vma=True`` (or an ``smap``), the mesh axes ``x`` varies over; elsewhere (outside
+    any map, with ``check_vma=False``, in cmap's example axes) no axes: nothing is typed there.
+
+    Example:
+        >>> @partial(shard_map, mesh=mesh, in_specs=(P("i"), P()), out_specs=P())
+        ... def f(x, w):
+        ...     assert cm.typeof(x).vma == {"i"} and cm.typeof(w).vma == frozenset()
+        ...     return cm.psum(x * w, "i")  # cm.typeof(...).vma: frozenset()
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"typeof(x): x must be a Tensor, got {type(x).__name__}.")
+    tracker = current()
+    axes = tracker.of(x) if tracker is not None else NONE
+    order = tuple(tracker.links) if tracker is not None else ()
+    return Typeof(tuple(x.shape), x.dtype, ManualAxisType(axes), order)

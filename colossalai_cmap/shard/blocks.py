@@ -7,7 +7,8 @@ block's gradients summed over the replicated axes, then gathered along the split
 
 Assembling is a ``Join`` per axis: along an axis the spec leaves out, the value at coordinate 0 of that axis (jax
 reads a replicated output from one device too); then every block, gathered along the split axes. Its transpose is a
-``Split``: this rank's block of the output's cotangent, at coordinate 0 of the replicated axes and zeros elsewhere.
+``Split``: this rank's block of the output's cotangent, over the size of each replicated axis (jax splits the
+cotangent of a replicated output evenly across its copies, so an output that in fact varies gets jax's gradient).
 Every rank holds the global output, and its cotangent counts once over the mesh: this is jax's transposition with
 ``check_vma=False``, where ``psum`` transposes to ``psum``.
 
@@ -21,9 +22,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
+from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.link import Link
-from ..wire.roles import COPY, ONCE, is_rows
+from ..wire.roles import COPY, FIRST, ONCE, is_rows
 from ..wire.rounds import Kind
 from .specs import Placement, Step
 
@@ -85,7 +86,37 @@ def assemble(
         p.assemble_steps(view.sizes, view.coords, length(i)) if isinstance(v, torch.Tensor) else []
         for i, (v, p) in enumerate(zip(values, places))
     ]
-    return _run(list(values), steps, lambda axis, roles, xs: join(JoinSpec(links[axis], roles, what, Kind.SYNC), xs))
+
+    def apply(axis: str, roles: Sequence[Any], xs: List[Any]) -> List[Any]:
+        spec = JoinSpec(links[axis], tuple(roles), what, Kind.SYNC)
+        even = [r == FIRST and requires_grad(x) for r, x in zip(roles, xs)]
+        if not any(even):
+            return join(spec, xs)
+        out = join(spec, [x.detach() if e else x for e, x in zip(even, xs)])
+        size = links[axis].group.size
+        return [_EvenCotangent.apply(x, o, size) if e else o for e, x, o in zip(even, xs, out)]
+
+    return _run(list(values), steps, apply)
+
+
+class _EvenCotangent(torch.autograd.Function):
+    """A replicated output along one axis: forward, the value at coordinate 0 (joined already); backward, this
+    rank's cotangent over the axis size, as jax transposes a ``P()`` output with ``check_vma=False`` (coordinate 0
+    alone would get the whole cotangent of an output that in fact varies, and the gradient would differ)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(mine: torch.Tensor, first: torch.Tensor, size: int) -> torch.Tensor:
+        return first.view_as(first)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.size = inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad / ctx.size, None, None
 
 
 def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:
