@@ -40,6 +40,7 @@ bench: install
 	$(PY) -m benchmarks.compile
 	$(PY) -m benchmarks.wire_bytes
 	$(PY) -m benchmarks.randomness
+	$(PY) -m benchmarks.vma_overhead
 
 # On a GPU machine: the checks on CUDA over nccl (one rank per GPU, up to 8), which steady calls synchronize the host,
 # and cmap's all_gather / all_reduce against torch.distributed's (also checks/gpu_results.json). Under 10 minutes.

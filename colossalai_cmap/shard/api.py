@@ -64,7 +64,8 @@ def shard_map(
             (jax requires division).
         out_specs: a pytree prefix of ``f``'s output. Along a mesh axis a spec leaves out, the output must be
             invariant (with ``check_vma``, checked from the types: see below); without ``check_vma`` it is taken
-            from the rank at coordinate 0 of that axis.
+            from the rank at coordinate 0 of that axis, and each rank along it gets an even share of its cotangent
+            in backward (jax's).
         check_vma: jax's varying-axis types (default True): every tensor inside ``f`` carries the set of mesh axes
             it varies over (its block's in_specs axes; none for closures and constants; collectives change it,
             other ops join their inputs'), an out_specs entry that leaves out an axis its output varies over raises
