@@ -22,7 +22,7 @@ Times are the slowest rank's. ``--quick`` is a smoke test (2 repetitions, a smal
 import argparse
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from benchmarks.compile import timed
 from colossalai_cmap import P, shard_map
 
 MODES = (False, True)  # check_vma
+OP_MODES = (None, False, True)  # and None: plain torch, outside any map
 
 
 def _slowest(seconds: float) -> float:
@@ -42,8 +43,9 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
-def _op_cases(mesh: object, rows: int, cols: int, n_ops: int) -> Dict[str, Callable[[bool], float]]:
-    """Each op: for a mode, one shard_map call running the op ``n_ops`` times; returns seconds per op inside f."""
+def _op_cases(mesh: object, rows: int, cols: int, n_ops: int) -> Dict[str, Callable[[Optional[bool]], float]]:
+    """Each op: for a mode, one shard_map call running the op ``n_ops`` times (mode None: the op on a block outside
+    any map); returns seconds per op inside f, the slowest rank's."""
     size = dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     b = torch.randn(rows * size, cols, generator=g).requires_grad_()
@@ -60,24 +62,30 @@ def _op_cases(mesh: object, rows: int, cols: int, n_ops: int) -> Dict[str, Calla
 
         return f
 
-    ops = {
-        "b * c (elementwise)": (lambda x, y: x * y, (b, c)),
-        "b @ w (w cast once)": (lambda x: x @ w, (b,)),
-        "b @ w.t() (a cast each)": (lambda x: x @ w.t(), (b,)),
-        "psum(b)": (lambda x: cm.psum(x, "i"), (b,)),
+    ops = {  # name: (op, its arguments, whether it runs outside a map too)
+        "b * c (elementwise)": (lambda x, y: x * y, (b, c), True),
+        "b @ w (w cast once)": (lambda x: x @ w, (b,), True),
+        "b @ w.t() (a cast each)": (lambda x: x @ w.t(), (b,), True),
+        "psum(b)": (lambda x: cm.psum(x, "i"), (b,), False),
     }
 
-    def case(op: Callable[..., torch.Tensor], args: tuple) -> Callable[[bool], float]:
+    def case(op: Callable[..., torch.Tensor], args: tuple, plain: bool) -> Callable[[Optional[bool]], float]:
         f = loop(op)
         mapped = {m: shard_map(f, mesh, (P("i"),) * len(args), P("i"), check_vma=m) for m in MODES}
+        blocks = tuple(a[:rows] for a in args)
 
-        def run(mode: bool) -> float:
-            mapped[mode](*args)
+        def run(mode: Optional[bool]) -> float:
+            if mode is None:  # plain torch on a block, outside any map (a collective has no such time)
+                if not plain:
+                    return float("nan")
+                f(*blocks)
+            else:
+                mapped[mode](*args)
             return _slowest(f.seconds)
 
         return run
 
-    return {name: case(op, args) for name, (op, args) in ops.items()}
+    return {name: case(*spec) for name, spec in ops.items()}
 
 
 def _llama_step(mesh: object, quick: bool) -> Callable[[bool], Callable[[], None]]:
@@ -143,23 +151,24 @@ def measure(args: argparse.Namespace) -> Dict[str, Dict[str, Dict[bool, List[flo
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("i",))
     out: Dict[str, Dict[str, Dict[bool, List[float]]]] = {"op": {}, "step": {}}
     for name, run in _op_cases(mesh, 16, 64, args.ops).items():
-        run(False), run(True)  # warm up
-        out["op"][name] = _interleaved(run, args.reps)
+        for mode in OP_MODES:
+            run(mode)  # warm up
+        out["op"][name] = _interleaved(run, args.reps, OP_MODES)
     blocks = {"LlamaDecoderLayer (DP)": _llama_step, "Megatron MLP (TP)": _megatron_step}
     for name, make in blocks.items():
         for_mode = make(mesh, args.quick)
         steps = {mode: for_mode(mode) for mode in MODES}
         for step in steps.values():
             step()  # warm up
-        out["step"][name] = _interleaved(lambda mode: timed(steps[mode], args.inner), args.reps)
+        out["step"][name] = _interleaved(lambda mode: timed(steps[mode], args.inner), args.reps, MODES)
     return out
 
 
-def _interleaved(run: Callable[[bool], float], reps: int) -> Dict[bool, List[float]]:
-    times: Dict[bool, List[float]] = {mode: [] for mode in MODES}
+def _interleaved(run: Callable[[Any], float], reps: int, modes: Sequence[Any]) -> Dict[Any, List[float]]:
+    times: Dict[Any, List[float]] = {mode: [] for mode in modes}
     for rep in range(reps):
-        for k in range(len(MODES)):  # the starting mode alternates
-            mode = MODES[(rep + k) % len(MODES)]
+        for k in range(len(modes)):  # the starting mode rotates
+            mode = modes[(rep + k) % len(modes)]
             times[mode].append(run(mode))
     return times
 
@@ -167,11 +176,12 @@ def _interleaved(run: Callable[[bool], float], reps: int) -> Dict[bool, List[flo
 def report(size: int, times: Dict[str, Dict[str, Dict[bool, List[float]]]]) -> None:
     med = statistics.median
     print(f"world {size}: per op inside f (median µs per op; overhead: median and min-max of the repetitions)")
-    print(f"{'op':<26}{'check_vma=False':>16}{'check_vma=True':>16}{'overhead µs':>13}{'range':>16}")
+    print(f"{'op':<26}{'plain torch':>12}{'check_vma=False':>16}{'check_vma=True':>16}{'overhead µs':>13}{'range':>16}")
     for name, by in times["op"].items():
         diffs = [(t - u) * 1e6 for t, u in zip(by[True], by[False])]
         print(
-            f"{name:<26}{med(by[False]) * 1e6:>16.1f}{med(by[True]) * 1e6:>16.1f}{med(diffs):>13.1f}"
+            f"{name:<26}{med(by[None]) * 1e6:>12.1f}{med(by[False]) * 1e6:>16.1f}{med(by[True]) * 1e6:>16.1f}"
+            f"{med(diffs):>13.1f}"
             f"{f'{min(diffs):.1f} to {max(diffs):.1f}':>16}"
         )
     print(f"world {size}: per training step (median ms; ratio typed/untyped: of the medians, and min-max)")

@@ -81,7 +81,7 @@ def psum(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Se
         return vma.typed(_names(axis_name), x, True, lambda v: axes.apply(v, name, "psum_grouped", groups))
     tracker = vma.typed_axes(_names(axis_name))
     if tracker is None:
-        return _over(x, axis_name, "psum")
+        return vma.untyped(_names(axis_name), x, lambda v: _over(v, axis_name, "psum"))
     return vma.joined(tracker, x, _names(axis_name), "psum", COPY)
 
 
@@ -154,7 +154,7 @@ def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0,
     Elsewhere (``check_vma=False``, a cmap axis) it is :func:`all_gather`, as in jax."""
     tracker = vma.typed_axes(_names(axis_name))
     if tracker is None:
-        return _all_gather(x, axis_name, axis, tiled)
+        return vma.untyped(_names(axis_name), x, lambda v: _all_gather(v, axis_name, axis, tiled))
     shape = _example_shape(axis_name, x)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather_invariant", "axis")
     full = vma.joined(tracker, x, _names(axis_name), "all_gather_invariant", None)

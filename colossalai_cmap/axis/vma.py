@@ -329,13 +329,28 @@ def joined(tracker: Tracker, x: torch.Tensor, names: Tuple[str, ...], op: str, r
     return tracker.mark(x, before - set(names))
 
 
+def untyped(names: Tuple[str, ...], x: Any, run: Callable[[Any], Any]) -> Any:
+    """``run(x)`` over axes no tracker types. Inside a typed map, these are the mesh axes of an untyped map around
+    it (an ``smap`` in a ``shard_map`` with ``check_vma=False``): the collective's own ops are not ``f``'s (no cast
+    goes into them) and its result keeps ``x``'s type, as the types do not name those axes."""
+    tracker = current()
+    if tracker is None or tracker.paused or not isinstance(x, torch.Tensor):
+        return run(x)
+    if not all(lookup(n, "a collective").mode == "rank" for n in names):  # a cmap's axis inside f: its ops are typed
+        return run(x)
+    x = tracker.route(x)
+    with tracker.pause():
+        out = run(x)
+    return tracker.mark(out, tracker.of(x))
+
+
 def typed(names: Tuple[str, ...], x: torch.Tensor, varying: bool, run: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``run(x)``, typed when a ``shard_map`` with ``check_vma=True`` types the axes: ``x`` first cast to varying
     over the axes it is invariant over (jax inserts that ``pcast``), and the result varying over them (``varying``)
     or invariant (a reduction that carries no gradient)."""
     tracker = typed_axes(names)
     if tracker is None:
-        return run(x)
+        return untyped(names, x, run)
     before = tracker.of(x)
     with tracker.pause():
         if varying and isinstance(x, torch.Tensor) and not set(names) <= before:

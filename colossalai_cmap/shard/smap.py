@@ -6,7 +6,10 @@ manual still manual; outside any, the mesh of :class:`~.mesh.set_mesh`. An axis 
 ``P(None, ..., None, axis_name)`` with ``a`` Nones (``None``: ``P()``), so ``f`` sees a block with the dimension
 kept. Nested, the map runs over the group of its axis alone (:func:`~.mesh.axis_view`): the ranks along it hold
 the same values, so its blocks are cut with no communication and assembled along that axis only; the types of the
-map around it carry on inside (its axes stay typed), and its gradients are those of the flat ``shard_map``.
+map around it carry on inside (its axes stay typed), and its gradients are those of the flat ``shard_map``. Inside
+a ``shard_map`` with ``check_vma=False`` the smap is typed over its own axis alone: the cotangents reaching it are
+equal along that axis (the untyped map computes alike there, and splits a replicated output's cotangent evenly),
+and the collectives over the untyped map's axes keep their untyped transposes (:func:`~..axis.vma.untyped`).
 """
 
 import functools
@@ -160,12 +163,6 @@ class Smapped:
             raise ValueError(
                 f"{self.call}: axis_name={name!r} is already manual here: the shard_map or smap around this call "
                 f"maps over it (jax: DuplicateSpecError). Map over another axis, or call it outside that map."
-            )
-        if where.view is not None and where.manual and vma.current() is None:
-            raise ValueError(
-                f"{self.call}: called inside a shard_map with check_vma=False; smap is typed (jax's smap has "
-                f"check_vma=True), and its gradients inside an untyped map are not supported. Pass check_vma=True "
-                f"(the default) to that shard_map, or write the two maps as one shard_map over both axes."
             )
         return where, view
 
