@@ -618,3 +618,46 @@ def test_typeof_as_jax(worlds):
     for seen, outside in worlds(4).run(cm_typeof):
         assert seen == want
         assert outside == ("float32[4,4]", frozenset(), frozenset())
+
+
+# ------------------------------------------------------------------ second derivatives through a P() output
+def double_backward_cases(psum, sin):
+    """name: f of a block of x (8,) on a 4-mesh ("i"), out_specs P(), check_vma=False: outputs that are replicated."""
+    return {
+        "psum(b * b)": lambda b: psum(b * b, "i"),
+        "sin(psum(b)) * psum(b * b)": lambda b: sin(psum(b, "i")) * psum(b * b, "i"),
+    }
+
+
+def jax_double_backward(name):
+    f = double_backward_cases(lax.psum, jnp.sin)[name]
+    sm = jax.shard_map(f, mesh=jax_mesh((4,), ("i",)), in_specs=jax.P("i"), out_specs=jax.P(), check_vma=False)
+    loss = lambda v: (sm(v) ** 2).sum()  # noqa: E731
+    x = np.arange(8.0, dtype=np.float32) / 4
+    return np.asarray(jax.grad(loss)(x)), np.asarray(jax.grad(lambda v: jax.grad(loss)(v).sum())(x))
+
+
+def cm_double_backward(names):
+    out = {}
+    for name in names:
+        f = double_backward_cases(cm.psum, torch.sin)[name]
+        sm = shard_map(f, mesh=cm_mesh((4,), ("i",)), in_specs=P("i"), out_specs=P(), check_vma=False)
+        x = (torch.arange(8.0) / 4).requires_grad_()
+        (g1,) = torch.autograd.grad(sm(x).square().sum(), x, create_graph=True)
+        (g2,) = torch.autograd.grad(g1.sum(), x)
+        func = torch.func.grad(lambda v: sm(v).square().sum())(x.detach())
+        out[name] = (g1.detach().numpy(), g2.numpy(), func.numpy())
+    return out
+
+
+def test_untyped_replicated_output_second_derivatives(worlds):
+    """check_vma=False splits a P() output's cotangent evenly over its copies; the split's own transpose (met in
+    double backward) is the mean of the copies' cotangents, so second derivatives are jax's, as first ones are
+    (torch.func.grad too)."""
+    names = list(double_backward_cases(lax.psum, jnp.sin))
+    want = {n: jax_double_backward(n) for n in names}
+    for got in worlds(4).run(cm_double_backward, names):
+        for n in names:
+            np.testing.assert_allclose(got[n][0], want[n][0], rtol=1e-5, atol=1e-5, err_msg=f"{n}: first")
+            np.testing.assert_allclose(got[n][1], want[n][1], rtol=1e-5, atol=1e-5, err_msg=f"{n}: second")
+            np.testing.assert_allclose(got[n][2], want[n][0], rtol=1e-5, atol=1e-5, err_msg=f"{n}: torch.func")

@@ -93,30 +93,51 @@ def assemble(
         if not any(even):
             return join(spec, xs)
         out = join(spec, [x.detach() if e else x for e, x in zip(even, xs)])
-        size = links[axis].group.size
-        return [_EvenCotangent.apply(x, o, size) if e else o for e, x, o in zip(even, xs, out)]
+        return [_EvenCotangent.apply(x, o, links[axis]) if e else o for e, x, o in zip(even, xs, out)]
 
     return _run(list(values), steps, apply)
 
 
 class _EvenCotangent(torch.autograd.Function):
     """A replicated output along one axis: forward, the value at coordinate 0 (joined already); backward, this
-    rank's cotangent over the axis size, as jax transposes a ``P()`` output with ``check_vma=False`` (coordinate 0
-    alone would get the whole cotangent of an output that in fact varies, and the gradient would differ)."""
+    rank's share of the cotangent (:class:`_Shares`), as jax transposes a ``P()`` output with ``check_vma=False``
+    (coordinate 0 alone would get the whole cotangent of an output that in fact varies)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(mine: torch.Tensor, first: torch.Tensor, size: int) -> torch.Tensor:
+    def forward(mine: torch.Tensor, first: torch.Tensor, link: Link) -> torch.Tensor:
         return first.view_as(first)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.size = inputs[2]
+        ctx.link = inputs[2]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad / ctx.size, None, None
+        return _Shares.apply(grad, ctx.link), None, None
+
+
+class _Shares(torch.autograd.Function):
+    """Each rank's share of a cotangent every rank holds whole: it over the axis size, with no communication. Its
+    transpose (met in double backward, where the ranks' cotangents of the shares differ) is their mean over the
+    axis: the linear map is one value over the axis size to every rank, so its transpose is the sum over the axis
+    size (jax's second derivatives through a ``P()`` output agree)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad: torch.Tensor, link: Link) -> torch.Tensor:
+        return grad / link.group.size
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.link = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        spec = JoinSpec(ctx.link, (COPY,), "the double backward of a replicated output", Kind.SYNC)
+        return join(spec, [grad])[0] / ctx.link.group.size, None
 
 
 def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:
