@@ -239,3 +239,32 @@ def check_guarded_shard_map_gradients():
 
 def test_guarded_shard_map_gradients(worlds):
     assert worlds(2).run(check_guarded_shard_map_gradients, deadline=60) == [True] * 2
+
+
+def check_failure_under_function_transforms():
+    """f raising on one rank inside ``torch.func.grad`` and under ``torch.vmap``: the error path's object rounds make
+    plain tensors, so every rank gets rank 0's error (not a wrapped tensor's "doesn't have storage"), and the group
+    stays usable."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def f(x):
+        if rank == 0:
+            raise ValueError("boom in f")
+        return (x * 2).sum()
+
+    x = torch.randn(2 * size, 3)
+    transforms = {
+        "grad": lambda: torch.func.grad(lambda v: cm.cmap(f)(v).sum())(x),
+        "vmap": lambda: torch.vmap(cm.cmap(f), in_dims=1)(x),
+        "jacrev": lambda: torch.func.jacrev(cm.cmap(f))(x),
+    }
+    for name, run in transforms.items():
+        with pytest.raises(cm.CmapError, match="boom in f") as info:
+            run()
+        assert isinstance(info.value, ValueError) and "group rank 0" in str(info.value), name
+    return cm.cmap(lambda v: v * 2)(x).equal(x * 2)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_failure_under_function_transforms(worlds, P):
+    assert worlds(P).run(check_failure_under_function_transforms, deadline=60) == [True] * P

@@ -6,11 +6,12 @@ within the timeout instead of a hang, :mod:`colossalai_cmap.stats` sees every co
 """
 
 import atexit
+import contextlib
 import ctypes
 import os
 import pickle
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -304,6 +305,14 @@ def _decode(t: torch.Tensor) -> Any:
     return pickle.loads(_on_host(t).numpy().tobytes())
 
 
+@contextlib.contextmanager
+def _plain_tensors() -> Iterator[None]:
+    """Where the object verbs make their byte tensors: plain ones, even inside a torch.func transform (a wrapped
+    tensor has no storage to read back) or under ``inference_mode``."""
+    with torch.inference_mode(False), torch._C._DisableFuncTorch(), torch.no_grad():
+        yield
+
+
 def _on_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` in host memory, counted (:func:`colossalai_cmap.stats.host_read`) when that copies device memory."""
     if t.device.type != "cpu":
@@ -313,6 +322,11 @@ def _on_host(t: torch.Tensor) -> torch.Tensor:
 
 def broadcast_object(obj: Any, src: int, group: Group, call: str, timeout: Optional[float], device: Any) -> Any:
     """Broadcast a picklable object from group rank ``src``: its length, then its bytes, both bounded waits."""
+    with _plain_tensors():
+        return _broadcast_object(obj, src, group, call, timeout, device)
+
+
+def _broadcast_object(obj: Any, src: int, group: Group, call: str, timeout: Optional[float], device: Any) -> Any:
     data = _encode(obj, device) if group.rank == src else None
     length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
     broadcast(length, src, group, call, timeout)
@@ -324,6 +338,11 @@ def broadcast_object(obj: Any, src: int, group: Group, call: str, timeout: Optio
 
 def all_gather_object(obj: Any, group: Group, call: str, timeout: Optional[float], device: Any) -> List[Any]:
     """Every rank's picklable object, in group-rank order (rare paths: failure details, layouts)."""
+    with _plain_tensors():
+        return _all_gather_object(obj, group, call, timeout, device)
+
+
+def _all_gather_object(obj: Any, group: Group, call: str, timeout: Optional[float], device: Any) -> List[Any]:
     data = _encode(obj, device)
     lengths = torch.empty(group.size, dtype=torch.int64, device=device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
