@@ -13,7 +13,9 @@ registers a primitive's transpose, batcher and lowering): a reduction, the gathe
 per-example ops, each with its native collective. The public functions compose them with local tensor ops, so each
 is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside func, in
 every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of names, as
-in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
+in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major. Over a tuple of
+``shard_map`` mesh axes, and for uneven tiled chunks, each op is one native collective on the group of those axes'
+ranks (``_joint``); over a tuple of cmap names it is a psum or an all_gather and a selection.
 """
 
 import contextlib
