@@ -176,13 +176,13 @@ def collective_cases(n: int, ax: Any) -> Dict[str, Tuple[Callable, Any, Any, Tup
     }
 
 
-def check_collectives(shape: Tuple[int, ...], names: Tuple[str, ...], ax: Any) -> bool:
+def check_collectives(shape: Tuple[int, ...], names: Tuple[str, ...], ax: Any, check_vma: bool = True) -> bool:
     m = mesh(shape, names)
     n = 1
     for a in ax if isinstance(ax, tuple) else (ax,):
         n *= m.size(names.index(a))
     for name, (f, ins, outs, xs, ref) in collective_cases(n, ax).items():
-        got = values_and_grads(shard_map(f, m, ins, outs), *xs)
+        got = values_and_grads(shard_map(f, m, ins, outs, check_vma=check_vma), *xs)
         compare(f"{name} over {ax}", got, values_and_grads(ref, *xs))
     return True
 
