@@ -206,9 +206,8 @@ def _run_f(
         blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
         split_over = manual_ranks(view, where.manual)
-        with _frames(where, joints), splitting(split_over), running(
-            view, where.manual
-        ), intercept or contextlib.nullcontext():
+        frames = _frames(where, joints)
+        with frames, splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
             if typer is None:
                 out = site.f(*tree_unflatten(blocks, tree), **kwargs)
             else:
