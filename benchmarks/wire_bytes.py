@@ -1,4 +1,5 @@
-"""``python -m benchmarks.wire_bytes``: the table of bytes per rank against the native bound, P = 2 and 4.
+"""``python -m benchmarks.wire_bytes``: the table of bytes per rank against the native bound, P = 2 and 4, for each
+workload of the tests (one axis in cmap and shard_map; shard_map over a tuple of mesh axes and with uneven chunks).
 
 The counter and the measured workload are the tests' own (``tests/wire_tap.py``), so the table and
 ``tests/test_wire_bytes.py`` count the same thing.
@@ -11,11 +12,12 @@ wire_tap = test_support("wire_tap")
 
 
 def main() -> None:
-    """``python -m benchmarks.wire_bytes``: the table of bytes per rank against the native bound, P = 2 and 4."""
+    """``python -m benchmarks.wire_bytes``: the table of bytes per rank against the native bound, P = 2 and 4, for each
+workload of the tests (one axis in cmap and shard_map; shard_map over a tuple of mesh axes and with uneven chunks)."""
     sizes = (4096, 64 * 1024, 1 << 20, 16 << 20)
     print("| call | P | op | bytes per rank | forward sent / native | backward sent / native | collectives fwd + bwd |")
     print("|---|---|---|---|---|---|---|")
-    for kind in ("cmap", "shard_map"):
+    for kind in wire_tap.KINDS:
         for size in (2, 4):
             for op, n, fwd, bwd, nf, nb in spawn(wire_tap.measure, size, (kind, sizes))[0]:
                 native_fwd, native_bwd = wire_tap.native_bound(op, n, size)

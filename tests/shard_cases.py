@@ -142,6 +142,21 @@ def collective_cases(n: int, ax: Any) -> Dict[str, Tuple[Callable, Any, Any, Tup
             (wide,),
             lambda t: t * 1,
         ),
+        "all_to_all": (
+            lambda b: cm.all_to_all(b[0, :n], ax, 0, 0)[None],
+            P(ax),
+            P(ax),
+            (sq,),
+            lambda t: t[:, :n].transpose(0, 1),
+        ),
+        # pairs (0, 1), (2, 3), ...: the odd members get their left neighbour's block, the even ones zeros
+        "ppermute partial": (
+            lambda b: cm.ppermute(b, ax, [(i, i + 1) for i in range(0, n - 1, 2)]),
+            P(ax),
+            P(ax),
+            (x,),
+            lambda t: torch.stack([blocks(t)[i - 1] if i % 2 else blocks(t)[i] * 0 for i in range(n)]).reshape(t.shape),
+        ),
         "ppermute": (
             lambda b: cm.ppermute(b, ax, [(i, (i + 1) % n) for i in range(n)]),
             P(ax),
@@ -161,13 +176,13 @@ def collective_cases(n: int, ax: Any) -> Dict[str, Tuple[Callable, Any, Any, Tup
     }
 
 
-def check_collectives(shape: Tuple[int, ...], names: Tuple[str, ...], ax: Any) -> bool:
+def check_collectives(shape: Tuple[int, ...], names: Tuple[str, ...], ax: Any, check_vma: bool = True) -> bool:
     m = mesh(shape, names)
     n = 1
     for a in ax if isinstance(ax, tuple) else (ax,):
         n *= m.size(names.index(a))
     for name, (f, ins, outs, xs, ref) in collective_cases(n, ax).items():
-        got = values_and_grads(shard_map(f, m, ins, outs), *xs)
+        got = values_and_grads(shard_map(f, m, ins, outs, check_vma=check_vma), *xs)
         compare(f"{name} over {ax}", got, values_and_grads(ref, *xs))
     return True
 

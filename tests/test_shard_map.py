@@ -20,6 +20,16 @@ def test_every_collective_on_a_2x2_mesh(worlds, ax):
     assert worlds(4).run(sc.check_collectives, (2, 2), ("x", "y"), ax) == [True] * 4
 
 
+def test_every_collective_over_tuple_axes_untyped(worlds):
+    """check_vma=False: the untyped transposes over ("y", "x") (pcast and psum's), on the axes' one group."""
+    assert worlds(4).run(sc.check_collectives, (2, 2), ("x", "y"), ("y", "x"), False) == [True] * 4
+
+
+def test_every_collective_over_part_of_a_mesh(worlds):
+    """A tuple of two of three mesh axes: its ops run on the group of the ranks that differ along those two."""
+    assert worlds(4).run(sc.check_collectives, (2, 2, 1), ("x", "y", "z"), ("z", "x")) == [True] * 4
+
+
 @pytest.mark.parametrize("kind", ["device", "pg"])
 def test_matmul_basic(worlds, kind):
     assert worlds(4).run(sc.check_matmul_2d, kind) == [True] * 4

@@ -127,50 +127,70 @@ def native_bound(op: str, n: int, P: int) -> Tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------ the measured workload
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
+# The workloads: jax.pmap's shape over one axis; shard_map over a tuple of two mesh axes (a 2 x P/2 mesh, in both
+# orders of the names: the group's ranks are in index order for the first, not for the second); and tiled chunks
+# that the axis size does not divide (one element fewer than a multiple of it).
+KINDS = ("cmap", "shard_map", "shard_map ('x', 'y')", "shard_map ('y', 'x')", "shard_map uneven")
+UNEVEN_OPS = ("psum_scatter", "all_to_all")
 ROUND_CAP = 48 + 1024  # a round's header and its largest payload, per rank (wire/rounds.py)
-_MESHES: Dict[int, Any] = {}
+_MESHES: Dict[Tuple[int, ...], Any] = {}
 
 
-def body(op: str, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``op`` over the axis "i" of ``size`` members, tiled where jax.lax has the choice."""
+def body(op: str, size: int, axis: Any = "i") -> Callable[[torch.Tensor], torch.Tensor]:
+    """``op`` over the axis ``axis`` (a name or a tuple of names) of ``size`` members, tiled where jax.lax has the
+    choice."""
     import colossalai_cmap as cm
 
     if op == "psum":
-        return lambda v: cm.psum(v, "i")
+        return lambda v: cm.psum(v, axis)
     if op == "all_gather":
-        return lambda v: cm.all_gather(v, "i", tiled=True)
+        return lambda v: cm.all_gather(v, axis, tiled=True)
     if op == "psum_scatter":
-        return lambda v: cm.psum_scatter(v, "i", tiled=True)
+        return lambda v: cm.psum_scatter(v, axis, tiled=True)
     if op == "all_to_all":
-        return lambda v: cm.all_to_all(v, "i", 0, 0, tiled=True)
-    return lambda v: cm.ppermute(v, "i", [(j, (j + 1) % size) for j in range(size)])
+        return lambda v: cm.all_to_all(v, axis, 0, 0, tiled=True)
+    return lambda v: cm.ppermute(v, axis, [(j, (j + 1) % size) for j in range(size)])
+
+
+def _mesh(shape: Tuple[int, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape not in _MESHES:
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("i",) if len(shape) == 1 else ("x", "y"))
+    return _MESHES[shape]
+
+
+def mapped(kind: str, op: str, n: int) -> Tuple[Callable[[torch.Tensor], torch.Tensor], Tuple[int, ...]]:
+    """The call ``kind`` makes of ``op``, and the shape of this rank's value (n bytes of float32, but for "uneven":
+    one element fewer)."""
+    import colossalai_cmap as cm
+
+    size = dist.get_world_size()
+    if kind == "cmap":
+        return cm.cmap(body(op, size), axis_name="i", src="local", dst="local"), (1, n // 4)
+    if kind == "shard_map":
+        return cm.shard_map(body(op, size), _mesh((size,)), cm.P("i"), cm.P("i"), local=True), (n // 4,)
+    if kind == "shard_map uneven":
+        return cm.shard_map(body(op, size), _mesh((size,)), cm.P("i"), cm.P("i"), local=True), (n // 4 - 1,)
+    axis = ("x", "y") if kind == "shard_map ('x', 'y')" else ("y", "x")
+    f = cm.shard_map(body(op, size, axis), _mesh((2, size // 2)), cm.P(axis), cm.P(axis), local=True)
+    return f, (n // 4,)
 
 
 def measure(kind: str, sizes: Tuple[int, ...]) -> List[Tuple[str, int, float, float, int, int]]:
     """On this rank, for each op and value size n (bytes per rank): (op, n, forward bytes, backward bytes, forward
     collectives, backward collectives), the third call of jax.pmap's shape (one example of n bytes per rank):
-    ``cmap(f, axis_name="i", src="local", dst="local")``, or ``shard_map(f, mesh, P("i"), P("i"), local=True)``."""
-    import colossalai_cmap as cm
-
-    size = dist.get_world_size()
-    if kind == "shard_map" and size not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESHES[size] = init_device_mesh("cpu", (size,), mesh_dim_names=("i",))
+    ``cmap(f, axis_name="i", src="local", dst="local")``, or ``shard_map(f, mesh, P(axis), P(axis), local=True)``
+    over one axis, a tuple of axes, or with uneven tiled chunks (see :data:`KINDS`)."""
     rows = []
-    for op in OPS:
+    for op in UNEVEN_OPS if kind == "shard_map uneven" else OPS:
         for n in sizes:
-            if kind == "cmap":
-                f = cm.cmap(body(op, size), axis_name="i", src="local", dst="local")
-                shape: Tuple[int, ...] = (1, n // 4)
-            else:
-                f = cm.shard_map(body(op, size), _MESHES[size], cm.P("i"), cm.P("i"), local=True)
-                shape = (n // 4,)
+            f, shape = mapped(kind, op, n)
             for _ in range(3):
                 x = torch.randn(shape).requires_grad_()
                 with counting() as fwd:
                     y = f(x)
                 with counting() as bwd:
                     y.sum().backward()
-            rows.append((op, n, fwd.sent, bwd.sent, fwd.count, bwd.count))
+            rows.append((op, x.numel() * 4, fwd.sent, bwd.sent, fwd.count, bwd.count))
     return rows

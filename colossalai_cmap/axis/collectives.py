@@ -13,7 +13,9 @@ registers a primitive's transpose, batcher and lowering): a reduction, the gathe
 per-example ops, each with its native collective. The public functions compose them with local tensor ops, so each
 is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``torch.func`` transforms inside func, in
 every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of names, as
-in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major.
+in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major. Over a tuple of
+``shard_map`` mesh axes, and for uneven tiled chunks, each op is one native collective on the group of those axes'
+ranks (``_joint``); over a tuple of cmap names it is a psum or an all_gather and a selection.
 """
 
 import contextlib
@@ -26,7 +28,7 @@ from ..wire.roles import COPY, MAX, MIN
 from . import grouped, lowering
 from . import ops as axes
 from . import vma
-from .frame import lookup
+from .frame import AxisFrame, Joint, joint_of, lookup
 from .rules import AxisRule, RuleKind, Transpose, register
 
 __all__ = [
@@ -54,7 +56,13 @@ def _names(axis_name: AxisName) -> Tuple[str, ...]:
 
 
 def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
-    """``op`` over every axis of a (tuple) name, innermost first, so that the first name is major."""
+    """``op`` over every axis of a (tuple) name, innermost first, so that the first name is major; a reduction over
+    mesh axes taken together, one on their group."""
+    joint = _joint(axis_name) if len(_names(axis_name)) > 1 and RULES[op].kind is RuleKind.REDUCE else None
+    if joint is not None:
+        size = axis_size(axis_name)
+        frame = AxisFrame(joint.link, size, joint.index, (1,) * size, "rank")
+        return lowering.reduce_rows(frame, x.unsqueeze(0), RULES[op], _names(axis_name))
     for name in reversed(_names(axis_name)):
         x = axes.apply(x, name, op)
     return x
@@ -82,7 +90,8 @@ def psum(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Se
     tracker = vma.typed_axes(_names(axis_name))
     if tracker is None:
         return vma.untyped(_names(axis_name), x, lambda v: _over(v, axis_name, "psum"))
-    return vma.joined(tracker, x, _names(axis_name), "psum", COPY)
+    joint = _joint(axis_name) if len(_names(axis_name)) > 1 else None
+    return vma.joined(tracker, x, _names(axis_name), "psum", COPY, joint)
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
@@ -234,6 +243,11 @@ def _psum_scatter(x: torch.Tensor, axis_name: AxisName, scatter_dimension: int, 
     if chunk is not None and _native(axis_name):
         out = axes.apply(x, _names(axis_name)[0], "psum_scatter", d)
         return out if tiled else out.squeeze(d + _lead(axis_name))
+    joint = _joint(axis_name, shape[d])
+    if joint is not None:
+        lengths = lowering.split_lengths(shape[d], axis_size(axis_name))
+        out = lowering.scatter_on_ranks(joint, x, d, lengths, f"psum_scatter({axis_name!r})")
+        return out if tiled else out.squeeze(d)
     total = psum(x, axis_name)
     if chunk is None:
         return total.narrow(d, *_own_chunk(axis_name, shape[d]))
@@ -272,6 +286,10 @@ def _all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_ax
             return parts.movedim(1, s + 1).movedim(0, c).flatten(c, c + 1)
 
         return _per_example(axis_name, arrange, got)
+    joint = _joint(axis_name, shape[s])
+    if joint is not None:
+        lengths = lowering.split_lengths(shape[s], axis_size(axis_name))
+        return lowering.a2a_on_ranks(joint, x, s, c, lengths, tiled, f"all_to_all({axis_name!r})")
     everyone = all_gather(x, axis_name)  # per example: (B, *shape)
     if chunk is None:  # this rank's uneven chunk: the same Python-int range of every rank's value
         part = everyone.narrow(s + 1, *_own_chunk(axis_name, shape[s]))
@@ -295,6 +313,9 @@ def _ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, in
     sources = _sources(perm, axis_size(axis_name))
     if _native(axis_name):
         return axes.apply(x, _names(axis_name)[0], "ppermute", tuple(sources))
+    joint = _joint(axis_name)
+    if joint is not None:
+        return lowering.permute_on_ranks(joint, x, tuple(sources), f"ppermute({axis_name!r})")
     table = lowering.index_table(tuple(sources), x.device)
     everyone = all_gather(x, axis_name)
 
@@ -337,6 +358,20 @@ def _native(axis_name: AxisName) -> bool:
     if len(names) != 1 or torch.compiler.is_compiling():
         return False
     return lookup(names[0], "collective").mode in ("vmap", "batched", "rank")
+
+
+def _joint(axis_name: AxisName, length: int = 1) -> Optional[Joint]:
+    """Where a per-example op over ``shard_map`` mesh axes that ``_native`` leaves out (a tuple of axes, uneven tiled
+    chunks) still takes its native collective: the group of the axes taken together, with this rank's index in it.
+    None (the op is a psum or an all_gather and a selection): inside torch.compile, off mesh axes, axes of different
+    calls (a ``smap`` inside a ``shard_map``), or nothing to split (``length`` 0)."""
+    names = _names(axis_name)
+    if torch.compiler.is_compiling() or not length or not _on_ranks(axis_name):
+        return None
+    if len(names) == 1:
+        frame = lookup(names[0], "collective")
+        return Joint(frame.link, frame.offset, tuple(range(frame.size)))
+    return joint_of(names, "collective")
 
 
 def _lead(axis_name: AxisName) -> int:

@@ -3,7 +3,7 @@ collectives inside func find their group, sizes and indices."""
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -18,6 +18,28 @@ class ExampleLoop(Protocol):
 
     def run(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """A collective: every example's ``x`` stacked, ``fn`` once on the stack, each example gets the result."""
+
+
+class Joint(NamedTuple):
+    """Mesh axes taken together as one group (a tuple axis name), where its ops take their native collective.
+
+    Attributes:
+        link: the group of the ranks that differ from this one along those axes only.
+        index: this rank's index along the axes taken together, the first name major.
+        ranks: the group rank of the member at each index (the group's ranks are in global-rank order, which need
+            not be the index order: ``("y", "x")``).
+    """
+
+    link: Link
+    index: int
+    ranks: Tuple[int, ...]
+
+
+class MeshAxes(Protocol):
+    """The mesh of a ``shard_map`` as its axes' frames see it (the shard layer makes it)."""
+
+    def joint(self, names: Tuple[str, ...]) -> Joint:
+        """The group of these axes of the mesh taken together (made on first use, by its members alone)."""
 
 
 @dataclass
@@ -37,6 +59,7 @@ class AxisFrame:
         index: each example's global index, set while func runs (``axis_index``).
         level: the functorch level of this map's ``torch.vmap`` (mode "vmap"), set while func runs.
         loop: the barrier of loop-mode example threads.
+        mesh: for a mesh axis, the mesh it belongs to, which gives the group of several of its axes together.
     """
 
     link: Optional[Link]
@@ -48,6 +71,7 @@ class AxisFrame:
     index: Any = None
     level: Optional[int] = None
     loop: Optional[ExampleLoop] = field(default=None, repr=False)
+    mesh: Optional[MeshAxes] = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -109,3 +133,15 @@ def lookup(name: str, op: str) -> AxisFrame:
             f"unbound axis name: {name}.)"
         )
     return stack[-1]
+
+
+def joint_of(names: Sequence[str], op: str) -> Optional[Joint]:
+    """The group of several mesh axes taken together (the first name major), where they are axes of one
+    ``shard_map`` call's mesh; None otherwise (cmap axes, axes of different calls, one name, inside torch.compile)."""
+    if len(names) < 2 or torch.compiler.is_compiling():
+        return None
+    frames = [lookup(name, op) for name in names]
+    mesh = frames[0].mesh
+    if mesh is None or any(f.mode != "rank" or f.mesh is not mesh for f in frames):
+        return None
+    return mesh.joint(tuple(names))

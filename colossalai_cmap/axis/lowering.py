@@ -19,7 +19,7 @@ from ..wire.native import NativeSpec
 from ..wire.roles import COPY
 from ..wire.rounds import Kind
 from ..wire.traced import gather_under_vmap
-from .frame import AxisFrame
+from .frame import AxisFrame, Joint
 from .rules import AxisRule
 
 
@@ -217,6 +217,95 @@ def permute_rows(
         received = wire_native.run(rule.collective, spec, send)
     where = index_table(tuple(j for part in got for j in part), rows.device)
     return rows.new_zeros(rows.shape).index_copy(0, where, received)
+
+
+# ------------------------------------------------- eager: mesh axes taken together, and uneven tiled chunks
+# Along ``shard_map`` mesh axes each rank is one member and holds its own value, so an op over a tuple of axes is
+# one native collective on the group of those axes (a Joint), and uneven chunks travel at their own lengths. The
+# group's ranks are in global-rank order, which need not be the index order: chunks are put in group-rank order
+# before the collective, and what arrives back in index order after it.
+
+
+def split_lengths(length: int, size: int) -> Tuple[int, ...]:
+    """Each member's ``torch.tensor_split`` chunk of ``length`` (the first ``length % size`` one longer)."""
+    base, extra = divmod(length, size)
+    return tuple(base + (1 if i < extra else 0) for i in range(size))
+
+
+def _by_rank(joint: Joint) -> Tuple[int, ...]:
+    """The index of the member at each group rank."""
+    index = [0] * len(joint.ranks)
+    for i, r in enumerate(joint.ranks):
+        index[r] = i
+    return tuple(index)
+
+
+def _in_order(joint: Joint) -> bool:
+    return joint.ranks == tuple(range(len(joint.ranks)))
+
+
+def scatter_on_ranks(joint: Joint, x: torch.Tensor, d: int, lengths: Tuple[int, ...], what: str) -> torch.Tensor:
+    """This member's chunk (``lengths[index]`` along ``d``) of the sum over the members of every member's ``x``: a
+    reduce-scatter on the joint group (backward: an all-gather)."""
+    if joint.link.group.size == 1:
+        return x.clone()
+    by_rank = _by_rank(joint)
+    sizes = tuple(lengths[i] for i in by_rank)
+    if not _in_order(joint):
+        starts = _starts(lengths)
+        picks = tuple(k for i in by_rank for k in range(starts[i], starts[i] + lengths[i]))
+        x = x.index_select(d, index_table(picks, x.device))
+    return wire_native.run(wire_native.ReduceScatter, NativeSpec(joint.link, d, sizes, what, Kind.OP), x)
+
+
+def a2a_on_ranks(
+    joint: Joint, x: torch.Tensor, s: int, c: int, lengths: Tuple[int, ...], tiled: bool, what: str
+) -> torch.Tensor:
+    """From every member, in index order, its chunk for this member (``lengths[index]`` of ``x``'s dim ``s``),
+    concatenated along ``c`` (or, untiled, stacked along a new dim ``c``, dim ``s`` gone): an all-to-all on the joint
+    group with each chunk's own length (backward: the same, the lengths swapped)."""
+    size, mine = len(lengths), lengths[joint.index]
+    rows = x.movedim(s, 0)  # the chunks to send, along dim 0
+    if joint.link.group.size == 1:
+        got = rows
+    else:
+        by_rank = _by_rank(joint)
+        if not _in_order(joint):
+            starts = _starts(lengths)
+            picks = tuple(k for i in by_rank for k in range(starts[i], starts[i] + lengths[i]))
+            rows = rows.index_select(0, index_table(picks, rows.device))
+        spec = NativeSpec(joint.link, 0, tuple(lengths[i] for i in by_rank), what, Kind.OP, (mine,) * size)
+        got = wire_native.run(wire_native.AllToAll, spec, rows)  # from each group rank, its chunk for this member
+    parts = got.unflatten(0, (size, mine))  # [source, chunk, the other dims]
+    if not _in_order(joint):
+        parts = parts.index_select(0, index_table(joint.ranks, parts.device))  # sources in index order
+    if not tiled:
+        return parts.squeeze(1).movedim(0, c)
+    return parts.movedim(1, s + 1).movedim(0, c).flatten(c, c + 1)
+
+
+def permute_on_ranks(joint: Joint, x: torch.Tensor, sources: Tuple[int, ...], what: str) -> torch.Tensor:
+    """The value of member ``sources[index]`` (zeros for -1): an all-to-all on the joint group in which this member
+    sends its value to its destination alone and receives from its source alone (backward: the inverse)."""
+    me, size = joint.index, len(sources)
+    dst = next((j for j, src in enumerate(sources) if src == me), -1)
+    send_to = [0] * size
+    came_from = [0] * size
+    if dst >= 0:
+        send_to[joint.ranks[dst]] = 1
+    if sources[me] >= 0:
+        came_from[joint.ranks[sources[me]]] = 1
+    rows = x.unsqueeze(0)
+    send = rows if dst >= 0 else rows.narrow(0, 0, 0)
+    if joint.link.group.size == 1:
+        received = send
+    else:
+        spec = NativeSpec(joint.link, 0, tuple(send_to), what, Kind.OP, tuple(came_from))
+        received = wire_native.run(wire_native.AllToAll, spec, send)
+    # zeros with the received row copied in: this rank's graph reaches the all-to-all even with no source, so that
+    # its backward meets every peer's
+    where = index_table((0,) if sources[me] >= 0 else (), x.device)
+    return rows.new_zeros(rows.shape).index_copy(0, where, received).squeeze(0)
 
 
 # ------------------------------------------------------------------------ traced: inside torch.compile (batched)

@@ -27,7 +27,7 @@ from ..wire.guard import as_is
 from ..wire.link import Link
 from ..wire.roles import COPY, Role, Rows
 from ..wire.rounds import Kind
-from .frame import lookup
+from .frame import Joint, MeshAxes, lookup
 
 Axes = FrozenSet[str]
 NONE: Axes = frozenset()
@@ -68,10 +68,15 @@ class Tracker(TorchFunctionMode):
     """
 
     def __init__(
-        self, links: Dict[str, Link], owner: Optional[CallTag] = None, parent: Optional["Tracker"] = None
+        self,
+        links: Dict[str, Link],
+        owner: Optional[CallTag] = None,
+        parent: Optional["Tracker"] = None,
+        mesh: Optional[MeshAxes] = None,
     ) -> None:
         super().__init__()
         self.parent, self.owner, self.serial, self.paused = parent, owner, next(_SERIAL), 0
+        self.mesh = mesh if parent is None else None  # the mesh whose axes taken together make one group
         self.links = links if parent is None else {**parent.links, **links}
         self.serials = frozenset({self.serial}) | (parent.serials if parent is not None else frozenset())
         self.axes: Axes = frozenset(self.links)
@@ -197,10 +202,11 @@ class Tracker(TorchFunctionMode):
         out = t
         self.paused += 1
         try:
-            for name in self.links:
-                link = self.links[name]
-                if name in axes and link is not None and link.group.size > 1:
-                    out = split(SplitSpec(link, (COPY,)), [out])[0]
+            names = [n for n, link in self.links.items() if n in axes and link is not None and link.group.size > 1]
+            # several axes of the call's mesh: one sum over their group in backward
+            joint = self.mesh.joint(tuple(names)) if self.mesh is not None and len(names) > 1 else None
+            for link in [joint.link] if joint is not None else [self.links[n] for n in names]:
+                out = split(SplitSpec(link, (COPY,)), [out])[0]
             if out is t:  # a new tensor object, so that ``t`` itself keeps its type
                 out = t.view_as(t)
         finally:
@@ -305,10 +311,18 @@ def tracking(tracker: Tracker) -> Iterator[Tracker]:
             tracker.parent.paused -= 1
 
 
-def joined(tracker: Tracker, x: torch.Tensor, names: Tuple[str, ...], op: str, role: Optional[Role]) -> Any:
+def joined(
+    tracker: Tracker,
+    x: torch.Tensor,
+    names: Tuple[str, ...],
+    op: str,
+    role: Optional[Role],
+    joint: Optional[Joint] = None,
+) -> Any:
     """``x`` cast to varying over the axes, then a Join over each, innermost first: the sum (``role`` COPY, jax's
     ``psum_invariant``) or every member's value stacked along a new dim 0 (``role`` None, ``all_gather_invariant``).
-    A Join's transpose is a Split: nothing (COPY) or this rank's slice (rows), with no communication."""
+    A Join's transpose is a Split: nothing (COPY) or this rank's slice (rows), with no communication. A sum over
+    axes taken together (``joint``) is one Join on their group."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(
             f"{op}(x, {names if len(names) > 1 else names[0]!r}): x must be a Tensor, got {type(x).__name__}."
@@ -317,6 +331,10 @@ def joined(tracker: Tracker, x: torch.Tensor, names: Tuple[str, ...], op: str, r
     with tracker.pause():
         if not set(names) <= before:
             x = tracker.vary(x, set(names) - before)
+        if joint is not None and role is COPY:
+            if joint.link.group.size > 1:
+                x = join(JoinSpec(joint.link, (COPY,), f"{op}({names!r})", Kind.OP), [x])[0]
+            return tracker.mark(x, before - set(names))
         for name in reversed(names):
             frame = lookup(name, op)
             if role is None:

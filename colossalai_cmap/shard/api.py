@@ -24,7 +24,7 @@ from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
 from .conclude import Outcome, conclude
-from .mesh import Mesh, MeshView, manual_ranks, resolve_mesh, running
+from .mesh import Mesh, MeshJoints, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
 
 __all__ = ["shard_map", "P", "Mesh", "ShardMapped"]
@@ -200,11 +200,15 @@ def _run_f(
         # a nested smap's tensors from the outer map keep the outer map's graph: no entry node, and the guard steps
         # aside (the outer map's guard, if any, covers its backward)
         routing = owner if parent is None else None
-        typer = vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent) if opts.check_vma else None
+        joints = MeshJoints(view.within or view, whole.device, whole.call, whole.timeout)
+        typer = (
+            vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent, joints) if opts.check_vma else None
+        )
         blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
         split_over = manual_ranks(view, where.manual)
-        with _frames(where), splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
+        frames = _frames(where, joints)
+        with frames, splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
             if typer is None:
                 out = site.f(*tree_unflatten(blocks, tree), **kwargs)
             else:
@@ -293,14 +297,15 @@ def _enter_blocks(
 
 
 @contextlib.contextmanager
-def _frames(where: Where) -> Iterator[None]:
-    """Every manual mesh axis as a named axis of rank mode: this rank is one member of each."""
+def _frames(where: Where, joints: MeshJoints) -> Iterator[None]:
+    """Every manual mesh axis as a named axis of rank mode: this rank is one member of each (and ``joints`` gives
+    the group of several taken together)."""
     view = where.view
     with contextlib.ExitStack() as stack:
         for n in where.manual:
             size, coord = view.sizes[n], view.coords[n]
             index = index_table((coord,), where.whole.device)[0].clone()  # a copy made on the device, not the host
-            frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index)
+            frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index, mesh=joints)
             stack.enter_context(axis_scope(n, frame))
         yield
 

@@ -14,8 +14,10 @@ from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, S
 import torch
 import torch.distributed as dist
 
+from ..axis.frame import Joint
 from ..integration.plugins import plugin_mesh
 from ..wire.group import Group, group_of
+from ..wire.link import link_for
 
 
 class Mesh:
@@ -163,6 +165,51 @@ def manual_ranks(view: MeshView, manual: Sequence[str]) -> Tuple[int, ...]:
         if all(coords[n] == view.coords[n] for n in others):
             out.append(rank)
     return tuple(sorted(out))
+
+
+def joint_ranks(view: MeshView, names: Sequence[str]) -> Tuple[int, ...]:
+    """The global rank at each index along ``names`` taken together (the first name major), the other axes at this
+    rank's coordinates."""
+    out = []
+    for index in range(math.prod(view.sizes[n] for n in names)):
+        coords, rest = dict(view.coords), index
+        for n in reversed(names):
+            rest, coords[n] = divmod(rest, view.sizes[n])
+        flat = 0
+        for n in view.names:
+            flat = flat * view.sizes[n] + coords[n]
+        out.append(view.grid[flat])
+    return tuple(out)
+
+
+def group_over(view: MeshView, ranks: Sequence[int]) -> Group:
+    """The group of these global ranks of the mesh: the whole mesh's, or one made once (by its members alone)."""
+    key = tuple(sorted(ranks))
+    if key == tuple(view.whole.ranks):
+        return view.whole
+    pg = _WHOLE.get(key)
+    if pg is None:
+        pg = _WHOLE[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return group_of(pg)
+
+
+@dataclass(frozen=True)
+class MeshJoints:
+    """A call's mesh as its axes' frames see it (:class:`~colossalai_cmap.axis.frame.MeshAxes`): the group of
+    several axes taken together, on the call's device, with its name and timeout."""
+
+    view: MeshView
+    device: torch.device
+    call: str
+    timeout: Optional[float]
+
+    def joint(self, names: Tuple[str, ...]) -> Joint:
+        ranks = joint_ranks(self.view, names)
+        group = group_over(self.view, ranks)
+        index = ranks.index(group.global_rank)
+        return Joint(
+            link_for(group, self.device, self.call, self.timeout), index, tuple(group.ranks.index(r) for r in ranks)
+        )
 
 
 _AXIS_VIEWS: Dict[Tuple[int, str], Tuple[MeshView, MeshView]] = {}
