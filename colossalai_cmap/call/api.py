@@ -168,9 +168,9 @@ class Cmapped:
     def stats(self) -> Optional[CallStats]:
         """What the last call did on this rank (:class:`~colossalai_cmap.stats.CallStats`); None before the first."""
         last = self._site.last
-        return None if last is None else describe(last.log, last.group_size, last.local, last.fast_path, last.plan)
+        return None if last is None else describe(last.log, last.group_size, last.local, last.fast_path, last.shares)
 
     @property
     def cached_plans(self) -> int:
         """How many argument signatures' plans this cmap keeps for repeated calls (at most 64)."""
-        return len(self._site.plans)
+        return len(self._site.fast_paths)

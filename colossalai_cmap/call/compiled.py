@@ -5,7 +5,7 @@ The pipeline (:func:`run_compiled`), with the eager path's split and roles but n
 
 1. Refuse what needs the eager orchestration (:func:`unsupported`): ``src``, ``dst=r``, loop mode, random draws,
    ``check_inputs``, a cmap nested in another's func, and closure-captured tensors that need a gradient.
-2. Plan from static shapes: the eager plan's shares (:func:`~.plan.shares`), so each rank maps the same rows.
+2. Share from static shapes: the eager call's shares (:func:`~.shares.share_sizes`), so each rank maps the same rows.
 3. Enter: mapped inputs cut with ``narrow``; tensors that need a gradient go through a traced ``Split``
    (:mod:`~colossalai_cmap.wire.traced`): rows all-gathered in backward, other tensors' gradients summed.
 4. Run func under ``torch.vmap`` (or batched) with the axis frame open, so the named-axis ops inside it lower to
@@ -35,7 +35,7 @@ from .conclude import conclude_traced
 from .entry import enter_kwargs_traced, enter_traced, first_example
 from .execute import Shard, run_shard_traced
 from .options import Options
-from .plan import shares
+from .shares import share_sizes
 from .site import CallSite
 from .specs import flatten_args
 
@@ -52,7 +52,7 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
     pg = process_group(opts)
     rank, size = (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))
     flat = flatten_args(site.func, args, opts.in_dims, opts.call)
-    sizes = shares(flat.batch_size, size, opts.gathers)
+    sizes = share_sizes(flat.batch_size, size, opts.gathers)
     offset, rows = rows_at(sizes, rank)
     grads = size > 1 and torch.is_grad_enabled()
     leaves = enter_traced(flat.leaves, flat.dims, sizes, pg if grads else None, rank)

@@ -19,7 +19,7 @@ from ..wire.roles import COPY, KEEP, Role, Rows
 from ..wire.traced import rows_at, traced_split
 from . import module_params
 from .options import Options
-from .records import CallPlan, Planned
+from .records import Inputs, Shares
 from .specs import flatten, unflatten
 
 
@@ -33,14 +33,14 @@ class Entered(NamedTuple):
 
 
 def enter(
-    opts: Options, refs: module_params.References, plan: CallPlan, inputs: Planned, link: Link, owner: object
+    opts: Options, refs: module_params.References, shares: Shares, inputs: Inputs, link: Link, owner: object
 ) -> Entered:
     leaves, kwargs, modules, aliases = list(inputs.leaves), inputs.kwargs, [], {}
     if opts.differentiable and tracking():
         kw_leaves, kw_spec = tree_flatten(kwargs) if kwargs else ([], None)
         modules = module_params.modules_of(refs) if refs else []
         params = module_params.trainable(modules) if modules else []
-        picked = [(leaves, i, _role(opts, plan, i)) for i, v in enumerate(leaves) if requires_grad(v)]
+        picked = [(leaves, i, _role(opts, shares, i)) for i, v in enumerate(leaves) if requires_grad(v)]
         picked += [(kw_leaves, j, COPY) for j, v in enumerate(kw_leaves) if requires_grad(v)]
         if picked or params:
             spec = SplitSpec(link, tuple(role for _, _, role in picked) + (COPY,) * len(params), owner)
@@ -51,17 +51,17 @@ def enter(
             if kw_spec is not None:
                 kwargs = tree_unflatten(kw_leaves, kw_spec)
     if opts.src is None:
-        for i in plan.mapped:
+        for i in shares.mapped:
             if leaves[i] is inputs.leaves[i]:  # not cut by the entry
-                leaves[i] = leaves[i].narrow(plan.dims[i], plan.offset, plan.rows)
+                leaves[i] = leaves[i].narrow(shares.dims[i], shares.offset, shares.rows)
     return Entered(leaves, kwargs, modules if aliases else [], aliases)
 
 
-def _role(opts: Options, plan: CallPlan, i: int) -> Role:
-    d = plan.dims[i]
+def _role(opts: Options, shares: Shares, i: int) -> Role:
+    d = shares.dims[i]
     if d is None:
         return COPY
-    return Rows(d, plan.sizes) if opts.src is None else KEEP
+    return Rows(d, shares.sizes) if opts.src is None else KEEP
 
 
 def first_example(leaf: torch.Tensor, dim: int) -> torch.Tensor:

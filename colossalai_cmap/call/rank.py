@@ -31,27 +31,27 @@ from .entry import enter, first_example
 from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
-from .records import CallPlan, Failed, Outputs, Planned
+from .records import Failed, Inputs, Outputs, Shares
 from .site import CallSite
 from .specs import flatten, flatten_out_dims, normalise_out_dim
 
 
-def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
-    """This rank's part of the call planned in ``inputs``, for the cmap ``site``; never raises."""
-    opts, plan = site.options, inputs.plan
+def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
+    """This rank's part of the call shared out in ``inputs``, for the cmap ``site``; never raises."""
+    opts, shares = site.options, inputs.shares
     group, owner = link.group, CallTag()
     try:
         if faults.ACTIVE:
             faults.check("args", group)
         start = torch._C._autograd._get_sequence_nr()
-        entered = enter(opts, site.refs, plan, inputs, link, owner)
+        entered = enter(opts, site.refs, shares, inputs, link, owner)
         leaves = entered.leaves
-        empty, extra = plan.rows == 0 and plan.batch != 0, _extra_rows(opts, plan)
+        empty, extra = shares.rows == 0 and shares.batch != 0, _extra_rows(opts, shares)
         if extra:
-            leaves = _stand_in(opts, plan, inputs, leaves, extra)
-        versions = _versions(opts, plan, inputs.leaves)
-        frame, seed, seeds = _frame_and_seed(opts, plan, link, empty)
-        shard = Shard(leaves, plan.dims, plan.spec, plan.rows + extra)
+            leaves = _stand_in(opts, shares, inputs, leaves, extra)
+        versions = _versions(opts, shares, inputs.leaves)
+        frame, seed, seeds = _frame_and_seed(opts, shares, link, empty)
+        shard = Shard(leaves, shares.dims, shares.spec, shares.rows + extra)
         if faults.ACTIVE:
             faults.check("func", group)
         intercept = _interceptor(site, owner, start, link)
@@ -68,10 +68,10 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         layout = layout_of(opts, flat, spec, hint)
         if opts.mode == "batched":
             _check_rows(opts, flat, layout, shard.rows)
-        found = views.find_views(flat, layout, leaves, plan, inputs.leaves) if views.applies(opts) else ()
+        found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if views.applies(opts) else ()
         if extra:
             flat = [
-                v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v
+                v.narrow(leaf.out_dim, 0, shares.rows) if leaf.kind == BATCHED else v
                 for v, leaf in zip(flat, layout.leaves)
             ]
         graph_sig = _record(opts, flat, layout, owner, start, link)
@@ -79,7 +79,7 @@ def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayo
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))
-        mutated = _mutated(versions, inputs.leaves, plan)
+        mutated = _mutated(versions, inputs.leaves, shares)
         return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
     except Exception as exc:  # every rank learns of it in the status round
         owner.running = False
@@ -126,29 +126,29 @@ def _call_func(
             return run_shard(opts, site.body, shard, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
 
 
-def _extra_rows(opts: Options, plan: CallPlan) -> int:
+def _extra_rows(opts: Options, shares: Shares) -> int:
     """Stand-in examples to run besides this rank's own: one on an empty shard; and where func runs once per example
     or per chunk, enough to reach the largest share, so that every rank builds the same autograd graph."""
-    if plan.batch == 0:
+    if shares.batch == 0:
         return 0
     per_row = opts.mode == "loop" or opts.chunk_size is not None
-    if per_row and opts.axis_name is None and opts.differentiable and plan.sizes and tracking():
-        return max(plan.sizes) - plan.rows
-    return 1 if plan.rows == 0 else 0
+    if per_row and opts.axis_name is None and opts.differentiable and shares.sizes and tracking():
+        return max(shares.sizes) - shares.rows
+    return 1 if shares.rows == 0 else 0
 
 
-def _stand_in(opts: Options, plan: CallPlan, inputs: Planned, leaves: List[Any], extra: int) -> List[Any]:
+def _stand_in(opts: Options, shares: Shares, inputs: Inputs, leaves: List[Any], extra: int) -> List[Any]:
     """``extra`` stand-in examples after this rank's rows: copies of the global first example when this rank has it,
     else zeros. Their outputs are cut off; they are joined to the real rows, so that backward reaches the entry."""
     out = list(leaves)
-    for i in plan.mapped:
-        d, mine = plan.dims[i], leaves[i]
+    for i in shares.mapped:
+        d, mine = shares.dims[i], leaves[i]
         if inputs.stand_in is not None:
             row = inputs.stand_in[i]
-        elif extra == 1 and plan.rows == 0 and views.applies(opts) and _unwatched(inputs.leaves[i], mine):
+        elif extra == 1 and shares.rows == 0 and views.applies(opts) and _unwatched(inputs.leaves[i], mine):
             out[i] = inputs.leaves[i].narrow(d, 0, 1)  # a view, as rank 0's rows are: its outputs' views match
             continue
-        elif opts.src is None and plan.batch > 0:
+        elif opts.src is None and shares.batch > 0:
             row = first_example(inputs.leaves[i], d)
         else:
             shape = list(mine.shape)
@@ -165,7 +165,7 @@ def _unwatched(x: Any, mine: Any) -> bool:
 
 
 def _frame_and_seed(
-    opts: Options, plan: CallPlan, link: Link, empty: bool
+    opts: Options, shares: Shares, link: Link, empty: bool
 ) -> Tuple[Optional[AxisFrame], Optional[int], Optional[ExampleSeeds]]:
     """The axis frame, the seed of the call's forked generator, and ``"per_example"``'s seeds; one ``OP`` round
     when the ranks' shares are not known yet (``src="local"``) and the axis or the examples' global indices need them.
@@ -175,13 +175,13 @@ def _frame_and_seed(
     Each rank draws from its own generator: the ranks' generators are in step when seeded alike (colossalai's launch).
     """
     per_example = opts.randomness == "per_example"
-    need_sizes = (opts.axis_name is not None or per_example) and plan.sizes is None
+    need_sizes = (opts.axis_name is not None or per_example) and shares.sizes is None
     seed, seeds = None, None
-    sizes = plan.sizes
+    sizes = shares.sizes
     if opts.randomness == "different":
         seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())
     if need_sizes:
-        sizes = agree_rows(link, plan.rows)
+        sizes = agree_rows(link, shares.rows)
     if opts.randomness == "different":
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)
     offset = sum(sizes[: link.group.rank]) if sizes is not None else 0
@@ -231,17 +231,17 @@ def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, s
     return closures.watch(flat, owner, start, link)
 
 
-def _versions(opts: Options, plan: CallPlan, leaves: Sequence[Any]) -> Optional[List[int]]:
+def _versions(opts: Options, shares: Shares, leaves: Sequence[Any]) -> Optional[List[int]]:
     if opts.src is not None:
         return None
-    return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in plan.mapped]
+    return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in shares.mapped]
 
 
-def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], plan: CallPlan) -> int:
+def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], shares: Shares) -> int:
     if versions is None:
         return 0
     mask = 0
-    for k, (i, before) in enumerate(zip(plan.mapped, versions)):
+    for k, (i, before) in enumerate(zip(shares.mapped, versions)):
         if before >= 0 and leaves[i]._version != before:
             mask |= 1 << k
     return mask
