@@ -9,14 +9,14 @@ each catching what the one before leaves:
    the call through a ``Split`` at its first use. The local graph then saves the routed value, so double backward
    through the cmap sees the sum too. It runs only where it can matter: when func's closures, globals or partial
    arguments hold such a tensor, or when an earlier call of this cmap found one by the walk below.
-3. :func:`watch` walks the outputs' local graph after the shard has run, at every autograd level (an outer
+3. :func:`watch` walks the outputs' local graph after the share has run, at every autograd level (an outer
    ``torch.func.grad`` has its own), and finds each edge from a node made during this call into a node made before
    it: a tensor that reached the graph another way (say, as the argument of a ``torch.func.grad`` inside func).
    A hook on the node sums that edge's gradient over the group with a differentiable ``Join`` (one collective per
    node). This is exact to first order; a higher-order gradient through such an edge misses the other ranks' terms
    of the nodes that backward itself creates, which is why (2) comes first.
 
-Every rank builds the same graph (an empty shard runs a stand-in example), so entries and hooks run in the same
+Every rank builds the same graph (an empty share runs a stand-in example), so entries and hooks run in the same
 order on every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
 """
 

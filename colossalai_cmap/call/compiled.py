@@ -33,7 +33,7 @@ from ..wire.link import Link
 from ..wire.traced import rows_at
 from .conclude import conclude_traced
 from .entry import enter_kwargs_traced, enter_traced, first_example
-from .execute import Shard, run_shard_traced
+from .execute import Share, run_share_traced
 from .options import Options
 from .shares import share_sizes
 from .site import CallSite
@@ -63,17 +63,17 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
             v if d is None else torch.cat([v, first_example(a, d)], d)
             for v, a, d in zip(leaves, flat.leaves, flat.dims)
         ]
-    shard = Shard(leaves, tuple(flat.dims), flat.spec, max(rows, 1) if stand_in else rows)
+    share = Share(leaves, tuple(flat.dims), flat.spec, max(rows, 1) if stand_in else rows)
     frame = None
     if opts.axis_name is not None:
-        link = None if pg is None else Link(Group(pg, rank, size, ()), shard.device(), opts.call, opts.timeout)
+        link = None if pg is None else Link(Group(pg, rank, size, ()), share.device(), opts.call, opts.timeout)
         frame = AxisFrame(link, flat.batch_size, offset, sizes, opts.mode, stand_in)
         frames.push(opts.axis_name, frame)
     # A cmap nested in func runs eagerly (a graph break) and, seeing this, as plain torch.vmap here. Every rank is
     # marked: this rank's group members are not known inside the graph, and a plain vmap gives the same values.
     start_splitting(tuple(range(dist.get_world_size())) if size > 1 else ())
     try:
-        out = run_shard_traced(opts, site.body, shard, kwargs, frame)
+        out = run_share_traced(opts, site.body, share, kwargs, frame)
     finally:
         stop_splitting()
         if frame is not None:

@@ -27,7 +27,7 @@ from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from .conclude import conclude
-from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
+from .execute import Share, per_example_seeds, rng_scope, run_share, with_remedy
 from .options import check_placement
 from .rank import run_rank
 from .records import Failed, FastPath, Inputs, LastCall, Outputs
@@ -161,7 +161,7 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
         if opts.mode == "vmap" and plain and not opts.places_outputs:
             out = site.vmapped()(*args, **kwargs)
         else:
-            out = _local_shard(site, args, kwargs)
+            out = _local_share(site, args, kwargs)
         if opts.refuses_grad and torch.is_grad_enabled():  # as on a group of any size
             return _refuse_grad(site, out, flatten(out)[0], tree_flatten(args)[0], kwargs)
         return out
@@ -171,17 +171,17 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
         _raise_alone(site, group, args, exc)
 
 
-def _local_shard(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def _local_share(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     opts = site.options
     flat = flatten_args(site.func, args, opts.in_dims, opts.call)
-    shard = Shard(flat.leaves, tuple(flat.dims), flat.spec, flat.batch_size)
+    share = Share(flat.leaves, tuple(flat.dims), flat.spec, flat.batch_size)
     frame: Optional[AxisFrame] = None
     seeds = per_example_seeds(0) if opts.randomness == "per_example" else None
     if opts.axis_name is not None:
         B = flat.batch_size
         frame = AxisFrame(None, B, 0, (B,), "loop" if seeds is not None else opts.mode)
-    with axis_scope(opts.axis_name, frame), rng_scope(None if seeds is None else seeds.base, [shard.device()]):
-        return run_shard(opts, site.body, shard, kwargs, frame, seeds=seeds)
+    with axis_scope(opts.axis_name, frame), rng_scope(None if seeds is None else seeds.base, [share.device()]):
+        return run_share(opts, site.body, share, kwargs, frame, seeds=seeds)
 
 
 def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Exception) -> None:

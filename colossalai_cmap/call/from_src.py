@@ -1,7 +1,7 @@
-"""Sharing with ``src=r``: only group rank ``r`` holds the mapped inputs; it sends every other rank its shard.
+"""Sharing with ``src=r``: only group rank ``r`` holds the mapped inputs; it sends every other rank its share.
 
 One small metadata broadcast (the arguments' structure, the mapped leaves' shapes and dtypes, or the error found
-while checking them on ``r``), then one ``scatter`` of all mapped leaves packed together. A rank with an empty shard
+while checking them on ``r``), then one ``scatter`` of all mapped leaves packed together. A rank with an empty share
 receives the first example in its block instead, to run as its stand-in. It returns the same :class:`~.records.Inputs`
 record as sharing with the other placements, and the call goes on along the one path.
 """
@@ -40,7 +40,7 @@ class SourceMeta(NamedTuple):
 def shares_from_src(
     opts: Options, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], link: Link
 ) -> Union[Inputs, Failed]:
-    """The shares, and this rank's shard scattered from ``src``: one metadata broadcast, then one scatter."""
+    """The shares, and this rank's share scattered from ``src``: one metadata broadcast, then one scatter."""
     group, src = link.group, opts.src
     is_src = group.rank == src
     meta, local, failure = SourceMeta(), None, None
@@ -62,7 +62,7 @@ def shares_from_src(
         leaves = list(local.leaves) if is_src else _merge(opts, func, meta, args)
     except Exception as exc:
         failure, leaves = Failed(group.failure(exc), exc), None
-    shard, stand_in = _send_shards(meta, shares, local.leaves if is_src else None, src, link)
+    share, stand_in = _send_shares(meta, shares, local.leaves if is_src else None, src, link)
     if failure is None:
         try:
             faults.check("scatter", group)
@@ -70,7 +70,7 @@ def shares_from_src(
             failure = Failed(group.failure(exc), exc)
     if failure is not None:
         return failure
-    return Inputs(shares, [shard.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in, meta.needs_grad)
+    return Inputs(shares, [share.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in, meta.needs_grad)
 
 
 def _meta_of(flat: Any) -> SourceMeta:
@@ -120,7 +120,7 @@ def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...
     return leaves
 
 
-def _send_shards(
+def _send_shares(
     meta: SourceMeta, shares: Shares, full: Optional[List[Any]], src: int, link: Link
 ) -> Tuple[Dict[int, torch.Tensor], Optional[List[Any]]]:
     """One scatter of every mapped leaf (:func:`~colossalai_cmap.wire.rounds.scatter_rows`); an empty share gets

@@ -5,7 +5,7 @@ the status round, so every rank raises together. The steps:
 
 1. The entry. With ``dst=-1``, tensors that require grad enter through one ``Split`` tagged with the call (its
    backward sums their gradients over the group); the others are cut with ``narrow``. Both are views.
-2. An empty shard (B < P) runs one stand-in example instead, so that it knows the outputs' layout, takes part in
+2. An empty share (B < P) runs one stand-in example instead, so that it knows the outputs' layout, takes part in
    collectives inside func (contributing nothing), and builds the same autograd graph as its peers.
 3. func runs under ``torch.vmap`` (or batched, or in a loop), with this call's axis frame and randomness.
 4. The outputs are read against ``out_dims``; closure-captured tensors are found in their graph (:mod:`closures`);
@@ -28,7 +28,7 @@ from ..wire.link import Link
 from ..wire.rounds import agree_rows
 from . import closures, module_params, views
 from .entry import enter, first_example
-from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
+from .execute import ExampleSeeds, Share, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .records import Failed, Inputs, Outputs, Shares
@@ -51,23 +51,23 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
             leaves = _stand_in(opts, shares, inputs, leaves, extra)
         versions = _versions(opts, shares, inputs.leaves)
         frame, seed, seeds = _frame_and_seed(opts, shares, link, empty)
-        shard = Shard(leaves, shares.dims, shares.spec, shares.rows + extra)
+        share = Share(leaves, shares.dims, shares.spec, shares.rows + extra)
         if faults.ACTIVE:
             faults.check("func", group)
         intercept = _interceptor(site, owner, start, link)
         modes = _thread_modes(opts, owner, intercept)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
+                out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
         else:
-            out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
+            out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
         owner.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
         flat, spec = flatten(out)
         layout = layout_of(opts, flat, spec, hint)
         if opts.mode == "batched":
-            _check_rows(opts, flat, layout, shard.rows)
+            _check_rows(opts, flat, layout, share.rows)
         found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if views.applies(opts) else ()
         if extra:
             flat = [
@@ -109,7 +109,7 @@ def _interceptor(site: CallSite, owner: CallTag, start: int, link: Link) -> Opti
 
 def _call_func(
     site: CallSite,
-    shard: Shard,
+    share: Share,
     kwargs: Dict[str, Any],
     frame: Any,
     seed: Optional[int],
@@ -121,13 +121,13 @@ def _call_func(
     opts = site.options
     with splitting(link.group.ranks):  # a cmap nested in func on these ranks runs locally
         if frame is None and seed is None:
-            return run_shard(opts, site.body, shard, kwargs, None, vmapped=site.vmapped())
+            return run_share(opts, site.body, share, kwargs, None, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-            return run_shard(opts, site.body, shard, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
+            return run_share(opts, site.body, share, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
 
 
 def _extra_rows(opts: Options, shares: Shares) -> int:
-    """Stand-in examples to run besides this rank's own: one on an empty shard; and where func runs once per example
+    """Stand-in examples to run besides this rank's own: one on an empty share; and where func runs once per example
     or per chunk, enough to reach the largest share, so that every rank builds the same autograd graph."""
     if shares.batch == 0:
         return 0

@@ -27,7 +27,7 @@ class Shares(NamedTuple):
 
 class Inputs(NamedTuple):
     """The shares and what this rank was given for them: the flat positional leaves (whole; with ``src=r``, this rank's
-    shard under the source's structure), the kwargs, and with ``src=r`` the example an empty shard runs instead and
+    share under the source's structure), the kwargs, and with ``src=r`` the example an empty share runs instead and
     whether an input required grad on the source (the receiving rank's output then refuses backward too)."""
 
     shares: Shares
@@ -47,7 +47,7 @@ class FastPath(NamedTuple):
 
 
 class Outputs(NamedTuple):
-    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty shard."""
+    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty share."""
 
     flat: List[Any]
     spec: TreeSpec

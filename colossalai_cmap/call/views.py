@@ -7,7 +7,7 @@ With ``src=None`` every rank holds the whole input, so cmap returns the same vie
 
 1. After func, each rank looks for outputs that share a mapped input's storage (:func:`find_views`) and reads their
    geometry over the whole batch: sizes, strides and storage offset, this rank's rows shifted back to row 0. An empty
-   shard's stand-in example is the input's first row (a view too), so every rank finds the same geometry.
+   share's stand-in example is the input's first row (a view too), so every rank finds the same geometry.
 2. The geometry's digest rides in the call's status round, folded into the layout digest (:func:`signature`): ranks
    that disagree raise together, as for any layout difference. View outputs skip the data phase.
 3. After the round, each view output is the caller's tensor seen through that geometry (:func:`place`).
@@ -56,7 +56,7 @@ def find_views(
     flat: Sequence[Any], layout: OutLayout, given: Sequence[Any], shares: Shares, inputs: Sequence[Any]
 ) -> Tuple[View, ...]:
     """The batched output leaves that view an input. ``given`` are the leaves func was given (this rank's rows, or
-    on an empty shard the first row), ``inputs`` the caller's."""
+    on an empty share the first row), ``inputs`` the caller's."""
     found = []
     sources = [j for j, x in enumerate(inputs) if plain(x) and not x.requires_grad]
     if not sources:
@@ -86,7 +86,7 @@ def _geometry(
     step, rest = divmod(x.stride(d) * x.element_size(), unit) if d is not None else (0, 0)
     if rest or (v.shape[out_dim] > 1 and v.stride(out_dim) != step):
         return None  # not the input's batch dim (func mixed the examples): gathered instead
-    start = shares.offset if shares.rows and d is not None else 0  # an empty shard's stand-in is the first row
+    start = shares.offset if shares.rows and d is not None else 0  # an empty share's stand-in is the first row
     offset = v.storage_offset() - start * step
     if offset < 0:
         return None

@@ -10,7 +10,7 @@ role       Split (global -> per rank)           Join (per rank -> global)
 =========  =====================================  ==========================================
 Rows       this rank's rows (``narrow``)          every rank's rows, in order (all-gather)
 COPY       the value itself                       the sum over ranks
-KEEP       the value itself                       the value itself (no sum: a per-shard value)
+KEEP       the value itself                       the value itself (no sum: a per-share value)
 FIRST      the value on rank 0, zeros elsewhere   rank 0's value
 SAME       (as FIRST)                             this rank's value, equal on every rank
 SHARE      the value over P (each rank's share)   (as ONCE)
