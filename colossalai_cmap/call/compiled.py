@@ -32,12 +32,12 @@ from ..wire.group import Group
 from ..wire.link import Link
 from ..wire.traced import rows_at
 from .conclude import conclude_traced
+from .dims import flatten_args
 from .entry import enter_kwargs_traced, enter_traced, first_example
 from .execute import Share, run_share_traced
 from .options import Options
 from .shares import share_sizes
 from .site import CallSite
-from .specs import flatten_args
 
 Driver = Callable[[CallSite, Tuple[Any, ...], Dict[str, Any]], Any]
 

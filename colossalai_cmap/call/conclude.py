@@ -20,11 +20,11 @@ from ..wire.roles import KEEP, ONCE, SAME, Rows
 from ..wire.rounds import Disagreement, Kind, Status, gather_objects
 from ..wire.traced import traced_join
 from .checks import agreed_fields, explain
+from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .entry import needs_grad_traced
 from .layout import BATCHED, replicated_checksums
 from .options import Options
 from .records import Failed, Inputs, Outputs, Shares
-from .specs import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .views import place, signature
 
 

@@ -27,13 +27,13 @@ from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from .conclude import conclude
+from .dims import flatten, flatten_args, unflatten
 from .execute import Share, per_example_seeds, rng_scope, run_share, with_remedy
 from .options import check_placement
 from .rank import run_rank
 from .records import Failed, FastPath, Inputs, LastCall, Outputs
 from .shares import key_of, make_shares
 from .site import CallSite
-from .specs import flatten, flatten_args, unflatten
 
 
 def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -18,9 +18,9 @@ from ..wire.link import Link
 from ..wire.roles import COPY, KEEP, Role, Rows
 from ..wire.traced import rows_at, traced_split
 from . import module_params
+from .dims import flatten, unflatten
 from .options import Options
 from .records import Inputs, Shares
-from .specs import flatten, unflatten
 
 
 class Entered(NamedTuple):

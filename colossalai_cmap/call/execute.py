@@ -10,9 +10,9 @@ from torch._functorch import vmap as functorch_vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
+from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .loop import LoopBarrier
 from .options import Options
-from .specs import flatten, flatten_out_dims, normalise_out_dim, unflatten
 
 # torch.vmap's own sentence, for a random draw under randomness="error" (loop mode checks the generator's state)
 RANDOM_IN_ERROR_MODE = (

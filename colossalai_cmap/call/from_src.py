@@ -17,10 +17,10 @@ from ..errors import RankFailure
 from ..wire import comm
 from ..wire.link import Link
 from ..wire.rounds import scatter_rows
+from .dims import describe_arg, flatten_args, leaf_paths
 from .options import Options
 from .records import Failed, Inputs, Shares
 from .shares import share_sizes
-from .specs import describe_arg, flatten_args, leaf_paths
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
 

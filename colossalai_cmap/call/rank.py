@@ -27,13 +27,13 @@ from ..wire.guard import guard
 from ..wire.link import Link
 from ..wire.rounds import agree_rows
 from . import closures, module_params, views
+from .dims import flatten, flatten_out_dims, normalise_out_dim
 from .entry import enter, first_example
 from .execute import ExampleSeeds, Share, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .records import Failed, Inputs, Outputs, Shares
 from .site import CallSite
-from .specs import flatten, flatten_out_dims, normalise_out_dim
 
 
 def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:

@@ -15,9 +15,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from ..digests import digest
 from ..wire.group import Group
 from ..wire.roles import tensor_split_sizes
+from .dims import flatten_args
 from .options import Options
 from .records import Shares
-from .specs import flatten_args
 
 
 @lru_cache(maxsize=1024)
