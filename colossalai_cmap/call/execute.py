@@ -393,7 +393,7 @@ def _loop_threads(
 
     def work(i: int) -> None:
         try:
-            barrier.enter(i, indices[i])
+            barrier.start_example(i, indices[i])
             with torch.set_grad_enabled(grad), contextlib.ExitStack() as modes:
                 if threading.current_thread() is not threading.main_thread():
                     for mode in thread_modes:
@@ -403,7 +403,7 @@ def _loop_threads(
             errors.append(exc)
             barrier.abort(exc)
         finally:
-            barrier.leave()
+            barrier.end_example()
 
     if share.rows == 1:
         work(0)
