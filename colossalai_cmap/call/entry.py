@@ -33,7 +33,7 @@ class Entered(NamedTuple):
 
 
 def enter(
-    opts: Options, refs: module_params.References, shares: Shares, inputs: Inputs, link: Link, owner: object
+    opts: Options, refs: module_params.References, shares: Shares, inputs: Inputs, link: Link, tag: object
 ) -> Entered:
     leaves, kwargs, modules, aliases = list(inputs.leaves), inputs.kwargs, [], {}
     if opts.differentiable and tracking():
@@ -43,7 +43,7 @@ def enter(
         picked = [(leaves, i, _role(opts, shares, i)) for i, v in enumerate(leaves) if requires_grad(v)]
         picked += [(kw_leaves, j, COPY) for j, v in enumerate(kw_leaves) if requires_grad(v)]
         if picked or params:
-            spec = SplitSpec(link, tuple(role for _, _, role in picked) + (COPY,) * len(params), owner)
+            spec = SplitSpec(link, tuple(role for _, _, role in picked) + (COPY,) * len(params), tag)
             entered = split(spec, [where[i] for where, i, _ in picked] + params)
             for (where, i, _), t in zip(picked, entered):
                 where[i] = t

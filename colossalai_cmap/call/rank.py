@@ -39,12 +39,12 @@ from .site import CallSite
 def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
     """This rank's part of the call shared out in ``inputs``, for the cmap ``site``; never raises."""
     opts, shares = site.options, inputs.shares
-    group, owner = link.group, CallTag()
+    group, tag = link.group, CallTag()
     try:
         if faults.ACTIVE:
             faults.check("args", group)
         start = torch._C._autograd._get_sequence_nr()
-        entered = enter(opts, site.refs, shares, inputs, link, owner)
+        entered = enter(opts, site.refs, shares, inputs, link, tag)
         leaves = entered.leaves
         empty, extra = shares.rows == 0 and shares.batch != 0, _extra_rows(opts, shares)
         if extra:
@@ -54,14 +54,14 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         share = Share(leaves, shares.dims, shares.spec, shares.rows + extra)
         if faults.ACTIVE:
             faults.check("func", group)
-        intercept = _interceptor(site, owner, start, link)
-        modes = _thread_modes(opts, owner, intercept)
+        intercept = _interceptor(site, tag, start, link)
+        modes = _thread_modes(opts, tag, intercept)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
                 out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
         else:
             out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
-        owner.running = False
+        tag.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
         flat, spec = flatten(out)
@@ -74,37 +74,37 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
                 v.narrow(leaf.out_dim, 0, shares.rows) if leaf.kind == BATCHED else v
                 for v, leaf in zip(flat, layout.leaves)
             ]
-        graph_sig = _record(opts, flat, layout, owner, start, link)
-        flat = flat if graph_sig else guard(flat, owner, link)  # this rank's backward through func, guarded
+        graph_sig = _record(opts, flat, layout, tag, start, link)
+        flat = flat if graph_sig else guard(flat, tag, link)  # this rank's backward through func, guarded
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))
         mutated = _mutated(versions, inputs.leaves, shares)
         return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
     except Exception as exc:  # every rank learns of it in the status round
-        owner.running = False
+        tag.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
             raise
         exc = with_remedy(opts, exc)
         return Failed(group.failure(exc), exc)
 
 
-def _thread_modes(opts: Options, owner: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
+def _thread_modes(opts: Options, tag: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
     """What loop mode's example threads (a loop with collectives) run under, since modes are per thread: the
     interceptor, and the marker of the autograd nodes they make."""
     if opts.mode != "loop" or opts.axis_name is None or not tracking():
         return ()
-    return (closures.MadeHere(owner),) + ((intercept,) if intercept is not None else ())
+    return (closures.MadeHere(tag),) + ((intercept,) if intercept is not None else ())
 
 
-def _interceptor(site: CallSite, owner: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
+def _interceptor(site: CallSite, tag: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
     """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
     no closure-captured tensor at all, and func's closures hold none now."""
     if not (site.options.differentiable and tracking()):
         return None
     if site.captures is False and not closures.may_capture(site.refs):
         return None
-    return closures.Interceptor(owner, start, link)
+    return closures.Interceptor(tag, start, link)
 
 
 def _call_func(
@@ -218,7 +218,7 @@ def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int
             )
 
 
-def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, start: int, link: Link) -> int:
+def _record(opts: Options, flat: List[Any], layout: OutLayout, tag: CallTag, start: int, link: Link) -> int:
     """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
     if not (opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
         return 0
@@ -228,7 +228,7 @@ def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, s
         # A replicated output that is itself a closure-captured tensor needs a node of this call to hook.
         if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or v.grad_fn._sequence_nr() < start):
             flat[i] = v.view_as(v)
-    return closures.watch(flat, owner, start, link)
+    return closures.watch(flat, tag, start, link)
 
 
 def _versions(opts: Options, shares: Shares, leaves: Sequence[Any]) -> Optional[List[int]]:

@@ -119,7 +119,7 @@ def _weak(t: Any) -> Any:
 class SplitSpec(NamedTuple):
     link: Link
     roles: Tuple[Role, ...]
-    owner: Optional[CallTag] = None  # a call's entry (None: any other Split)
+    tag: Optional[CallTag] = None  # a call's entry (None: any other Split)
 
 
 def local_transpose(spec: SplitSpec, role: Role, grad: torch.Tensor) -> torch.Tensor:
@@ -394,18 +394,18 @@ class Split(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         ctx.spec = inputs[0]
-        owner = inputs[0].owner
-        if owner is not None:
-            ctx._cmap_owner = owner
-            if owner.running:
-                owner.note_entry(inputs[0], inputs[1:], output)
+        tag = inputs[0].tag
+        if tag is not None:
+            ctx._cmap_tag = tag
+            if tag.running:
+                tag.note_entry(inputs[0], inputs[1:], output)
         ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
         _non_differentiable(ctx, inputs[1:], output)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         spec, picked = ctx.spec, _wanted(ctx, grads)
-        if spec.owner is not None and spec.owner.running:  # a gradient taken inside func: per example, here
+        if spec.tag is not None and spec.tag.running:  # a gradient taken inside func: per example, here
             return _spread(picked, [local_transpose(spec, spec.roles[i], grads[i]) for i in picked], len(grads))
         roles = tuple(split_transpose(spec.roles[i]) for i in picked)
         out = Join.apply(JoinSpec(spec.link, roles), *[grads[i] for i in picked]) if picked else ()
