@@ -30,7 +30,7 @@ from ..integration.groups import resolve_group
 from ..nesting import start_splitting, stop_splitting
 from ..wire.group import Group
 from ..wire.link import Link
-from ..wire.traced import rows_at
+from ..wire.roles import first_row
 from .conclude import conclude_traced
 from .dims import flatten_args
 from .entry import enter_kwargs_traced, enter_traced, first_example
@@ -53,7 +53,7 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
     rank, size = (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))
     flat = flatten_args(site.func, args, opts.in_dims, opts.call)
     sizes = share_sizes(flat.batch_size, size, opts.gathers)
-    offset, rows = rows_at(sizes, rank)
+    offset, rows = first_row(sizes, rank), sizes[rank]
     grads = size > 1 and torch.is_grad_enabled()
     leaves = enter_traced(flat.leaves, flat.dims, sizes, pg if grads else None, rank)
     kwargs = enter_kwargs_traced(kwargs, pg if grads else None, rank)

@@ -15,8 +15,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..nesting import tracking
 from ..wire.exchange import SplitSpec, requires_grad, split
 from ..wire.link import Link
-from ..wire.roles import COPY, KEEP, Role, Rows
-from ..wire.traced import rows_at, traced_split
+from ..wire.roles import COPY, KEEP, Role, Rows, first_row
+from ..wire.traced import traced_split
 from . import module_params
 from .dims import flatten, unflatten
 from .options import Options
@@ -88,7 +88,7 @@ def enter_traced(
         if d is not None and pg is not None and needs_grad_traced(v):
             out.append(traced_split(v, Rows(d, sizes), pg, rank))
         elif d is not None:
-            out.append(v.narrow(d, *rows_at(sizes, rank)))
+            out.append(v.narrow(d, first_row(sizes, rank), sizes[rank]))
         elif pg is not None and needs_grad_traced(v):
             out.append(traced_split(v, COPY, pg, rank))
         else:

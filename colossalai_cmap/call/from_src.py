@@ -16,6 +16,7 @@ from ..digests import digest
 from ..errors import RankFailure
 from ..wire import comm
 from ..wire.link import Link
+from ..wire.roles import first_row
 from ..wire.rounds import scatter_rows
 from .dims import describe_arg, flatten_args, leaf_paths
 from .options import Options
@@ -56,7 +57,7 @@ def shares_from_src(
         return failure or Failed(None, None)
     sizes = share_sizes(meta.batch, group.size, opts.gathers)
     mapped = tuple(i for i, d in enumerate(meta.dims) if d is not None)
-    rows, offset = sizes[group.rank], sum(sizes[: group.rank])
+    rows, offset = sizes[group.rank], first_row(sizes, group.rank)
     shares = Shares(meta.spec, meta.dims, meta.batch, sizes, rows, offset, digest(meta), mapped)
     try:
         leaves = list(local.leaves) if is_src else _merge(opts, func, meta, args)

@@ -25,6 +25,7 @@ from ..nesting import CONTROL_FLOW, splitting, tracking
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
 from ..wire.link import Link
+from ..wire.roles import first_row
 from ..wire.rounds import agree_rows
 from . import closures, module_params, views
 from .dims import flatten, flatten_out_dims, normalise_out_dim
@@ -184,7 +185,7 @@ def _frame_and_seed(
         sizes = agree_rows(link, shares.rows)
     if opts.randomness == "different":
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)
-    offset = sum(sizes[: link.group.rank]) if sizes is not None else 0
+    offset = first_row(sizes, link.group.rank) if sizes is not None else 0
     if per_example:
         seeds = per_example_seeds(offset)
         seed = seeds.base

@@ -14,7 +14,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..digests import digest
 from ..wire.group import Group
-from ..wire.roles import tensor_split_sizes
+from ..wire.roles import first_row, tensor_split_sizes
 from .dims import flatten_args
 from .options import Options
 from .records import Shares
@@ -38,7 +38,7 @@ def make_shares(opts: Options, func: Callable, group: Group, args: Tuple[Any, ..
         sizes, rows, offset, batch = None, flat.batch_size, 0, -1
     else:
         sizes = share_sizes(flat.batch_size, group.size, opts.gathers)
-        rows, offset, batch = sizes[group.rank], sum(sizes[: group.rank]), flat.batch_size
+        rows, offset, batch = sizes[group.rank], first_row(sizes, group.rank), flat.batch_size
     sig = _input_sig(opts, flat.spec, flat.leaves, flat.dims, kwargs, keep_batch=not local)
     mapped = tuple(i for i, d in enumerate(flat.dims) if d is not None)
     return Shares(flat.spec, tuple(flat.dims), batch, sizes, rows, offset, sig, mapped)

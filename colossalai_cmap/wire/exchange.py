@@ -25,7 +25,18 @@ from .. import faults
 from ..errors import RankFailure
 from . import rounds
 from .link import Link, pack_payload, unpack_payload
-from .roles import FIRST, IN_PLACE, SHARE, Role, Rows, is_rows, join_transpose, shifted, split_transpose
+from .roles import (
+    FIRST,
+    IN_PLACE,
+    SHARE,
+    Role,
+    Rows,
+    first_row,
+    is_rows,
+    join_transpose,
+    shifted,
+    split_transpose,
+)
 from .rounds import Header, Kind, Round, Status
 
 # ---- the records, and the plain sides
@@ -127,7 +138,7 @@ def local_transpose(spec: SplitSpec, role: Role, grad: torch.Tensor) -> torch.Te
     if not is_rows(role):
         return grad
     rank, sizes = spec.link.group.rank, role.sizes
-    before, after = sum(sizes[:rank]), sum(sizes[rank + 1 :])
+    before, after = first_row(sizes, rank), sum(sizes[rank + 1 :])
     parts = [
         grad.new_zeros(_with(grad.shape, role.dim, before)),
         grad,
@@ -148,7 +159,7 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
     out = []
     for role, t in zip(spec.roles, tensors):
         if is_rows(role):
-            out.append(t.narrow(role.dim, sum(role.sizes[:rank]), role.sizes[rank]))
+            out.append(t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank]))
         elif role == FIRST and rank != 0:
             out.append(torch.zeros_like(t))
         elif role == SHARE:

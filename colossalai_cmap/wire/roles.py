@@ -10,7 +10,7 @@ role       Split (global -> per rank)           Join (per rank -> global)
 =========  =====================================  ==========================================
 Rows       this rank's rows (``narrow``)          every rank's rows, in order (all-gather)
 COPY       the value itself                       the sum over ranks
-KEEP       the value itself                       the value itself (no sum: a per-share value)
+KEEP       the value itself                       the value itself (no sum: a per-rank value)
 FIRST      the value on rank 0, zeros elsewhere   rank 0's value
 SAME       (as FIRST)                             this rank's value, equal on every rank
 SHARE      the value over P (each rank's share)   (as ONCE)
@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 
 class Rows(NamedTuple):
-    """Rows along ``dim``; rank r holds ``sizes[r]`` of them, starting at ``sum(sizes[:r])``.
+    """Rows along ``dim``; rank r holds ``sizes[r]`` of them, starting at ``first_row(sizes, r)``.
 
     ``sizes`` is None at a call's exit with ``src="local"``: the round's table gives each rank's row count.
     """
@@ -46,6 +46,11 @@ class Rows(NamedTuple):
 def tensor_split_sizes(n: int, parts: int) -> Tuple[int, ...]:
     """The sizes ``torch.tensor_split`` gives ``n`` items in ``parts``: the first ``n % parts`` one larger."""
     return tuple(n // parts + (1 if r < n % parts else 0) for r in range(parts))
+
+
+def first_row(sizes: Sequence[int], rank: int) -> int:
+    """Where rank ``rank``'s rows start, when rank r holds ``sizes[r]`` of them in rank order."""
+    return sum(sizes[:rank])
 
 
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"

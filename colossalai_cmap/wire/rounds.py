@@ -37,7 +37,7 @@ from ..errors import CmapError, CollectiveAborted, RankFailure
 from . import comm
 from .group import Group
 from .link import Channel, Item, Link, Route, cached_route, numel, offsets, rows_first, typed
-from .roles import COPY, MAX, MIN, Role, Rows, is_rows
+from .roles import COPY, MAX, MIN, Role, Rows, first_row, is_rows
 
 # ---- the round: its header, and the rounds a call takes
 
@@ -545,6 +545,6 @@ def scatter_rows(
 
 def _rows_of(t: torch.Tensor, dim: int, sizes: Sequence[int], r: int) -> torch.Tensor:
     """Rank r's rows, batch dim first; the first example for an empty share (its stand-in)."""
-    n, start = sizes[r], sum(sizes[:r])
+    n, start = sizes[r], first_row(sizes, r)
     rows = t.narrow(dim, start, n) if n else t.narrow(dim, 0, min(1, t.shape[dim]))
     return rows.movedim(dim, 0)
