@@ -27,8 +27,8 @@ from . import rounds
 from .link import Link, pack_payload, unpack_payload
 from .roles import (
     FIRST,
+    FRACTION,
     IN_PLACE,
-    SHARE,
     Role,
     Rows,
     first_row,
@@ -162,7 +162,7 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
             out.append(t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank]))
         elif role == FIRST and rank != 0:
             out.append(torch.zeros_like(t))
-        elif role == SHARE:
+        elif role == FRACTION:
             out.append(t / spec.link.group.size)
         else:
             out.append(t)

@@ -13,8 +13,8 @@ COPY       the value itself                       the sum over ranks
 KEEP       the value itself                       the value itself (no sum: a per-rank value)
 FIRST      the value on rank 0, zeros elsewhere   rank 0's value
 SAME       (as FIRST)                             this rank's value, equal on every rank
-SHARE      the value over P (each rank's share)   (as ONCE)
-ONCE       (as SHARE)                             this rank's value, equal on every rank (the mean)
+FRACTION   the value over P, on every rank        (as ONCE)
+ONCE       (as FRACTION)                          this rank's value, equal on every rank (the mean)
 MAX, MIN   (none: not differentiable)             the elementwise extremum over ranks
 =========  =====================================  ==========================================
 
@@ -23,7 +23,7 @@ every rank): nothing moves forward, and backward still gives the gradient to one
 P times. ``ONCE`` is the same value left on each rank (an ``out_dims=None`` output with ``dst="local"``, a
 replicated ``shard_map`` output with ``local=True``): every rank backpropagates its own cotangent, and backward
 gives each rank its cotangent over P, so the ranks' parts add up to the mean cotangent, counted once. It is the
-mean over ranks of values that are equal; ``SHARE`` is its transpose, with no communication either way.
+mean over ranks of values that are equal; ``FRACTION`` is its transpose, with no communication either way.
 """
 
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
@@ -54,11 +54,11 @@ def first_row(sizes: Sequence[int], rank: int) -> int:
 
 
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
-SHARE, ONCE = "share", "once"
+FRACTION, ONCE = "fraction", "once"
 Role = Union[Rows, str]
 
-_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST, ONCE: SHARE}
-_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SHARE: ONCE}
+_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST, ONCE: FRACTION}
+_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, FRACTION: ONCE}
 IN_PLACE = (KEEP, SAME, ONCE)  # Join roles whose result is this rank's own value: nothing travels
 
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .roles import COPY, FIRST, IN_PLACE, SHARE, Role, first_row, is_rows, join_transpose, split_transpose
+from .roles import COPY, FIRST, FRACTION, IN_PLACE, Role, first_row, is_rows, join_transpose, split_transpose
 
 SPLIT, JOIN = "split", "join"
 
@@ -49,7 +49,7 @@ def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Ten
         return fc.all_reduce(t.contiguous(), "sum", pg)
     if role == FIRST:
         return t.clone() if rank == 0 else torch.zeros_like(t)
-    if role == SHARE:
+    if role == FRACTION:
         return t / torch.distributed.get_world_size(pg)
     if role == COPY or role in IN_PLACE:
         return t.clone()
