@@ -61,8 +61,9 @@ class Outputs(NamedTuple):
 
 
 class Failed(NamedTuple):
-    """This rank's part failed: the record every rank receives (None on a rank that only learned of a peer's
-    failure, as with ``src=r``), and the exception here."""
+    """This rank's outcome when its part failed (the alternative to :class:`Outputs`): its ``failure``, the
+    :class:`~colossalai_cmap.errors.RankFailure` report every rank receives (None on a rank that only learned of a
+    peer's failure, as with ``src=r``), and its ``cause``, the exception here."""
 
     failure: Optional[RankFailure]
     cause: Optional[BaseException]
