@@ -43,7 +43,7 @@ class CallStats:
         group_size: P, the number of ranks the call ran on (1 when it ran in this process alone).
         local: the call ran as plain ``torch.vmap`` here, with no communication: a group of one, no
             ``torch.distributed``, or a cmap nested in a cmap over the same group.
-        fast_path: the call reused the checked plan of an earlier call with the same argument shapes.
+        fast_path: the call reused the checked shares of an earlier call with the same argument shapes.
         batch: the global batch size B (-1 when only the table knew it, with ``src="local"``).
         sizes: rows per group rank, or None when the call ran locally.
         collectives: the collectives of the forward call (in-func ones included), by this rank.
@@ -79,9 +79,9 @@ def close_log(log: CollectiveLog) -> None:
     _LOGS.remove(log)
 
 
-def describe(log: CollectiveLog, group_size: int, local: bool, fast_path: bool, plan: Any) -> CallStats:
-    """A call's :class:`CallStats` (``plan`` is its :class:`~colossalai_cmap.call.records.CallPlan`, or None)."""
-    batch, sizes = (plan.batch, plan.sizes) if plan is not None else (-1, None)
+def describe(log: CollectiveLog, group_size: int, local: bool, fast_path: bool, shares: Any) -> CallStats:
+    """A call's :class:`CallStats` (``shares`` is its :class:`~colossalai_cmap.call.records.Shares`, or None)."""
+    batch, sizes = (shares.batch, shares.sizes) if shares is not None else (-1, None)
     ops = tuple(op for op, _ in log.entries)
     return CallStats(group_size, local, fast_path, batch, sizes, log.count, log.bytes, ops, log.host_reads)
 

@@ -265,7 +265,7 @@ def test_the_error_is_bounded_when_the_store_hangs():
 def test_without_a_store_the_error_says_so():
     """The error path never needs the store: without torch.distributed it says the records could not be read."""
     tr = presence.track("not a group", (0, 1))
-    doing = presence.enter(tr, "cmap(f)", "exit round")
+    doing = presence.note_issued(tr, "cmap(f)", "exit round")
     text = presence.absent(tr, doing, 0, "RuntimeError: Operation timed out!")
     assert text.startswith(" This rank was waiting in collective #1 on this group (cmap(f), exit round).")
     assert "The peers' presence records could not be read" in text, text

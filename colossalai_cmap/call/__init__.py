@@ -2,15 +2,17 @@
 
 Imports go down, five levels at most:
 
-1. leaves: ``options``, ``specs``, ``layout``, ``module_params``, ``loop`` and ``records`` (the records the steps
-   hand each other: ``CallPlan``, ``Planned``, ``FastPath``, ``Outputs``, ``Failed``, ``LastCall``);
-2. steps: ``plan``, ``entry``, ``execute``, ``closures``, ``views``, ``checks``, and ``site`` (what one cmap keeps);
-3. ``from_src`` (planning with ``src=r``), ``rank`` (this rank's part: entry, stand-in, run, outputs) and
+1. leaves: ``options``, ``dims`` (``in_dims``/``out_dims`` against pytrees), ``layout``, ``module_params``, ``loop``
+   and ``records`` (the records the steps hand each other: ``Shares``, ``Inputs``, ``FastPath``, ``Outputs``,
+   ``Failed``, ``LastCall``);
+2. steps: ``shares``, ``entry``, ``execute``, ``closures``, ``views``, ``checks``, and ``site`` (what one cmap keeps);
+3. ``from_src`` (the shares with ``src=r``), ``rank`` (this rank's part: entry, stand-in, run, outputs) and
    ``conclude`` (the exit: the status round, the gather, in-place write-back, views of the caller's inputs);
 4. the drivers: ``dispatch`` (eager across the group, and a world of one in ``_run_local``) and ``compiled``
    (inside ``torch.compile``: each step's traced form, beside its eager form in the step's module);
 5. ``api`` (``cmap``, ``Cmapped``), which picks the driver and hands ``compiled`` the eager one.
 
-May import: ``axis``, ``integration``, ``wire`` and the leaf modules. Nothing imports it but ``tp`` and the package's
-lazy public names.
+May import: ``axis``, ``integration``, ``wire`` and the leaf modules. Imported by the package's lazy public names
+(``cmap``), by ``tp`` (``tp/fx.py``: each traced linear layer is a cmap) and by ``shard`` (``shard/api.py``: the closure
+interceptor and walk of ``closures``).
 """

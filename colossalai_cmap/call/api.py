@@ -56,18 +56,18 @@ def cmap(
             or a tuple of ints: map over those mesh axes; the other axes run independent cmaps. A colossalai
             ``Booster`` or booster ``Plugin``: its data-parallel group.
         dst: where results go. -1: every rank gets the full result. A group rank r: only r gets it, the others
-            return None and never allocate the full output. "local": no gather; each rank gets its own shard's
+            return None and never allocate the full output. "local": no gather; each rank gets its own share's
             result (concatenated along ``out_dims``).
         src: where inputs are. None: every rank passes the same full inputs and slices its share (no
             communication). A group rank r: only r holds the mapped inputs, others may pass None for them, and r
-            scatters the shards. "local": each rank passes its own shard; the global batch is the shards
-            concatenated in group-rank order, and shard sizes may differ.
+            scatters the shares. "local": each rank passes its own share; the global batch is the shares
+            concatenated in group-rank order, and share sizes may differ.
         randomness: "error" (as in vmap), "different" (no two examples draw the same numbers, across ranks too;
             reproducible for a fixed seed and group size), "same" (what ``torch.vmap(randomness="same")`` draws in
             one process from the same generator state) or "per_example" (each example draws from a generator seeded
             from one draw of the caller's and the example's global index: the same numbers at every P).
         chunk_size: vmap's ``chunk_size``, per rank: bounds the peak memory of each rank's share.
-        mode: "vmap" (default) runs ``torch.vmap(func)`` on the shard; "batched" calls ``func`` once on the shard
+        mode: "vmap" (default) runs ``torch.vmap(func)`` on the share; "batched" calls ``func`` once on the share
             (it already takes a batch, like a model's forward); "loop" calls it once per example and stacks.
         axis_name: names the mapped axis for ``psum``, ``pmean``, ``pmax``, ``pmin``, ``all_gather``,
             ``axis_index`` and ``axis_size`` inside ``func``.
@@ -118,7 +118,7 @@ def cmap(
     opts = make_options(func, **{**options, "timeout": timeout if timeout is not None else default_timeout()})
     if isinstance(group, tuple) and dist.is_available() and dist.is_initialized():
         # Creating a mesh's groups is a collective over the whole world: do it now, when every rank creates this
-        # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer shard).
+        # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer share).
         resolve_group(opts.call, group)
     return Cmapped(func, opts)
 
@@ -168,9 +168,9 @@ class Cmapped:
     def stats(self) -> Optional[CallStats]:
         """What the last call did on this rank (:class:`~colossalai_cmap.stats.CallStats`); None before the first."""
         last = self._site.last
-        return None if last is None else describe(last.log, last.group_size, last.local, last.fast_path, last.plan)
+        return None if last is None else describe(last.log, last.group_size, last.local, last.fast_path, last.shares)
 
     @property
     def cached_plans(self) -> int:
         """How many argument signatures' plans this cmap keeps for repeated calls (at most 64)."""
-        return len(self._site.plans)
+        return len(self._site.fast_paths)

@@ -13,7 +13,7 @@ from .options import Options
 
 def agreed_fields(opts: Options) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """The header fields every rank's exit must agree on, in the order they are checked, and those compared across
-    the ranks that ran real examples only (an empty shard has no out_dims=None values of its own)."""
+    the ranks that ran real examples only (an empty share has no out_dims=None values of its own)."""
     inputs = ("input_sig", "batch") if opts.src is None or opts.src == "local" else ()
     return inputs + ("digest", "graph_sig"), ("values",) if opts.check_inputs else ()
 

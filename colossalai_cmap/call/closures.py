@@ -9,14 +9,14 @@ each catching what the one before leaves:
    the call through a ``Split`` at its first use. The local graph then saves the routed value, so double backward
    through the cmap sees the sum too. It runs only where it can matter: when func's closures, globals or partial
    arguments hold such a tensor, or when an earlier call of this cmap found one by the walk below.
-3. :func:`watch` walks the outputs' local graph after the shard has run, at every autograd level (an outer
+3. :func:`watch` walks the outputs' local graph after the share has run, at every autograd level (an outer
    ``torch.func.grad`` has its own), and finds each edge from a node made during this call into a node made before
    it: a tensor that reached the graph another way (say, as the argument of a ``torch.func.grad`` inside func).
    A hook on the node sums that edge's gradient over the group with a differentiable ``Join`` (one collective per
    node). This is exact to first order; a higher-order gradient through such an edge misses the other ranks' terms
    of the nodes that backward itself creates, which is why (2) comes first.
 
-Every rank builds the same graph (an empty shard runs a stand-in example), so entries and hooks run in the same
+Every rank builds the same graph (an empty share runs a stand-in example), so entries and hooks run in the same
 order on every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
 """
 
@@ -35,18 +35,18 @@ from .module_params import References
 WHAT = "the gradient of closure-captured tensors"
 
 
-def watch(outputs: Sequence[Any], owner: object, start: int, link: Link) -> int:
+def watch(outputs: Sequence[Any], tag: object, start: int, link: Link) -> int:
     """Hook every edge from this call's graph into an earlier one; returns a digest of what was found (0: none)."""
-    edges = _foreign_edges(outputs, owner, start)
+    edges = _foreign_edges(outputs, tag, start)
     for node, ks in edges.items():
         node.register_hook(_hook(tuple(ks), link))
     return digest([len(ks) for ks in edges.values()]) if edges else 0
 
 
-def reaches_outside(outputs: Sequence[Any], owner: object, start: int) -> bool:
+def reaches_outside(outputs: Sequence[Any], tag: object, start: int) -> bool:
     """Whether the outputs' graph has an edge from a node made during this call into one made before it, other
     than through the call's tagged nodes (its entry)."""
-    return bool(_foreign_edges(outputs, owner, start))
+    return bool(_foreign_edges(outputs, tag, start))
 
 
 def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -61,24 +61,24 @@ def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:
 MADE = "colossalai_cmap.call"  # Node.metadata key: the call whose loop-mode threads made this node
 
 
-def _foreign(node: Any, start: int, owner: object) -> bool:
+def _foreign(node: Any, start: int, tag: object) -> bool:
     """Whether ``node`` was made before the call: a node numbered before the call's start on this thread that no
     loop-mode example thread of the call made (their numbers are their own thread's)."""
     # A leaf's accumulator may be made lazily, during this call: it is foreign whatever its number says.
     if type(node).__name__ == "AccumulateGrad":
         return True
-    if node._sequence_nr() >= start or getattr(node, "_cmap_owner", None) is owner:
+    if node._sequence_nr() >= start or getattr(node, "_cmap_tag", None) is tag:
         return False
-    return node.metadata.get(MADE) is not owner
+    return node.metadata.get(MADE) is not tag
 
 
 class MadeHere(TorchFunctionMode):
     """In a loop-mode example thread: tags the autograd nodes each op makes with the call's tag. The nodes an op
     made are the ones between its outputs and its inputs' own nodes."""
 
-    def __init__(self, owner: object) -> None:
+    def __init__(self, tag: object) -> None:
         super().__init__()
-        self.owner = owner
+        self.tag = tag
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -91,9 +91,9 @@ class MadeHere(TorchFunctionMode):
             node = stack.pop()
             if node is None or node in stop or type(node).__name__ == "AccumulateGrad":
                 continue
-            if node.metadata.get(MADE) is self.owner:
+            if node.metadata.get(MADE) is self.tag:
                 continue
-            node.metadata[MADE] = self.owner
+            node.metadata[MADE] = self.tag
             stack.extend(n for n, _ in node.next_functions)
         return out
 
@@ -107,19 +107,19 @@ def _nodes(values: Sequence[Any]) -> Iterator[Any]:
                     yield t.grad_fn
 
 
-def _foreign_edges(outputs: Sequence[Any], owner: object, start: int) -> Dict[Any, List[int]]:
+def _foreign_edges(outputs: Sequence[Any], tag: object, start: int) -> Dict[Any, List[int]]:
     stack = [lt.grad_fn for t in outputs if isinstance(t, torch.Tensor) for lt in _levels(t) if lt.grad_fn is not None]
     stack.reverse()
     seen, edges = set(), {}
     while stack:
         node = stack.pop()
-        if node in seen or _foreign(node, start, owner) or getattr(node, "_cmap_owner", None) is owner:
+        if node in seen or _foreign(node, start, tag) or getattr(node, "_cmap_tag", None) is tag:
             continue
         seen.add(node)
         for k, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
                 continue
-            if _foreign(nxt, start, owner):
+            if _foreign(nxt, start, tag):
                 edges.setdefault(node, []).append(k)
             else:
                 stack.append(nxt)
@@ -158,9 +158,9 @@ def may_capture(refs: References) -> bool:
 class Interceptor(TorchFunctionMode):
     """Routes each tensor that requires grad and was made before the call through the call's entry, at first use."""
 
-    def __init__(self, owner: object, start: int, link: Link) -> None:
+    def __init__(self, tag: object, start: int, link: Link) -> None:
         super().__init__()
-        self.owner, self.start, self.link = owner, start, link
+        self.tag, self.start, self.link = tag, start, link
         self.level = torch._C._functorch.maybe_current_level() or 0  # wrappers above it were made in the call
         self.aliases: Dict[int, Any] = {}
 
@@ -193,7 +193,7 @@ class Interceptor(TorchFunctionMode):
         found = self.aliases.get(id(v))
         if found is None or found[0] is not v:
             with torch._C.DisableTorchFunction():
-                alias = split(SplitSpec(self.link, (COPY,), self.owner), [v])[0]
+                alias = split(SplitSpec(self.link, (COPY,), self.tag), [v])[0]
             found = self.aliases[id(v)] = (v, alias)
         return found[1]
 
@@ -202,5 +202,5 @@ class Interceptor(TorchFunctionMode):
         for t in _levels(v):
             node = t.grad_fn
             if node is not None:
-                return not _foreign(node, self.start, self.owner)
+                return not _foreign(node, self.start, self.tag)
         return False

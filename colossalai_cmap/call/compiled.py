@@ -5,7 +5,7 @@ The pipeline (:func:`run_compiled`), with the eager path's split and roles but n
 
 1. Refuse what needs the eager orchestration (:func:`unsupported`): ``src``, ``dst=r``, loop mode, random draws,
    ``check_inputs``, a cmap nested in another's func, and closure-captured tensors that need a gradient.
-2. Plan from static shapes: the eager plan's shares (:func:`~.plan.shares`), so each rank maps the same rows.
+2. Share from static shapes: the eager call's shares (:func:`~.shares.share_sizes`), so each rank maps the same rows.
 3. Enter: mapped inputs cut with ``narrow``; tensors that need a gradient go through a traced ``Split``
    (:mod:`~colossalai_cmap.wire.traced`): rows all-gathered in backward, other tensors' gradients summed.
 4. Run func under ``torch.vmap`` (or batched) with the axis frame open, so the named-axis ops inside it lower to
@@ -30,14 +30,14 @@ from ..integration.groups import resolve_group
 from ..nesting import start_splitting, stop_splitting
 from ..wire.group import Group
 from ..wire.link import Link
-from ..wire.traced import rows_at
+from ..wire.roles import first_row
 from .conclude import conclude_traced
+from .dims import flatten_args
 from .entry import enter_kwargs_traced, enter_traced, first_example
-from .execute import Shard, run_shard_traced
+from .execute import Share, run_share_traced
 from .options import Options
-from .plan import shares
+from .shares import share_sizes
 from .site import CallSite
-from .specs import flatten_args
 
 Driver = Callable[[CallSite, Tuple[Any, ...], Dict[str, Any]], Any]
 
@@ -52,8 +52,8 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
     pg = process_group(opts)
     rank, size = (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))
     flat = flatten_args(site.func, args, opts.in_dims, opts.call)
-    sizes = shares(flat.batch_size, size, opts.gathers)
-    offset, rows = rows_at(sizes, rank)
+    sizes = share_sizes(flat.batch_size, size, opts.gathers)
+    offset, rows = first_row(sizes, rank), sizes[rank]
     grads = size > 1 and torch.is_grad_enabled()
     leaves = enter_traced(flat.leaves, flat.dims, sizes, pg if grads else None, rank)
     kwargs = enter_kwargs_traced(kwargs, pg if grads else None, rank)
@@ -63,17 +63,17 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
             v if d is None else torch.cat([v, first_example(a, d)], d)
             for v, a, d in zip(leaves, flat.leaves, flat.dims)
         ]
-    shard = Shard(leaves, tuple(flat.dims), flat.spec, max(rows, 1) if stand_in else rows)
+    share = Share(leaves, tuple(flat.dims), flat.spec, max(rows, 1) if stand_in else rows)
     frame = None
     if opts.axis_name is not None:
-        link = None if pg is None else Link(Group(pg, rank, size, ()), shard.device(), opts.call, opts.timeout)
+        link = None if pg is None else Link(Group(pg, rank, size, ()), share.device(), opts.call, opts.timeout)
         frame = AxisFrame(link, flat.batch_size, offset, sizes, opts.mode, stand_in)
         frames.push(opts.axis_name, frame)
     # A cmap nested in func runs eagerly (a graph break) and, seeing this, as plain torch.vmap here. Every rank is
     # marked: this rank's group members are not known inside the graph, and a plain vmap gives the same values.
     start_splitting(tuple(range(dist.get_world_size())) if size > 1 else ())
     try:
-        out = run_shard_traced(opts, site.body, shard, kwargs, frame)
+        out = run_share_traced(opts, site.body, share, kwargs, frame)
     finally:
         stop_splitting()
         if frame is not None:

@@ -20,26 +20,26 @@ from ..wire.roles import KEEP, ONCE, SAME, Rows
 from ..wire.rounds import Disagreement, Kind, Status, gather_objects
 from ..wire.traced import traced_join
 from .checks import agreed_fields, explain
+from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .entry import needs_grad_traced
 from .layout import BATCHED, replicated_checksums
 from .options import Options
-from .records import CallPlan, Failed, Outputs, Planned
-from .specs import flatten, flatten_out_dims, normalise_out_dim, unflatten
+from .records import Failed, Inputs, Outputs, Shares
 from .views import place, signature
 
 
-def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: Link) -> Any:
+def conclude(opts: Options, shares: Shares, result: Any, inputs: Inputs, link: Link) -> Any:
     """The exit on this rank; returns the call's result (None off ``dst``), or raises what every rank raises."""
     if isinstance(result, Failed):
         report_failure(JoinSpec(link, (), kind=Kind.STATUS), result.failure, result.cause)
     out: Outputs = result
-    tensors, roles = out.layout.tensors, _roles(opts, plan, out, out.layout.tensors)
+    tensors, roles = out.layout.tensors, _roles(opts, shares, out, out.layout.tensors)
     if out.views:  # views of the caller's inputs: every rank holds them already
         viewed = {v.leaf for v in out.views}
         roles = tuple(r for i, r in zip(tensors, roles) if i not in viewed)
         tensors = tuple(i for i in tensors if i not in viewed)
     learned = Learned()
-    exit_ = _exit(opts, plan, out, inputs)
+    exit_ = _exit(opts, shares, out, inputs)
     spec = JoinSpec(link, roles, "the outputs", Kind.STATUS, _dst(opts), exit_, learned=learned)
     try:
         got = join(spec, [out.flat[i] for i in tensors])
@@ -51,7 +51,7 @@ def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: 
     for h in learned.table:
         mask |= h.flags
     if mask:
-        _write_back(opts, plan, inputs, mask, link)
+        _write_back(opts, shares, inputs, mask, link)
     if opts.dst not in (-1, "local", link.group.rank):
         return None
     flat = list(out.flat)
@@ -61,13 +61,13 @@ def conclude(opts: Options, plan: CallPlan, result: Any, inputs: Planned, link: 
     return unflatten(flat, out.spec)
 
 
-def _roles(opts: Options, plan: CallPlan, out: Outputs, tensors: Sequence[int]) -> tuple:
+def _roles(opts: Options, shares: Shares, out: Outputs, tensors: Sequence[int]) -> tuple:
     """Batched outputs: rows, gathered (or kept, with ``dst="local"``). ``out_dims=None`` outputs: one value, equal
     on every rank, whose cotangent counts once: on rank 0 only (``SAME``), or with ``dst="local"``, where every rank
     backpropagates its own, each rank's over P (``ONCE``)."""
     local = opts.dst == "local"
     cache = out.layout.__dict__.setdefault("_exit_roles", {})  # a repeated call's roles, kept with its layout
-    key = "local" if local else plan.sizes
+    key = "local" if local else shares.sizes
     found = cache.get(key)
     if found is None:
         leaves = out.layout.leaves
@@ -75,7 +75,7 @@ def _roles(opts: Options, plan: CallPlan, out: Outputs, tensors: Sequence[int]) 
         if local:
             found = tuple(KEEP if b else ONCE for b in batched)
         else:
-            found = tuple(Rows(leaves[i].out_dim, plan.sizes) if b else SAME for i, b in zip(tensors, batched))
+            found = tuple(Rows(leaves[i].out_dim, shares.sizes) if b else SAME for i, b in zip(tensors, batched))
         cache[key] = found
     return found
 
@@ -90,10 +90,10 @@ def _all_checksums(out: Outputs, link: Link) -> Any:
     return gather_objects(link, mine)
 
 
-def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:
-    input_sig, values = plan.input_sig, 0
+def _exit(opts: Options, shares: Shares, out: Outputs, inputs: Inputs) -> Exit:
+    input_sig, values = shares.input_sig, 0
     if opts.check_inputs:  # value checks: the inputs' bytes, and the out_dims=None outputs' bytes
-        leaves = inputs.leaves if opts.src is None else [v for v, d in zip(inputs.leaves, plan.dims) if d is None]
+        leaves = inputs.leaves if opts.src is None else [v for v, d in zip(inputs.leaves, shares.dims) if d is None]
         input_sig = comm.checksum(leaves + tree_flatten(inputs.kwargs)[0], input_sig) or 1
         if not out.empty:
             values = digest(replicated_checksums(out.flat, out.layout))
@@ -104,7 +104,7 @@ def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:
         status,
         input_sig,
         signature(out.layout.digest, out.views),
-        plan.batch,
+        shares.batch,
         out.graph_sig,
         out.mutated,
         values,
@@ -114,7 +114,7 @@ def _exit(opts: Options, plan: CallPlan, out: Outputs, inputs: Planned) -> Exit:
     )
 
 
-def _write_back(opts: Options, plan: CallPlan, inputs: Planned, mask: int, link: Link) -> None:
+def _write_back(opts: Options, shares: Shares, inputs: Inputs, mask: int, link: Link) -> None:
     """func changed mapped inputs in place: every rank's copy gets every rank's rows, as vmap's would."""
     if opts.src is not None:
         raise CmapError(
@@ -122,9 +122,9 @@ def _write_back(opts: Options, plan: CallPlan, inputs: Planned, mask: int, link:
             f"scattered copies, so the caller's tensor was not changed. Use src=None to change it in place, or "
             f"return the new values."
         )
-    picked = [i for k, i in enumerate(plan.mapped) if mask >> k & 1]
-    roles = tuple(Rows(plan.dims[i], plan.sizes) for i in picked)
-    rows = [inputs.leaves[i].narrow(plan.dims[i], plan.offset, plan.rows) for i in picked]
+    picked = [i for k, i in enumerate(shares.mapped) if mask >> k & 1]
+    roles = tuple(Rows(shares.dims[i], shares.sizes) for i in picked)
+    rows = [inputs.leaves[i].narrow(shares.dims[i], shares.offset, shares.rows) for i in picked]
     with torch.no_grad():
         full = join_values(JoinSpec(link, roles, "the in-place changes of mapped inputs"), rows)
         for i, value in zip(picked, full):

@@ -1,15 +1,15 @@
 """The eager driver of a call, from the arguments to the result (``compiled`` is the driver inside
-``torch.compile``; both run the steps of ``plan``, ``entry``, ``execute`` and ``conclude``).
+``torch.compile``; both run the steps of ``shares``, ``entry``, ``execute`` and ``conclude``).
 
 The path (docs/design.md has the picture):
 
 1. Resolve the group. A group of one, no ``torch.distributed``, a cmap nested in a cmap over the same group, or meta
    inputs: run as plain ``torch.vmap`` here (:func:`_run_local`), with no communication.
-2. Plan: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
-   make a plan (:mod:`.plan`; with ``src=r`` the plan and this rank's shard come from rank r, :mod:`.from_src`).
-   A rank whose planning fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
+2. Shares: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
+   find the shares (:mod:`.shares`; with ``src=r`` the shares and this rank's rows come from rank r, :mod:`.from_src`).
+   A rank whose sharing fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
 3. This rank's part (:mod:`.rank`), then the exit (:mod:`.conclude`), which returns the result or raises on every rank.
-4. Keep the plan and the outputs' layout for the next call with the same key, and what the call did.
+4. Keep the shares and the outputs' layout for the next call with the same key, and what the call did.
 """
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -27,13 +27,13 @@ from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from .conclude import conclude
-from .execute import Shard, per_example_seeds, rng_scope, run_shard, with_remedy
+from .dims import flatten, flatten_args, unflatten
+from .execute import Share, per_example_seeds, rng_scope, run_share, with_remedy
 from .options import check_placement
-from .plan import key_of, make_plan
 from .rank import run_rank
-from .records import Failed, FastPath, LastCall, Outputs, Planned
+from .records import Failed, FastPath, Inputs, LastCall, Outputs
+from .shares import key_of, make_shares
 from .site import CallSite
-from .specs import flatten, flatten_args, unflatten
 
 
 def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -41,44 +41,44 @@ def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> A
     opts = site.options
     group = resolve_group(opts.call, opts.group)
     local = group.size == 1 or nested_in_split(group.ranks) or _meta(args)
-    log, fast, plan = stats.open_log(), None, None
+    log, fast, shares = stats.open_log(), None, None
     try:
         if local:
             return _run_local(site, group, args, kwargs)
         comm.check_usable(group, opts.call)
         leaves, spec = flatten(args)
         key = None if isinstance(opts.src, int) else key_of(leaves, kwargs, group)
-        fast = site.plans.get(key, spec) if key is not None else None
+        fast = site.fast_paths.get(key, spec) if key is not None else None
         if fast is not None:
-            link, planned = fast.link, Planned(fast.plan, leaves, kwargs)
+            link, inputs = fast.link, Inputs(fast.shares, leaves, kwargs)
         else:
             link = link_for(group, collective_device(group, leaves), opts.call, opts.timeout)
-            planned = _plan(site, group, args, kwargs, leaves, link)
-        plan = None if isinstance(planned, Failed) else planned.plan
-        result, out = _run_and_conclude(site, planned, link, fast.layout if fast is not None else None, leaves)
+            inputs = _make_inputs(site, group, args, kwargs, leaves, link)
+        shares = None if isinstance(inputs, Failed) else inputs.shares
+        result, out = _run_and_conclude(site, inputs, link, fast.layout if fast is not None else None, leaves)
         if result.captures is not None:  # what this call found decides whether the next one intercepts
             site.captures = result.captures
         if key is not None and (fast is None or fast.layout is not result.layout):
-            site.plans.put(key, FastPath(plan, link, result.layout))
+            site.fast_paths.put(key, FastPath(shares, link, result.layout))
         return out
     finally:
         stats.close_log(log)
-        site.last = LastCall(log, group.size, local, fast is not None, plan)
+        site.last = LastCall(log, group.size, local, fast is not None, shares)
 
 
-def _plan(
+def _make_inputs(
     site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any], leaves: Sequence[Any], link: Link
-) -> Union[Planned, Failed]:
-    """Check the arguments and plan this rank's share; a failure here travels to the exit's status round."""
+) -> Union[Inputs, Failed]:
+    """Check the arguments and find this rank's share; a failure here travels to the exit's status round."""
     opts = site.options
     try:
         check_placement(opts.call, "dst", opts.dst, group.size, (-1, "local"))
         if isinstance(opts.src, int):
             check_placement(opts.call, "src", opts.src, group.size, ())
-            from .from_src import plan_from_src  # only src=r calls pay for its imports
+            from .from_src import shares_from_src  # only src=r calls pay for its imports
 
-            return plan_from_src(opts, site.func, args, kwargs, link)
-        return Planned(make_plan(opts, site.func, group, args, kwargs), list(leaves), kwargs)
+            return shares_from_src(opts, site.func, args, kwargs, link)
+        return Inputs(make_shares(opts, site.func, group, args, kwargs), list(leaves), kwargs)
     except CmapError:  # a wait failed (the source's broadcast or scatter): the group is out of step, no more rounds
         raise
     except Exception as exc:
@@ -86,20 +86,20 @@ def _plan(
 
 
 def _run_and_conclude(
-    site: CallSite, planned: Union[Planned, Failed], link: Link, hint: Any, leaves: Sequence[Any]
+    site: CallSite, inputs: Union[Inputs, Failed], link: Link, hint: Any, leaves: Sequence[Any]
 ) -> Tuple[Union[Outputs, Failed], Any]:
     """This rank's part and the exit. With ``dst=r`` or ``src=r`` the output is not differentiable: every output
     that depends on a tensor that requires grad (an argument, a keyword, a parameter or a closure: however func
     reached it) is cut from its graph and raises a clear error in backward, where no collective is involved, so
     nothing hangs and no rank writes a ``.grad`` alone."""
     opts = site.options
-    if isinstance(planned, Failed):
-        return planned, conclude(opts, None, planned, None, link)
-    result = run_rank(site, planned, link, hint)
-    out = conclude(opts, planned.plan, result, planned, link)
+    if isinstance(inputs, Failed):
+        return inputs, conclude(opts, None, inputs, None, link)
+    result = run_rank(site, inputs, link, hint)
+    out = conclude(opts, inputs.shares, result, inputs, link)
     if out is None or not opts.refuses_grad or not torch.is_grad_enabled():
         return result, out
-    return result, _refuse_grad(site, out, result.flat, leaves, planned.kwargs, planned.source_needs_grad)
+    return result, _refuse_grad(site, out, result.flat, leaves, inputs.kwargs, inputs.source_needs_grad)
 
 
 def _refuse_grad(
@@ -161,7 +161,7 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
         if opts.mode == "vmap" and plain and not opts.places_outputs:
             out = site.vmapped()(*args, **kwargs)
         else:
-            out = _local_shard(site, args, kwargs)
+            out = _local_share(site, args, kwargs)
         if opts.refuses_grad and torch.is_grad_enabled():  # as on a group of any size
             return _refuse_grad(site, out, flatten(out)[0], tree_flatten(args)[0], kwargs)
         return out
@@ -171,17 +171,17 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
         _raise_alone(site, group, args, exc)
 
 
-def _local_shard(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def _local_share(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     opts = site.options
     flat = flatten_args(site.func, args, opts.in_dims, opts.call)
-    shard = Shard(flat.leaves, tuple(flat.dims), flat.spec, flat.batch_size)
+    share = Share(flat.leaves, tuple(flat.dims), flat.spec, flat.batch_size)
     frame: Optional[AxisFrame] = None
     seeds = per_example_seeds(0) if opts.randomness == "per_example" else None
     if opts.axis_name is not None:
         B = flat.batch_size
         frame = AxisFrame(None, B, 0, (B,), "loop" if seeds is not None else opts.mode)
-    with axis_scope(opts.axis_name, frame), rng_scope(None if seeds is None else seeds.base, [shard.device()]):
-        return run_shard(opts, site.body, shard, kwargs, frame, seeds=seeds)
+    with axis_scope(opts.axis_name, frame), rng_scope(None if seeds is None else seeds.base, [share.device()]):
+        return run_share(opts, site.body, share, kwargs, frame, seeds=seeds)
 
 
 def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Exception) -> None:

@@ -15,12 +15,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..nesting import tracking
 from ..wire.exchange import SplitSpec, requires_grad, split
 from ..wire.link import Link
-from ..wire.roles import COPY, KEEP, Role, Rows
-from ..wire.traced import rows_at, traced_split
+from ..wire.roles import COPY, KEEP, Role, Rows, first_row
+from ..wire.traced import traced_split
 from . import module_params
+from .dims import flatten, unflatten
 from .options import Options
-from .records import CallPlan, Planned
-from .specs import flatten, unflatten
+from .records import Inputs, Shares
 
 
 class Entered(NamedTuple):
@@ -33,17 +33,17 @@ class Entered(NamedTuple):
 
 
 def enter(
-    opts: Options, refs: module_params.References, plan: CallPlan, inputs: Planned, link: Link, owner: object
+    opts: Options, refs: module_params.References, shares: Shares, inputs: Inputs, link: Link, tag: object
 ) -> Entered:
     leaves, kwargs, modules, aliases = list(inputs.leaves), inputs.kwargs, [], {}
     if opts.differentiable and tracking():
         kw_leaves, kw_spec = tree_flatten(kwargs) if kwargs else ([], None)
         modules = module_params.modules_of(refs) if refs else []
         params = module_params.trainable(modules) if modules else []
-        picked = [(leaves, i, _role(opts, plan, i)) for i, v in enumerate(leaves) if requires_grad(v)]
+        picked = [(leaves, i, _role(opts, shares, i)) for i, v in enumerate(leaves) if requires_grad(v)]
         picked += [(kw_leaves, j, COPY) for j, v in enumerate(kw_leaves) if requires_grad(v)]
         if picked or params:
-            spec = SplitSpec(link, tuple(role for _, _, role in picked) + (COPY,) * len(params), owner)
+            spec = SplitSpec(link, tuple(role for _, _, role in picked) + (COPY,) * len(params), tag)
             entered = split(spec, [where[i] for where, i, _ in picked] + params)
             for (where, i, _), t in zip(picked, entered):
                 where[i] = t
@@ -51,17 +51,17 @@ def enter(
             if kw_spec is not None:
                 kwargs = tree_unflatten(kw_leaves, kw_spec)
     if opts.src is None:
-        for i in plan.mapped:
+        for i in shares.mapped:
             if leaves[i] is inputs.leaves[i]:  # not cut by the entry
-                leaves[i] = leaves[i].narrow(plan.dims[i], plan.offset, plan.rows)
+                leaves[i] = leaves[i].narrow(shares.dims[i], shares.offset, shares.rows)
     return Entered(leaves, kwargs, modules if aliases else [], aliases)
 
 
-def _role(opts: Options, plan: CallPlan, i: int) -> Role:
-    d = plan.dims[i]
+def _role(opts: Options, shares: Shares, i: int) -> Role:
+    d = shares.dims[i]
     if d is None:
         return COPY
-    return Rows(d, plan.sizes) if opts.src is None else KEEP
+    return Rows(d, shares.sizes) if opts.src is None else KEEP
 
 
 def first_example(leaf: torch.Tensor, dim: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ def enter_traced(
         if d is not None and pg is not None and needs_grad_traced(v):
             out.append(traced_split(v, Rows(d, sizes), pg, rank))
         elif d is not None:
-            out.append(v.narrow(d, *rows_at(sizes, rank)))
+            out.append(v.narrow(d, first_row(sizes, rank), sizes[rank]))
         elif pg is not None and needs_grad_traced(v):
             out.append(traced_split(v, COPY, pg, rank))
         else:

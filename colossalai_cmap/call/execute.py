@@ -1,4 +1,4 @@
-"""Run one rank's shard: ``torch.vmap``, one batched call, or a Python loop; plus randomness and ``chunk_size``."""
+"""Run one rank's share: ``torch.vmap``, one batched call, or a Python loop; plus randomness and ``chunk_size``."""
 
 import contextlib
 import dataclasses
@@ -10,9 +10,9 @@ from torch._functorch import vmap as functorch_vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
+from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .loop import LoopBarrier
 from .options import Options
-from .specs import flatten, flatten_out_dims, normalise_out_dim, unflatten
 
 # torch.vmap's own sentence, for a random draw under randomness="error" (loop mode checks the generator's state)
 RANDOM_IN_ERROR_MODE = (
@@ -45,14 +45,14 @@ _MASK64 = (1 << 64) - 1
 
 
 class ExampleSeeds(NamedTuple):
-    """``randomness="per_example"``: one draw from the caller's generator, and the global index of the shard's first
+    """``randomness="per_example"``: one draw from the caller's generator, and the global index of the share's first
     row; each example runs under a generator seeded from the two, so its draws do not depend on P or on the shares."""
 
     base: int
     first: int
 
     def seed(self, i: int) -> int:
-        """The seed of the shard's row ``i``: splitmix64 of the base and the global index (distinct per index)."""
+        """The seed of the share's row ``i``: splitmix64 of the base and the global index (distinct per index)."""
         z = (self.base + 0x9E3779B97F4A7C15 * (self.first + i + 1)) & _MASK64
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -104,7 +104,7 @@ def seed_generators(seed: int, device: torch.device) -> None:
             module.manual_seed(seed)
 
 
-class Shard(NamedTuple):
+class Share(NamedTuple):
     """This rank's arguments: the flat leaves (mapped ones cut to this rank's rows) and their in-dims."""
 
     leaves: List[Any]
@@ -115,7 +115,7 @@ class Shard(NamedTuple):
     def args(self) -> Tuple[Any, ...]:
         return unflatten(self.leaves, self.spec)
 
-    def take(self, start: int, count: int) -> "Shard":
+    def take(self, start: int, count: int) -> "Share":
         leaves = [v if d is None else v.narrow(d, start, count) for v, d in zip(self.leaves, self.dims)]
         return self._replace(leaves=leaves, rows=count)
 
@@ -131,16 +131,16 @@ class Shard(NamedTuple):
         return tree_unflatten([v if d is None else v.select(d, i) for v, d in zip(self.leaves, self.dims)], self.spec)
 
 
-def shard_indices(frame: AxisFrame, rows: int, device: torch.device) -> torch.Tensor:
-    """The global index of each of the shard's ``rows`` examples (a stand-in's: from 0), for ``axis_index``."""
+def share_indices(frame: AxisFrame, rows: int, device: torch.device) -> torch.Tensor:
+    """The global index of each of the share's ``rows`` examples (a stand-in's: from 0), for ``axis_index``."""
     first = 0 if frame.dummy else frame.offset
     return torch.arange(first, first + rows, dtype=torch.int64, device=device)
 
 
-def run_shard(
+def run_share(
     opts: Options,
     func: Callable,
-    shard: Shard,
+    share: Share,
     kwargs: Dict[str, Any],
     frame: Optional[AxisFrame],
     *,
@@ -148,7 +148,7 @@ def run_shard(
     thread_modes: Sequence[Any] = (),
     seeds: Optional[ExampleSeeds] = None,
 ) -> Any:
-    """Apply ``func`` to the shard's examples; the batch dims come back at ``out_dims``.
+    """Apply ``func`` to the share's examples; the batch dims come back at ``out_dims``.
 
     With an axis ``frame``, each example can see its global index (``axis_index``), and loop mode runs the examples
     in threads so that collectives can meet, each under ``thread_modes`` (torch function modes are per thread). Loop mode
@@ -156,66 +156,66 @@ def run_shard(
     example the same draws. With ``"per_example"`` (and its ``seeds``) every example runs alone, under its own
     generator state (:func:`_run_per_example`).
     """
-    indices = None if frame is None else shard_indices(frame, shard.rows, frame.device)
+    indices = None if frame is None else share_indices(frame, share.rows, frame.device)
     if opts.randomness == "per_example":
         return _run_per_example(
-            opts, func, shard, kwargs, frame, indices=indices, seeds=seeds, thread_modes=thread_modes
+            opts, func, share, kwargs, frame, indices=indices, seeds=seeds, thread_modes=thread_modes
         )
     if opts.mode == "vmap":
-        plain = shard.rows or opts.chunk_size is None
+        plain = share.rows or opts.chunk_size is None
         if vmapped is not None and frame is None and plain and not opts.places_outputs:
-            return vmapped(*shard.args(), **kwargs)  # the common case: the cmap's own torch.vmap wrapper
-        return _vmap(opts, func, shard, kwargs, frame, indices)
+            return vmapped(*share.args(), **kwargs)  # the common case: the cmap's own torch.vmap wrapper
+        return _vmap(opts, func, share, kwargs, frame, indices)
     if opts.mode == "batched":
         if frame is not None:
             frame.index = indices
-        if opts.chunk_size is None or shard.rows <= opts.chunk_size:
-            return func(*shard.args(), **kwargs)
-        chunks = [func(*part.args(), **kwargs) for part in _chunks(shard, opts.chunk_size)]
+        if opts.chunk_size is None or share.rows <= opts.chunk_size:
+            return func(*share.args(), **kwargs)
+        chunks = [func(*part.args(), **kwargs) for part in _chunks(share, opts.chunk_size)]
         return _combine(chunks, opts, torch.cat)
     before = torch.random.get_rng_state() if opts.randomness != "different" else None
-    if shard.rows == 0:
-        out = _empty_loop(opts, func, shard, kwargs)
+    if share.rows == 0:
+        out = _empty_loop(opts, func, share, kwargs)
     elif frame is not None:
         frame.index = indices
-        out = _loop_threads(opts, func, shard, kwargs, frame, thread_modes=thread_modes)
+        out = _loop_threads(opts, func, share, kwargs, frame, thread_modes=thread_modes)
     else:
         results = []
-        same = ExampleGenerators(1, shard.device()) if opts.randomness == "same" else None
-        for i in range(shard.rows):
+        same = ExampleGenerators(1, share.device()) if opts.randomness == "same" else None
+        for i in range(share.rows):
             if same is not None:  # every example starts from the call's state, as vmap's "same" draws once
                 same.restore(0)
-            results.append(func(*shard.example(i), **kwargs))
+            results.append(func(*share.example(i), **kwargs))
         out = _combine(results, opts, torch.stack)
     if opts.randomness == "error" and not torch.equal(before, torch.random.get_rng_state()):
         raise RuntimeError(RANDOM_IN_ERROR_MODE)
     return out
 
 
-def _empty_loop(opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any]) -> Any:
+def _empty_loop(opts: Options, func: Callable, share: Share, kwargs: Dict[str, Any]) -> Any:
     """Loop mode on an empty batch, as vmap: func runs once on a zero example to learn the outputs' structure, and
     every mapped output comes back with zero rows."""
     example = [
-        v if d is None else v.new_zeros(v.shape[:d] + v.shape[d + 1 :]) for v, d in zip(shard.leaves, shard.dims)
+        v if d is None else v.new_zeros(v.shape[:d] + v.shape[d + 1 :]) for v, d in zip(share.leaves, share.dims)
     ]
     with torch.no_grad():
-        one = func(*tree_unflatten(example, shard.spec), **kwargs)
+        one = func(*tree_unflatten(example, share.spec), **kwargs)
     return _combine([one], opts, lambda parts, dim: parts[0].unsqueeze(dim).narrow(dim, 0, 0))
 
 
 def _vmap(
-    opts: Options, func: Callable, shard: Shard, kwargs: Dict[str, Any], frame: Optional[AxisFrame], indices: Any
+    opts: Options, func: Callable, share: Share, kwargs: Dict[str, Any], frame: Optional[AxisFrame], indices: Any
 ) -> Any:
-    """``torch.vmap`` on the shard. Where ``out_dims`` holds a None or an int other than 0, vmap returns every tensor
+    """``torch.vmap`` on the share. Where ``out_dims`` holds a None or an int other than 0, vmap returns every tensor
     output at dim 0 and the outputs are placed here: torch 2.5.1's vmap misplaces a batch-independent output at
     another int out_dim, and refuses an out_dims=None output that is batched at an outer level only (a psum over an
     inner cmap's axis that varies over an outer one). An output batched at this level stays refused, in vmap's
     words."""
-    chunk = opts.chunk_size if shard.rows else None  # torch.vmap's chunking fails on an empty batch
-    place = opts.places_outputs and shard.rows > 0
+    chunk = opts.chunk_size if share.rows else None  # torch.vmap's chunking fails on an empty batch
+    place = opts.places_outputs and share.rows > 0
     if frame is None and not place:
         mapped = torch.vmap(func, opts.in_dims, opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
-        return mapped(*shard.args(), **kwargs)
+        return mapped(*share.args(), **kwargs)
     seen: Dict[str, Any] = {}  # with placing: the outputs' structure and their non-tensor leaves
 
     def indexed(index: Optional[torch.Tensor], *a: Any, **k: Any) -> Any:
@@ -232,34 +232,34 @@ def _vmap(
         _refuse_batched_none(opts, flat, seen["dims"])
         return [v for v in flat if isinstance(v, torch.Tensor)]
 
-    args = shard.args()
+    args = share.args()
     in_dims = opts.in_dims if isinstance(opts.in_dims, tuple) else (opts.in_dims,) * len(args)
     dims = (0 if frame is not None else None, *in_dims)
     mapped = torch.vmap(indexed, dims, 0 if place else opts.out_dims, randomness=opts.randomness, chunk_size=chunk)
     out = mapped(indices, *args, **kwargs)
-    return _place(opts, out, seen, shard) if place else out
+    return _place(opts, out, seen, share) if place else out
 
 
-def run_shard_traced(
+def run_share_traced(
     opts: Options,
     func: Callable,
-    shard: Shard,
+    share: Share,
     kwargs: Dict[str, Any],
     frame: Optional[AxisFrame],
 ) -> Any:
-    """:func:`run_shard` inside ``torch.compile``: func over the shard's examples, by ``torch.vmap``'s own steps,
+    """:func:`run_share` inside ``torch.compile``: func over the share's examples, by ``torch.vmap``'s own steps,
     with the vmap level kept in the axis frame (the named-axis ops lower at that level), or one batched call."""
-    leaves, dims, spec, rows = shard
+    leaves, dims, spec, rows = share
     if opts.mode == "batched":
         if frame is not None:
-            frame.index = shard_indices(frame, rows, shard.device())
+            frame.index = share_indices(frame, rows, share.device())
         return func(*unflatten(leaves, spec), **kwargs)
     if frame is None:
         chunk = opts.chunk_size if rows else None
         return torch.vmap(func, opts.in_dims, opts.out_dims, chunk_size=chunk)(*unflatten(leaves, spec), **kwargs)
     with functorch_vmap.vmap_increment_nesting(rows, opts.randomness) as level:
         frame.level = level
-        frame.index = torch._C._functorch._add_batch_dim(shard_indices(frame, rows, shard.device()), 0, level)
+        frame.index = torch._C._functorch._add_batch_dim(share_indices(frame, rows, share.device()), 0, level)
         args = functorch_vmap._create_batched_inputs(list(dims), list(leaves), level, spec)
         return _place_traced(opts, func(*args, **kwargs), level, rows)
 
@@ -280,7 +280,7 @@ def _refuse_batched_none(opts: Options, flat: Sequence[Any], dims: Sequence[Any]
             )
 
 
-def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], shard: Shard) -> Any:
+def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], share: Share) -> Any:
     """The outputs, from the tensors vmap returned at dim 0: each at its out_dim, or for out_dims=None its one copy;
     non-tensor leaves as func returned them. An output that is func's mapped input itself, placed where that input
     has its batch dim, is the input itself (an in-place op), as vmap returns it."""
@@ -295,8 +295,8 @@ def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], sha
             placed.append(t.select(0, 0))
             continue
         dim = normalise_out_dim(opts.call, dim, t.dim() - 1, i)
-        itself = source is not None and shard.dims[source] == dim
-        placed.append(shard.leaves[source] if itself else t.movedim(0, dim))
+        itself = source is not None and share.dims[source] == dim
+        placed.append(share.leaves[source] if itself else t.movedim(0, dim))
     return tree_unflatten(placed, seen["spec"])
 
 
@@ -330,9 +330,9 @@ def _name(opts: Options) -> str:
     return opts.call.split("(", 1)[-1].split(",", 1)[0]
 
 
-def _chunks(shard: Shard, size: int) -> Iterator[Shard]:
-    for start in range(0, shard.rows, size):
-        yield shard.take(start, min(size, shard.rows - start))
+def _chunks(share: Share, size: int) -> Iterator[Share]:
+    for start in range(0, share.rows, size):
+        yield share.take(start, min(size, share.rows - start))
 
 
 def _combine(results: List[Any], opts: Options, how: Callable) -> Any:
@@ -371,7 +371,7 @@ def _check_same(opts: Options, i: int, first: Any, others: List[Any]) -> None:
 def _loop_threads(
     opts: Options,
     func: Callable,
-    shard: Shard,
+    share: Share,
     kwargs: Dict[str, Any],
     frame: AxisFrame,
     *,
@@ -382,33 +382,33 @@ def _loop_threads(
     example. Each thread enters ``thread_modes``: the call's (the closure interceptor, and the marker of the nodes
     it makes, whose sequence numbers are the thread's own and so cannot tell that they were made during the call)."""
     if seeds is not None or opts.randomness == "same":
-        rng = ExampleGenerators(shard.rows, shard.device(), seeds)
+        rng = ExampleGenerators(share.rows, share.device(), seeds)
     else:
         rng = None
-    barrier = frame.loop = LoopBarrier(shard.rows, rng=rng)
+    barrier = frame.loop = LoopBarrier(share.rows, rng=rng)
     indices = frame.index
-    results: List[Any] = [None] * shard.rows
+    results: List[Any] = [None] * share.rows
     errors: List[BaseException] = []
     grad = torch.is_grad_enabled()
 
     def work(i: int) -> None:
         try:
-            barrier.enter(i, indices[i])
+            barrier.start_example(i, indices[i])
             with torch.set_grad_enabled(grad), contextlib.ExitStack() as modes:
                 if threading.current_thread() is not threading.main_thread():
                     for mode in thread_modes:
                         modes.enter_context(mode)
-                results[i] = func(*shard.example(i), **kwargs)
+                results[i] = func(*share.example(i), **kwargs)
         except BaseException as exc:  # the first error reaches every example through the barrier
             errors.append(exc)
             barrier.abort(exc)
         finally:
-            barrier.leave()
+            barrier.end_example()
 
-    if shard.rows == 1:
+    if share.rows == 1:
         work(0)
     else:
-        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(shard.rows)]
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(share.rows)]
         for t in threads:
             t.start()
         for t in threads:
@@ -419,7 +419,7 @@ def _loop_threads(
 
 
 def per_example_seeds(first: int) -> ExampleSeeds:
-    """``"per_example"``'s seeds for a shard whose first row has global index ``first``: one draw from the caller's
+    """``"per_example"``'s seeds for a share whose first row has global index ``first``: one draw from the caller's
     generator (the same on every rank whose generator is in step), so the call advances it by one draw at every P."""
     return ExampleSeeds(int(torch.randint(0, 2**62, (), dtype=torch.int64).item()), first)
 
@@ -427,7 +427,7 @@ def per_example_seeds(first: int) -> ExampleSeeds:
 def _run_per_example(
     opts: Options,
     func: Callable,
-    shard: Shard,
+    share: Share,
     kwargs: Dict[str, Any],
     frame: Optional[AxisFrame],
     *,
@@ -448,20 +448,20 @@ def _run_per_example(
                 f"'loop'."
             )
         frame.index = indices
-        return _loop_threads(opts, func, shard, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
-    if shard.rows == 0:  # as each mode does without per_example (nothing is drawn for no example)
+        return _loop_threads(opts, func, share, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
+    if share.rows == 0:  # as each mode does without per_example (nothing is drawn for no example)
         if opts.mode == "vmap":
             return _vmap(
-                dataclasses.replace(opts, randomness="different", chunk_size=None), func, shard, kwargs, None, None
+                dataclasses.replace(opts, randomness="different", chunk_size=None), func, share, kwargs, None, None
             )
-        return func(*shard.args(), **kwargs) if opts.mode == "batched" else _empty_loop(opts, func, shard, kwargs)
-    results, device = [], shard.device()
-    for i in range(shard.rows):
+        return func(*share.args(), **kwargs) if opts.mode == "batched" else _empty_loop(opts, func, share, kwargs)
+    results, device = [], share.device()
+    for i in range(share.rows):
         seed_generators(seeds.seed(i), device)
         if opts.mode == "batched":
-            results.append(func(*shard.take(i, 1).args(), **kwargs))
+            results.append(func(*share.take(i, 1).args(), **kwargs))
         else:
-            results.append(func(*shard.example(i), **kwargs))
+            results.append(func(*share.example(i), **kwargs))
     return _combine(results, opts, torch.cat if opts.mode == "batched" else torch.stack)
 
 

@@ -1,9 +1,9 @@
-"""Planning with ``src=r``: only group rank ``r`` holds the mapped inputs; it sends every other rank its shard.
+"""Sharing with ``src=r``: only group rank ``r`` holds the mapped inputs; it sends every other rank its share.
 
 One small metadata broadcast (the arguments' structure, the mapped leaves' shapes and dtypes, or the error found
-while checking them on ``r``), then one ``scatter`` of all mapped leaves packed together. A rank with an empty shard
-receives the first example in its block instead, to run as its stand-in. It returns the same :class:`Planned`
-record as planning with the other placements, and the call goes on along the one path.
+while checking them on ``r``), then one ``scatter`` of all mapped leaves packed together. A rank with an empty share
+receives the first example in its block instead, to run as its stand-in. It returns the same :class:`~.records.Inputs`
+record as sharing with the other placements, and the call goes on along the one path.
 """
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
@@ -16,11 +16,12 @@ from ..digests import digest
 from ..errors import RankFailure
 from ..wire import comm
 from ..wire.link import Link
+from ..wire.roles import first_row
 from ..wire.rounds import scatter_rows
+from .dims import describe_arg, flatten_args, leaf_paths
 from .options import Options
-from .plan import shares
-from .records import CallPlan, Failed, Planned
-from .specs import describe_arg, flatten_args, leaf_paths
+from .records import Failed, Inputs, Shares
+from .shares import share_sizes
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
 
@@ -37,10 +38,10 @@ class SourceMeta(NamedTuple):
     needs_grad: bool = False  # a leaf required grad on the source: every rank's output refuses backward
 
 
-def plan_from_src(
+def shares_from_src(
     opts: Options, func: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any], link: Link
-) -> Union[Planned, Failed]:
-    """The plan, and this rank's shard scattered from ``src``: one metadata broadcast, then one scatter."""
+) -> Union[Inputs, Failed]:
+    """The shares, and this rank's share scattered from ``src``: one metadata broadcast, then one scatter."""
     group, src = link.group, opts.src
     is_src = group.rank == src
     meta, local, failure = SourceMeta(), None, None
@@ -54,15 +55,15 @@ def plan_from_src(
     meta = comm.broadcast_object(meta, src, link.round_group, opts.call, opts.timeout, link.round_device)
     if meta.failure is not None:
         return failure or Failed(None, None)
-    sizes = shares(meta.batch, group.size, opts.gathers)
+    sizes = share_sizes(meta.batch, group.size, opts.gathers)
     mapped = tuple(i for i, d in enumerate(meta.dims) if d is not None)
-    rows, offset = sizes[group.rank], sum(sizes[: group.rank])
-    plan = CallPlan(meta.spec, meta.dims, meta.batch, sizes, rows, offset, digest(meta), mapped)
+    rows, offset = sizes[group.rank], first_row(sizes, group.rank)
+    shares = Shares(meta.spec, meta.dims, meta.batch, sizes, rows, offset, digest(meta), mapped)
     try:
         leaves = list(local.leaves) if is_src else _merge(opts, func, meta, args)
     except Exception as exc:
         failure, leaves = Failed(group.failure(exc), exc), None
-    shard, stand_in = _send_shards(meta, plan, local.leaves if is_src else None, src, link)
+    share, stand_in = _send_shares(meta, shares, local.leaves if is_src else None, src, link)
     if failure is None:
         try:
             faults.check("scatter", group)
@@ -70,7 +71,7 @@ def plan_from_src(
             failure = Failed(group.failure(exc), exc)
     if failure is not None:
         return failure
-    return Planned(plan, [shard.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in, meta.needs_grad)
+    return Inputs(shares, [share.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in, meta.needs_grad)
 
 
 def _meta_of(flat: Any) -> SourceMeta:
@@ -120,14 +121,14 @@ def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...
     return leaves
 
 
-def _send_shards(
-    meta: SourceMeta, plan: CallPlan, full: Optional[List[Any]], src: int, link: Link
+def _send_shares(
+    meta: SourceMeta, shares: Shares, full: Optional[List[Any]], src: int, link: Link
 ) -> Tuple[Dict[int, torch.Tensor], Optional[List[Any]]]:
     """One scatter of every mapped leaf (:func:`~colossalai_cmap.wire.rounds.scatter_rows`); an empty share gets
     the first example in its block, as its stand-in."""
     mapped = [i for i, (kind, _) in enumerate(meta.kinds) if kind == _MAPPED]
     sent = None if full is None else [full[i] for i in mapped]
-    got = scatter_rows(link, src, plan.sizes, [meta.kinds[i][1] for i in mapped], sent)
+    got = scatter_rows(link, src, shares.sizes, [meta.kinds[i][1] for i in mapped], sent)
     stand_in = None
     if got.stand_in is not None:
         stand_in = [None] * len(meta.kinds)

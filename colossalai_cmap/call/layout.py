@@ -1,6 +1,6 @@
 """The output layout of a cmapped function: what one example's outputs look like.
 
-Every rank computes it from its own outputs (an empty shard from its stand-in example) and the status round compares
+Every rank computes it from its own outputs (an empty share from its stand-in example) and the status round compares
 the digests, so ranks whose outputs differ in structure, per-example shape or dtype raise together.
 """
 

@@ -29,13 +29,13 @@ class LoopBarrier:
     def index(self) -> torch.Tensor:
         return self._local.index
 
-    def enter(self, i: int, index: torch.Tensor) -> None:
+    def start_example(self, i: int, index: torch.Tensor) -> None:
         """Example ``i``'s thread starts: wait for its first turn."""
         self._local.i, self._local.index = i, index
         with self._cond:
             self._wait_for_turn(i, self._round)
 
-    def leave(self) -> None:
+    def end_example(self) -> None:
         """Example ``i`` ended (returned or raised): the next one takes the turn."""
         i = self._local.i
         with self._cond:

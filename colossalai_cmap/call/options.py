@@ -44,7 +44,7 @@ class Options:
 
     @property
     def differentiable(self) -> bool:
-        """Whether gradients cross ranks: every rank holds its result (the whole one, or its shard's with
+        """Whether gradients cross ranks: every rank holds its result (the whole one, or its share's with
         ``dst="local"``), so backward meets on every rank, and a value every rank holds whole gets its total
         derivative on every rank."""
         return not self.refuses_grad

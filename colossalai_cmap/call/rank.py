@@ -5,7 +5,7 @@ the status round, so every rank raises together. The steps:
 
 1. The entry. With ``dst=-1``, tensors that require grad enter through one ``Split`` tagged with the call (its
    backward sums their gradients over the group); the others are cut with ``narrow``. Both are views.
-2. An empty shard (B < P) runs one stand-in example instead, so that it knows the outputs' layout, takes part in
+2. An empty share (B < P) runs one stand-in example instead, so that it knows the outputs' layout, takes part in
    collectives inside func (contributing nothing), and builds the same autograd graph as its peers.
 3. func runs under ``torch.vmap`` (or batched, or in a loop), with this call's axis frame and randomness.
 4. The outputs are read against ``out_dims``; closure-captured tensors are found in their graph (:mod:`closures`);
@@ -25,91 +25,92 @@ from ..nesting import CONTROL_FLOW, splitting, tracking
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
 from ..wire.link import Link
+from ..wire.roles import first_row
 from ..wire.rounds import agree_rows
 from . import closures, module_params, views
+from .dims import flatten, flatten_out_dims, normalise_out_dim
 from .entry import enter, first_example
-from .execute import ExampleSeeds, Shard, per_example_seeds, rng_scope, run_shard, with_remedy
+from .execute import ExampleSeeds, Share, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
-from .records import CallPlan, Failed, Outputs, Planned
+from .records import Failed, Inputs, Outputs, Shares
 from .site import CallSite
-from .specs import flatten, flatten_out_dims, normalise_out_dim
 
 
-def run_rank(site: CallSite, inputs: Planned, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
-    """This rank's part of the call planned in ``inputs``, for the cmap ``site``; never raises."""
-    opts, plan = site.options, inputs.plan
-    group, owner = link.group, CallTag()
+def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
+    """This rank's part of the call shared out in ``inputs``, for the cmap ``site``; never raises."""
+    opts, shares = site.options, inputs.shares
+    group, tag = link.group, CallTag()
     try:
         if faults.ACTIVE:
             faults.check("args", group)
         start = torch._C._autograd._get_sequence_nr()
-        entered = enter(opts, site.refs, plan, inputs, link, owner)
+        entered = enter(opts, site.refs, shares, inputs, link, tag)
         leaves = entered.leaves
-        empty, extra = plan.rows == 0 and plan.batch != 0, _extra_rows(opts, plan)
+        empty, extra = shares.rows == 0 and shares.batch != 0, _extra_rows(opts, shares)
         if extra:
-            leaves = _stand_in(opts, plan, inputs, leaves, extra)
-        versions = _versions(opts, plan, inputs.leaves)
-        frame, seed, seeds = _frame_and_seed(opts, plan, link, empty)
-        shard = Shard(leaves, plan.dims, plan.spec, plan.rows + extra)
+            leaves = _stand_in(opts, shares, inputs, leaves, extra)
+        versions = _versions(opts, shares, inputs.leaves)
+        frame, seed, seeds = _frame_and_seed(opts, shares, link, empty)
+        share = Share(leaves, shares.dims, shares.spec, shares.rows + extra)
         if faults.ACTIVE:
             faults.check("func", group)
-        intercept = _interceptor(site, owner, start, link)
-        modes = _thread_modes(opts, owner, intercept)
+        intercept = _interceptor(site, tag, start, link)
+        modes = _thread_modes(opts, tag, intercept)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
+                out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
         else:
-            out = _call_func(site, shard, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
-        owner.running = False
+            out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
+        tag.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
         flat, spec = flatten(out)
         layout = layout_of(opts, flat, spec, hint)
         if opts.mode == "batched":
-            _check_rows(opts, flat, layout, shard.rows)
-        found = views.find_views(flat, layout, leaves, plan, inputs.leaves) if views.applies(opts) else ()
+            _check_rows(opts, flat, layout, share.rows)
+        found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if views.applies(opts) else ()
         if extra:
             flat = [
-                v.narrow(leaf.out_dim, 0, plan.rows) if leaf.kind == BATCHED else v
+                v.narrow(leaf.out_dim, 0, shares.rows) if leaf.kind == BATCHED else v
                 for v, leaf in zip(flat, layout.leaves)
             ]
-        graph_sig = _record(opts, flat, layout, owner, start, link)
-        flat = flat if graph_sig else guard(flat, owner, link)  # this rank's backward through func, guarded
+        graph_sig = _record(opts, flat, layout, tag, start, link)
+        flat = flat if graph_sig else guard(flat, tag, link)  # this rank's backward through func, guarded
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))
-        mutated = _mutated(versions, inputs.leaves, plan)
+        mutated = _mutated(versions, inputs.leaves, shares)
         return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
     except Exception as exc:  # every rank learns of it in the status round
-        owner.running = False
+        tag.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
             raise
         exc = with_remedy(opts, exc)
         return Failed(group.failure(exc), exc)
 
 
-def _thread_modes(opts: Options, owner: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
+def _thread_modes(opts: Options, tag: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
     """What loop mode's example threads (a loop with collectives) run under, since modes are per thread: the
     interceptor, and the marker of the autograd nodes they make."""
     if opts.mode != "loop" or opts.axis_name is None or not tracking():
         return ()
-    return (closures.MadeHere(owner),) + ((intercept,) if intercept is not None else ())
+    return (closures.MadeHere(tag),) + ((intercept,) if intercept is not None else ())
 
 
-def _interceptor(site: CallSite, owner: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
+def _interceptor(site: CallSite, tag: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
     """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
     no closure-captured tensor at all, and func's closures hold none now."""
     if not (site.options.differentiable and tracking()):
         return None
     if site.captures is False and not closures.may_capture(site.refs):
         return None
-    return closures.Interceptor(owner, start, link)
+    return closures.Interceptor(tag, start, link)
 
 
 def _call_func(
     site: CallSite,
-    shard: Shard,
+    share: Share,
     kwargs: Dict[str, Any],
     frame: Any,
     seed: Optional[int],
@@ -121,34 +122,34 @@ def _call_func(
     opts = site.options
     with splitting(link.group.ranks):  # a cmap nested in func on these ranks runs locally
         if frame is None and seed is None:
-            return run_shard(opts, site.body, shard, kwargs, None, vmapped=site.vmapped())
+            return run_share(opts, site.body, share, kwargs, None, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-            return run_shard(opts, site.body, shard, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
+            return run_share(opts, site.body, share, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
 
 
-def _extra_rows(opts: Options, plan: CallPlan) -> int:
-    """Stand-in examples to run besides this rank's own: one on an empty shard; and where func runs once per example
+def _extra_rows(opts: Options, shares: Shares) -> int:
+    """Stand-in examples to run besides this rank's own: one on an empty share; and where func runs once per example
     or per chunk, enough to reach the largest share, so that every rank builds the same autograd graph."""
-    if plan.batch == 0:
+    if shares.batch == 0:
         return 0
     per_row = opts.mode == "loop" or opts.chunk_size is not None
-    if per_row and opts.axis_name is None and opts.differentiable and plan.sizes and tracking():
-        return max(plan.sizes) - plan.rows
-    return 1 if plan.rows == 0 else 0
+    if per_row and opts.axis_name is None and opts.differentiable and shares.sizes and tracking():
+        return max(shares.sizes) - shares.rows
+    return 1 if shares.rows == 0 else 0
 
 
-def _stand_in(opts: Options, plan: CallPlan, inputs: Planned, leaves: List[Any], extra: int) -> List[Any]:
+def _stand_in(opts: Options, shares: Shares, inputs: Inputs, leaves: List[Any], extra: int) -> List[Any]:
     """``extra`` stand-in examples after this rank's rows: copies of the global first example when this rank has it,
     else zeros. Their outputs are cut off; they are joined to the real rows, so that backward reaches the entry."""
     out = list(leaves)
-    for i in plan.mapped:
-        d, mine = plan.dims[i], leaves[i]
+    for i in shares.mapped:
+        d, mine = shares.dims[i], leaves[i]
         if inputs.stand_in is not None:
             row = inputs.stand_in[i]
-        elif extra == 1 and plan.rows == 0 and views.applies(opts) and _unwatched(inputs.leaves[i], mine):
+        elif extra == 1 and shares.rows == 0 and views.applies(opts) and _unwatched(inputs.leaves[i], mine):
             out[i] = inputs.leaves[i].narrow(d, 0, 1)  # a view, as rank 0's rows are: its outputs' views match
             continue
-        elif opts.src is None and plan.batch > 0:
+        elif opts.src is None and shares.batch > 0:
             row = first_example(inputs.leaves[i], d)
         else:
             shape = list(mine.shape)
@@ -165,7 +166,7 @@ def _unwatched(x: Any, mine: Any) -> bool:
 
 
 def _frame_and_seed(
-    opts: Options, plan: CallPlan, link: Link, empty: bool
+    opts: Options, shares: Shares, link: Link, empty: bool
 ) -> Tuple[Optional[AxisFrame], Optional[int], Optional[ExampleSeeds]]:
     """The axis frame, the seed of the call's forked generator, and ``"per_example"``'s seeds; one ``OP`` round
     when the ranks' shares are not known yet (``src="local"``) and the axis or the examples' global indices need them.
@@ -175,16 +176,16 @@ def _frame_and_seed(
     Each rank draws from its own generator: the ranks' generators are in step when seeded alike (colossalai's launch).
     """
     per_example = opts.randomness == "per_example"
-    need_sizes = (opts.axis_name is not None or per_example) and plan.sizes is None
+    need_sizes = (opts.axis_name is not None or per_example) and shares.sizes is None
     seed, seeds = None, None
-    sizes = plan.sizes
+    sizes = shares.sizes
     if opts.randomness == "different":
         seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())
     if need_sizes:
-        sizes = agree_rows(link, plan.rows)
+        sizes = agree_rows(link, shares.rows)
     if opts.randomness == "different":
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)
-    offset = sum(sizes[: link.group.rank]) if sizes is not None else 0
+    offset = first_row(sizes, link.group.rank) if sizes is not None else 0
     if per_example:
         seeds = per_example_seeds(offset)
         seed = seeds.base
@@ -218,7 +219,7 @@ def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int
             )
 
 
-def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, start: int, link: Link) -> int:
+def _record(opts: Options, flat: List[Any], layout: OutLayout, tag: CallTag, start: int, link: Link) -> int:
     """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
     if not (opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
         return 0
@@ -228,20 +229,20 @@ def _record(opts: Options, flat: List[Any], layout: OutLayout, owner: CallTag, s
         # A replicated output that is itself a closure-captured tensor needs a node of this call to hook.
         if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or v.grad_fn._sequence_nr() < start):
             flat[i] = v.view_as(v)
-    return closures.watch(flat, owner, start, link)
+    return closures.watch(flat, tag, start, link)
 
 
-def _versions(opts: Options, plan: CallPlan, leaves: Sequence[Any]) -> Optional[List[int]]:
+def _versions(opts: Options, shares: Shares, leaves: Sequence[Any]) -> Optional[List[int]]:
     if opts.src is not None:
         return None
-    return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in plan.mapped]
+    return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in shares.mapped]
 
 
-def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], plan: CallPlan) -> int:
+def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], shares: Shares) -> int:
     if versions is None:
         return 0
     mask = 0
-    for k, (i, before) in enumerate(zip(plan.mapped, versions)):
+    for k, (i, before) in enumerate(zip(shares.mapped, versions)):
         if before >= 0 and leaves[i]._version != before:
             mask |= 1 << k
     return mask

@@ -1,4 +1,4 @@
-"""The records a call's steps hand each other: its plan and what this rank was given for it, this rank's outputs or
+"""The records a call's steps hand each other: its shares and what this rank was given for it, this rank's outputs or
 its failure, what a finished call leaves for the next one, and what the last call did."""
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -10,8 +10,9 @@ from ..stats import CollectiveLog
 from ..wire.link import Link
 
 
-class CallPlan(NamedTuple):
-    """One argument signature's plan on one group."""
+class Shares(NamedTuple):
+    """One argument signature's shares on one group: how the batch splits over the group's ranks (``sizes``, this
+    rank's ``rows`` from ``offset``), and the structure of the arguments they were made for."""
 
     spec: TreeSpec
     dims: Tuple[Optional[int], ...]  # each leaf's in-dim, non-negative; None for unmapped leaves
@@ -24,12 +25,12 @@ class CallPlan(NamedTuple):
     mapped: Tuple[int, ...]  # the positions of the mapped leaves
 
 
-class Planned(NamedTuple):
-    """A plan and what this rank was given for it: the flat positional leaves (whole; with ``src=r``, this rank's
-    shard under the source's structure), the kwargs, and with ``src=r`` the example an empty shard runs instead and
+class Inputs(NamedTuple):
+    """The shares and what this rank was given for them: the flat positional leaves (whole; with ``src=r``, this rank's
+    share under the source's structure), the kwargs, and with ``src=r`` the example an empty share runs instead and
     whether an input required grad on the source (the receiving rank's output then refuses backward too)."""
 
-    plan: CallPlan
+    shares: Shares
     leaves: List[Any]
     kwargs: Dict[str, Any]
     stand_in: Any = None
@@ -37,16 +38,16 @@ class Planned(NamedTuple):
 
 
 class FastPath(NamedTuple):
-    """What a finished call leaves for the next one with the same key: its plan, where it communicates, and the
+    """What a finished call leaves for the next one with the same key: its shares, where it communicates, and the
     outputs' layout."""
 
-    plan: CallPlan
+    shares: Shares
     link: Link
     layout: Any  # the outputs' layout.OutLayout, or None
 
 
 class Outputs(NamedTuple):
-    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty shard."""
+    """func's outputs on this rank: batch dims at ``out_dims``, zero rows on an empty share."""
 
     flat: List[Any]
     spec: TreeSpec
@@ -60,8 +61,9 @@ class Outputs(NamedTuple):
 
 
 class Failed(NamedTuple):
-    """This rank's part failed: the record every rank receives (None on a rank that only learned of a peer's
-    failure, as with ``src=r``), and the exception here."""
+    """This rank's outcome when its part failed (the alternative to :class:`Outputs`): its ``failure``, the
+    :class:`~colossalai_cmap.errors.RankFailure` report every rank receives (None on a rank that only learned of a
+    peer's failure, as with ``src=r``), and its ``cause``, the exception here."""
 
     failure: Optional[RankFailure]
     cause: Optional[BaseException]
@@ -74,4 +76,4 @@ class LastCall(NamedTuple):
     group_size: int
     local: bool
     fast_path: bool
-    plan: Optional[CallPlan]
+    shares: Optional[Shares]

@@ -1,4 +1,4 @@
-"""What one cmap keeps between its calls: the function, its options, the plan cache, where func's closures live,
+"""What one cmap keeps between its calls: the function, its options, the fast path's cache, where func's closures live,
 and what the last call did. ``Cmapped`` (the public callable) owns one; the call path reads it and
 :func:`~colossalai_cmap.call.dispatch.dispatch` is the only writer of what a call learned."""
 
@@ -16,7 +16,7 @@ from .records import FastPath, LastCall
 _CACHE_SIZE = 64
 
 
-class PlanCache:
+class FastPathCache:
     """The fast path's records, least recently used first out."""
 
     def __init__(self) -> None:
@@ -24,7 +24,7 @@ class PlanCache:
 
     def get(self, key: Tuple[Any, ...], spec: TreeSpec) -> Optional[FastPath]:
         found = self._entries.get(key)
-        if found is None or (found.plan.spec is not spec and found.plan.spec != spec):
+        if found is None or (found.shares.spec is not spec and found.shares.spec != spec):
             return None
         self._entries.move_to_end(key)
         return found
@@ -47,7 +47,7 @@ class CallSite:
         func: the per-example function.
         body: the function the map runs: ``func``, or in mode "vmap" the function ``torch.compile`` made it from.
         options: the cmap's options.
-        plans: the fast path's records.
+        fast_paths: the fast path's records.
         refs: where func's closures, globals and partial arguments live (modules found there enter with the args).
         captures_trainable: whether func may read a tensor that requires grad without being given it
             (:func:`~.module_params.reaches_trainable`), read once per compiled graph.
@@ -58,7 +58,7 @@ class CallSite:
     func: Callable
     options: Options
     body: Callable = None  # type: ignore[assignment]
-    plans: PlanCache = field(default_factory=PlanCache)
+    fast_paths: FastPathCache = field(default_factory=FastPathCache)
     refs: References = None  # type: ignore[assignment]
     captures: Optional[bool] = None
     last: Optional[LastCall] = None

@@ -7,7 +7,7 @@ With ``src=None`` every rank holds the whole input, so cmap returns the same vie
 
 1. After func, each rank looks for outputs that share a mapped input's storage (:func:`find_views`) and reads their
    geometry over the whole batch: sizes, strides and storage offset, this rank's rows shifted back to row 0. An empty
-   shard's stand-in example is the input's first row (a view too), so every rank finds the same geometry.
+   share's stand-in example is the input's first row (a view too), so every rank finds the same geometry.
 2. The geometry's digest rides in the call's status round, folded into the layout digest (:func:`signature`): ranks
    that disagree raise together, as for any layout difference. View outputs skip the data phase.
 3. After the round, each view output is the caller's tensor seen through that geometry (:func:`place`).
@@ -23,7 +23,7 @@ import torch
 from ..digests import digest
 from .layout import BATCHED, OutLayout
 from .options import Options
-from .records import CallPlan
+from .records import Shares
 
 # the input seen as another dtype: through view_as_real, view_as_complex (of its storage as pairs), or view(dtype)
 REAL, COMPLEX, CAST = "real", "complex", "cast"
@@ -53,10 +53,10 @@ def applies(opts: Options) -> bool:
 
 
 def find_views(
-    flat: Sequence[Any], layout: OutLayout, given: Sequence[Any], plan: CallPlan, inputs: Sequence[Any]
+    flat: Sequence[Any], layout: OutLayout, given: Sequence[Any], shares: Shares, inputs: Sequence[Any]
 ) -> Tuple[View, ...]:
     """The batched output leaves that view an input. ``given`` are the leaves func was given (this rank's rows, or
-    on an empty shard the first row), ``inputs`` the caller's."""
+    on an empty share the first row), ``inputs`` the caller's."""
     found = []
     sources = [j for j, x in enumerate(inputs) if plain(x) and not x.requires_grad]
     if not sources:
@@ -68,7 +68,7 @@ def find_views(
         where = _storage(v)
         for j in sources:
             if where is not None and where == storages[j]:
-                view = _geometry(i, j, v, leaf.out_dim, given[j], plan=plan, x=inputs[j])
+                view = _geometry(i, j, v, leaf.out_dim, given[j], shares=shares, x=inputs[j])
                 if view is not None:  # else another input over the same storage may fit
                     found.append(view)
                     break
@@ -76,23 +76,23 @@ def find_views(
 
 
 def _geometry(
-    i: int, j: int, v: torch.Tensor, out_dim: int, given: Any, *, plan: CallPlan, x: torch.Tensor
+    i: int, j: int, v: torch.Tensor, out_dim: int, given: Any, *, shares: Shares, x: torch.Tensor
 ) -> Optional[View]:
     as_dtype = _as_dtype(x, v.dtype)
     if as_dtype is False:
         return None
-    unit, d = v.element_size(), plan.dims[j]
+    unit, d = v.element_size(), shares.dims[j]
     # one example along the batch, in v's units: an unmapped input's view is expanded along it (stride 0)
     step, rest = divmod(x.stride(d) * x.element_size(), unit) if d is not None else (0, 0)
     if rest or (v.shape[out_dim] > 1 and v.stride(out_dim) != step):
         return None  # not the input's batch dim (func mixed the examples): gathered instead
-    start = plan.offset if plan.rows and d is not None else 0  # an empty shard's stand-in is the first row
+    start = shares.offset if shares.rows and d is not None else 0  # an empty share's stand-in is the first row
     offset = v.storage_offset() - start * step
     if offset < 0:
         return None
     sizes, strides = list(v.shape), list(v.stride())
-    if plan.batch != 1:  # a batch of one keeps the stride vmap gave its size-one dim (every rank sees that row)
-        sizes[out_dim], strides[out_dim] = plan.batch, step
+    if shares.batch != 1:  # a batch of one keeps the stride vmap gave its size-one dim (every rank sees that row)
+        sizes[out_dim], strides[out_dim] = shares.batch, step
     itself = (
         as_dtype is None
         and d is not None

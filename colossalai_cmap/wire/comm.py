@@ -106,7 +106,7 @@ def _wait(pending: Pending, group: Group, call: str, what: str, timeout: Optiona
         )
         raise CmapError(state.failure) from exc
     _IN_FLIGHT.pop(id(pending.work), None)
-    presence.finish(pending.track, pending.doing)
+    presence.note_returned(pending.track, pending.doing)
 
 
 class _Landing:
@@ -157,7 +157,7 @@ def _issue(
     work = issue(*targets)
     work = _Landing(work, pairs) if pairs else work
     _IN_FLIGHT[id(work)] = (work, tuple(t for t in (*targets, *outs, *reads) if t is not None))
-    return Pending(work, tr, presence.enter(tr, call, what))
+    return Pending(work, tr, presence.note_issued(tr, call, what))
 
 
 def all_gather_into(

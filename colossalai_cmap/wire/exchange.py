@@ -25,7 +25,18 @@ from .. import faults
 from ..errors import RankFailure
 from . import rounds
 from .link import Link, pack_payload, unpack_payload
-from .roles import FIRST, IN_PLACE, SHARE, Role, Rows, is_rows, join_transpose, shifted, split_transpose
+from .roles import (
+    FIRST,
+    FRACTION,
+    IN_PLACE,
+    Role,
+    Rows,
+    first_row,
+    is_rows,
+    join_transpose,
+    shifted,
+    split_transpose,
+)
 from .rounds import Header, Kind, Round, Status
 
 # ---- the records, and the plain sides
@@ -119,7 +130,7 @@ def _weak(t: Any) -> Any:
 class SplitSpec(NamedTuple):
     link: Link
     roles: Tuple[Role, ...]
-    owner: Optional[CallTag] = None  # a call's entry (None: any other Split)
+    tag: Optional[CallTag] = None  # a call's entry (None: any other Split)
 
 
 def local_transpose(spec: SplitSpec, role: Role, grad: torch.Tensor) -> torch.Tensor:
@@ -127,7 +138,7 @@ def local_transpose(spec: SplitSpec, role: Role, grad: torch.Tensor) -> torch.Te
     if not is_rows(role):
         return grad
     rank, sizes = spec.link.group.rank, role.sizes
-    before, after = sum(sizes[:rank]), sum(sizes[rank + 1 :])
+    before, after = first_row(sizes, rank), sum(sizes[rank + 1 :])
     parts = [
         grad.new_zeros(_with(grad.shape, role.dim, before)),
         grad,
@@ -148,10 +159,10 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
     out = []
     for role, t in zip(spec.roles, tensors):
         if is_rows(role):
-            out.append(t.narrow(role.dim, sum(role.sizes[:rank]), role.sizes[rank]))
+            out.append(t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank]))
         elif role == FIRST and rank != 0:
             out.append(torch.zeros_like(t))
-        elif role == SHARE:
+        elif role == FRACTION:
             out.append(t / spec.link.group.size)
         else:
             out.append(t)
@@ -394,18 +405,18 @@ class Split(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         ctx.spec = inputs[0]
-        owner = inputs[0].owner
-        if owner is not None:
-            ctx._cmap_owner = owner
-            if owner.running:
-                owner.note_entry(inputs[0], inputs[1:], output)
+        tag = inputs[0].tag
+        if tag is not None:
+            ctx._cmap_tag = tag
+            if tag.running:
+                tag.note_entry(inputs[0], inputs[1:], output)
         ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
         _non_differentiable(ctx, inputs[1:], output)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         spec, picked = ctx.spec, _wanted(ctx, grads)
-        if spec.owner is not None and spec.owner.running:  # a gradient taken inside func: per example, here
+        if spec.tag is not None and spec.tag.running:  # a gradient taken inside func: per example, here
             return _spread(picked, [local_transpose(spec, spec.roles[i], grads[i]) for i in picked], len(grads))
         roles = tuple(split_transpose(spec.roles[i]) for i in picked)
         out = Join.apply(JoinSpec(spec.link, roles), *[grads[i] for i in picked]) if picked else ()

@@ -39,10 +39,10 @@ from .rounds import Header, Kind, Status
 WHAT = "the gradients of func's inputs"
 
 
-def guard(flat: List[Any], owner: CallTag, link: Link) -> List[Any]:
+def guard(flat: List[Any], tag: CallTag, link: Link) -> List[Any]:
     """func's outputs ``flat``, with those that carry a gradient replaced by ``_Guard``'s stand-ins, where the
     backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``."""
-    entries = owner.take_entries()
+    entries = tag.take_entries()
     rounds = [e for e in entries or () if e.spec is not None]
     if link.group.pg is None or not rounds or not _plain_autograd():  # a Split's Join: the round a failure rides
         return flat
@@ -83,10 +83,10 @@ def _inputs(entries: List[Entry]) -> List[torch.Tensor]:
     return list(seen.values())
 
 
-def as_is(owner: CallTag, t: torch.Tensor) -> torch.Tensor:
+def as_is(tag: CallTag, t: torch.Tensor) -> torch.Tensor:
     """``t``, a tensor from outside func, as func's graph meets it: an alias noted with the call's tag, so that the
     guard's backward stops there and hands ``t`` its gradient (no communication: the value enters as it is)."""
-    return _AsIs.apply(owner, t)
+    return _AsIs.apply(tag, t)
 
 
 class _AsIs(torch.autograd.Function):
@@ -95,15 +95,15 @@ class _AsIs(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(owner: CallTag, t: torch.Tensor) -> torch.Tensor:
+    def forward(tag: CallTag, t: torch.Tensor) -> torch.Tensor:
         return t.view_as(t)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-        owner = inputs[0]
-        ctx._cmap_owner = owner
-        if owner.running:
-            owner.note_entry(None, inputs[1:], (output,))
+        tag = inputs[0]
+        ctx._cmap_tag = tag
+        if tag.running:
+            tag.note_entry(None, inputs[1:], (output,))
         ctx.set_materialize_grads(False)
 
     @staticmethod

@@ -44,6 +44,7 @@ from ..digests import digest
 from . import comm, rounds
 from .exchange import needs_function
 from .link import Link
+from .roles import first_row
 from .rounds import Header, Kind, Status
 
 
@@ -306,7 +307,7 @@ class ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(spec: SequenceSpec, x: torch.Tensor) -> torch.Tensor:
         rank = spec.link.group.rank
-        return x.narrow(spec.dim, sum(spec.sizes[:rank]), spec.sizes[rank])
+        return x.narrow(spec.dim, first_row(spec.sizes, rank), spec.sizes[rank])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:

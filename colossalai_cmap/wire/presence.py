@@ -3,10 +3,10 @@ that a wait that fails can name the ranks that never arrived and say what each w
 
 Every rank of a group issues cmap's collectives on it in the same order (that is what keeps gloo's sizes equal), so
 a count of them is a place every rank shares: collective #13 on a group is the same round on every rank in step.
-The hot path only counts and notes, in memory (:func:`enter`, :func:`finish`): no store round-trip. A daemon thread
-publishes this process's notes to the default store, under ``colossalai_cmap/presence/<global rank>``, once they
-settle (unchanged for one tick of :data:`TICK` seconds, which is what a stalled rank looks like) and at least every
-:data:`MAX_AGE` seconds while they keep changing; it never blocks the caller. After a failed wait, :func:`absent`
+The hot path only counts and notes, in memory (:func:`note_issued`, :func:`note_returned`): no store round-trip. A
+daemon thread publishes this process's notes to the default store, under ``colossalai_cmap/presence/<global rank>``,
+once they settle (unchanged for one tick of :data:`TICK` seconds, which is what a stalled rank looks like) and at least
+every :data:`MAX_AGE` seconds while they keep changing; it never blocks the caller. After a failed wait, :func:`absent`
 reads the peers' notes, within :data:`READ_TIMEOUT` seconds of its own so that a dead store cannot hang the error
 path, and names the ranks whose count on that group is behind this rank's, with their last note.
 
@@ -86,7 +86,7 @@ def track(name: str, ranks: Tuple[int, ...]) -> Track:
     return found
 
 
-def enter(tr: Track, call: str, what: str) -> Doing:
+def note_issued(tr: Track, call: str, what: str) -> Doing:
     """Note a collective just issued on ``tr``'s group; returns the note (its number there, ...)."""
     global _latest
     seq = tr.seq = tr.seq + 1
@@ -97,7 +97,7 @@ def enter(tr: Track, call: str, what: str) -> Doing:
     return doing
 
 
-def finish(tr: Track, doing: Doing) -> None:
+def note_returned(tr: Track, doing: Doing) -> None:
     """Note that the wait for the collective ``doing`` on ``tr``'s group returned."""
     tr.finished = doing.seq
 
@@ -229,7 +229,7 @@ def absent(tr: Track, waited: Doing, rank: int, why: str) -> str:
 
     Args:
         tr: the group's count in this process.
-        waited: the collective whose wait failed, as :func:`enter` noted it.
+        waited: the collective whose wait failed, as :func:`note_issued` noted it.
         rank: this process's group rank.
         why: why the wait failed, noted for the peers to read.
     """

@@ -10,11 +10,11 @@ role       Split (global -> per rank)           Join (per rank -> global)
 =========  =====================================  ==========================================
 Rows       this rank's rows (``narrow``)          every rank's rows, in order (all-gather)
 COPY       the value itself                       the sum over ranks
-KEEP       the value itself                       the value itself (no sum: a per-shard value)
+KEEP       the value itself                       the value itself (no sum: a per-rank value)
 FIRST      the value on rank 0, zeros elsewhere   rank 0's value
 SAME       (as FIRST)                             this rank's value, equal on every rank
-SHARE      the value over P (each rank's share)   (as ONCE)
-ONCE       (as SHARE)                             this rank's value, equal on every rank (the mean)
+FRACTION   the value over P, on every rank        (as ONCE)
+ONCE       (as FRACTION)                          this rank's value, equal on every rank (the mean)
 MAX, MIN   (none: not differentiable)             the elementwise extremum over ranks
 =========  =====================================  ==========================================
 
@@ -23,14 +23,14 @@ every rank): nothing moves forward, and backward still gives the gradient to one
 P times. ``ONCE`` is the same value left on each rank (an ``out_dims=None`` output with ``dst="local"``, a
 replicated ``shard_map`` output with ``local=True``): every rank backpropagates its own cotangent, and backward
 gives each rank its cotangent over P, so the ranks' parts add up to the mean cotangent, counted once. It is the
-mean over ranks of values that are equal; ``SHARE`` is its transpose, with no communication either way.
+mean over ranks of values that are equal; ``FRACTION`` is its transpose, with no communication either way.
 """
 
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 
 class Rows(NamedTuple):
-    """Rows along ``dim``; rank r holds ``sizes[r]`` of them, starting at ``sum(sizes[:r])``.
+    """Rows along ``dim``; rank r holds ``sizes[r]`` of them, starting at ``first_row(sizes, r)``.
 
     ``sizes`` is None at a call's exit with ``src="local"``: the round's table gives each rank's row count.
     """
@@ -48,12 +48,17 @@ def tensor_split_sizes(n: int, parts: int) -> Tuple[int, ...]:
     return tuple(n // parts + (1 if r < n % parts else 0) for r in range(parts))
 
 
+def first_row(sizes: Sequence[int], rank: int) -> int:
+    """Where rank ``rank``'s rows start, when rank r holds ``sizes[r]`` of them in rank order."""
+    return sum(sizes[:rank])
+
+
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
-SHARE, ONCE = "share", "once"
+FRACTION, ONCE = "fraction", "once"
 Role = Union[Rows, str]
 
-_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST, ONCE: SHARE}
-_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SHARE: ONCE}
+_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST, ONCE: FRACTION}
+_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, FRACTION: ONCE}
 IN_PLACE = (KEEP, SAME, ONCE)  # Join roles whose result is this rank's own value: nothing travels
 
 

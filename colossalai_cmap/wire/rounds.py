@@ -11,7 +11,7 @@ ranks are doing, their rounds pair up: a rank that failed,
 finished early or left a backward meets its peers in a round, they read its header, and all of them raise or retry
 together. gloo never sees unequal sizes, and the group stays in step.
 
-Kinds of round: ``STATUS`` ends a call's forward shard; ``OP`` precedes a collective inside ``func``; ``SYNC``
+Kinds of round: ``STATUS`` ends a call's forward pass; ``OP`` precedes a collective inside ``func``; ``SYNC``
 carries a collective outside ``func`` (backward, and cmap's own data movement). A ``STATUS`` round that meets a peer
 still in an ``OP`` or ``SYNC`` round repeats: that peer sees it, gives up its collective, and comes to its next
 round.
@@ -37,7 +37,7 @@ from ..errors import CmapError, CollectiveAborted, RankFailure
 from . import comm
 from .group import Group
 from .link import Channel, Item, Link, Route, cached_route, numel, offsets, rows_first, typed
-from .roles import COPY, MAX, MIN, Role, Rows, is_rows
+from .roles import COPY, MAX, MIN, Role, Rows, first_row, is_rows
 
 # ---- the round: its header, and the rounds a call takes
 
@@ -53,7 +53,7 @@ ROUND_NAMES = {Kind.STATUS: "exit round", Kind.OP: "op round", Kind.SYNC: "sync 
 
 class Status(IntEnum):
     OK = 0
-    EMPTY = 1  # an empty shard: the rank ran a stand-in example
+    EMPTY = 1  # an empty share: the rank ran a stand-in example
     FAILED = 2
 
 
@@ -73,7 +73,7 @@ class Header(NamedTuple):
     inline: int = 0  # 1: they ride in this round's payload
     graph_sig: int = 0  # the closure edges found in this rank's local graph
     flags: int = 0  # bit k: func changed the k-th mapped input in place
-    values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty shard)
+    values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty share)
     early: int = 0  # 1: this rank sent its data together with this round (the data phase)
 
 
@@ -166,8 +166,9 @@ def exchange(link: Link, header: Header, also: Optional[Callable[[], Any]] = Non
 
 
 def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
-    """The end-of-shard round; repeats while a peer is still in an ``OP`` or ``SYNC`` round (it gives that up). Data
-    is sent early (``also``) only where no peer can be in such a round, so a repeat never follows it."""
+    """The round at the end of a call's forward pass; repeats while a peer is still in an ``OP`` or ``SYNC`` round
+    (it gives that up). Data is sent early (``also``) only where no peer can be in such a round, so a repeat never
+    follows it."""
     while True:
         rnd = exchange(link, header, also)
         if all(h.kind == Kind.STATUS for h in rnd.table):
@@ -544,6 +545,6 @@ def scatter_rows(
 
 def _rows_of(t: torch.Tensor, dim: int, sizes: Sequence[int], r: int) -> torch.Tensor:
     """Rank r's rows, batch dim first; the first example for an empty share (its stand-in)."""
-    n, start = sizes[r], sum(sizes[:r])
+    n, start = sizes[r], first_row(sizes, r)
     rows = t.narrow(dim, start, n) if n else t.narrow(dim, 0, min(1, t.shape[dim]))
     return rows.movedim(dim, 0)

@@ -7,18 +7,13 @@ one op on the process group, waiting as long as the group's own timeout. Every r
 rank that failed before one leaves its peers waiting (docs/collectives.md, "torch.compile").
 """
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
-from .roles import COPY, FIRST, IN_PLACE, SHARE, Role, is_rows, join_transpose, split_transpose
+from .roles import COPY, FIRST, FRACTION, IN_PLACE, Role, first_row, is_rows, join_transpose, split_transpose
 
 SPLIT, JOIN = "split", "join"
-
-
-def rows_at(sizes: Sequence[int], rank: int) -> Tuple[int, int]:
-    """Rank ``rank``'s first row and row count, from every rank's row count."""
-    return sum(sizes[:rank]), sizes[rank]
 
 
 def _gather_rows(t: torch.Tensor, dim: int, sizes: Tuple[int, ...], pg: Any) -> torch.Tensor:
@@ -49,12 +44,12 @@ def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Ten
     if is_rows(role):
         if way == JOIN:
             return _gather_rows(t, role.dim, tuple(role.sizes), pg)
-        return t.narrow(role.dim, *rows_at(role.sizes, rank))
+        return t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank])
     if way == JOIN and role == COPY:
         return fc.all_reduce(t.contiguous(), "sum", pg)
     if role == FIRST:
         return t.clone() if rank == 0 else torch.zeros_like(t)
-    if role == SHARE:
+    if role == FRACTION:
         return t / torch.distributed.get_world_size(pg)
     if role == COPY or role in IN_PLACE:
         return t.clone()

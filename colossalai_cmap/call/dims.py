@@ -1,4 +1,4 @@
-"""The spec layer: ``in_dims``/``out_dims`` against pytrees, with the error messages.
+"""The dims layer: ``in_dims``/``out_dims`` against pytrees, with the error messages.
 
 Every check here is local and deterministic, so every rank raises the same error before any communication.
 """

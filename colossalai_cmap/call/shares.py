@@ -1,9 +1,9 @@
-"""The shard plan: how B examples split over the group, and the record a repeated call reuses.
+"""The shares: how B examples split over the group, and the record a repeated call reuses.
 
-A plan depends only on the arguments' structure, shapes, dtypes and devices, and on the group. The general path
-makes it (checking ``in_dims`` against the arguments on the way) and returns it; a later call whose arguments have the
-same key reads it back instead of checking and planning again. That cache is the whole fast path: the call itself
-runs the same steps either way.
+The shares depend only on the arguments' structure, shapes, dtypes and devices, and on the group. The general path
+makes them (checking ``in_dims`` against the arguments on the way) and returns them; a later call whose arguments
+have the same key reads them back instead of checking and sharing again. That cache is the whole fast path: the call
+itself runs the same steps either way.
 """
 
 from functools import lru_cache
@@ -14,14 +14,14 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..digests import digest
 from ..wire.group import Group
-from ..wire.roles import tensor_split_sizes
+from ..wire.roles import first_row, tensor_split_sizes
+from .dims import flatten_args
 from .options import Options
-from .records import CallPlan
-from .specs import flatten_args
+from .records import Shares
 
 
 @lru_cache(maxsize=1024)
-def shares(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
+def share_sizes(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
     """Rows per rank: ``torch.chunk``'s blocks of ``ceil(B / P)`` when the results are gathered (the padded gather
     buffer then holds the result as its first B rows), else ``torch.tensor_split``'s."""
     if not (gathered and batch):
@@ -30,18 +30,18 @@ def shares(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
     return tuple(p.shape[0] for p in parts) + (0,) * (world - len(parts))
 
 
-def make_plan(opts: Options, func: Callable, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> CallPlan:
-    """Check ``in_dims`` against the arguments and plan the shares; raises ValueError naming the argument."""
+def make_shares(opts: Options, func: Callable, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Shares:
+    """Check ``in_dims`` against the arguments and find the shares; raises ValueError naming the argument."""
     flat = flatten_args(func, args, opts.in_dims, opts.call)
     local = opts.src == "local"
     if local:
         sizes, rows, offset, batch = None, flat.batch_size, 0, -1
     else:
-        sizes = shares(flat.batch_size, group.size, opts.gathers)
-        rows, offset, batch = sizes[group.rank], sum(sizes[: group.rank]), flat.batch_size
+        sizes = share_sizes(flat.batch_size, group.size, opts.gathers)
+        rows, offset, batch = sizes[group.rank], first_row(sizes, group.rank), flat.batch_size
     sig = _input_sig(opts, flat.spec, flat.leaves, flat.dims, kwargs, keep_batch=not local)
     mapped = tuple(i for i, d in enumerate(flat.dims) if d is not None)
-    return CallPlan(flat.spec, tuple(flat.dims), batch, sizes, rows, offset, sig, mapped)
+    return Shares(flat.spec, tuple(flat.dims), batch, sizes, rows, offset, sig, mapped)
 
 
 def _input_sig(
@@ -75,7 +75,7 @@ def const_key(value: Any) -> Any:
 
 
 def key_of(leaves: Sequence[Any], kwargs: Dict[str, Any], group: Group) -> Tuple[Any, ...]:
-    """The fast path's key: what a plan depends on, cheap to build (the tree spec is compared on a hit)."""
+    """The fast path's key: what the shares depend on, cheap to build (the tree spec is compared on a hit)."""
     parts = tuple(
         (v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else (type(v), const_key(v)) for v in leaves
     )
