@@ -12,6 +12,7 @@ from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
 from ..axis.lowering import index_table
 from ..call import closures
+from ..call.module_params import reaches_trainable
 from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import collective_device
@@ -23,6 +24,7 @@ from ..wire.guard import guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
+from .compiled import Parts, eager_fallbacks, run_compiled
 from .conclude import Outcome, conclude
 from .mesh import Mesh, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
@@ -144,17 +146,23 @@ class ShardMapped:
         self.name = getattr(f, "__name__", type(f).__name__)
         self.call = f"shard_map({self.name})"
         functools.update_wrapper(self, f, updated=())
+        call, mesh = self.call, opts.mesh
+
+        # Read when dynamo traces a call (it can read neither closure cells nor the mesh's cache), as constants of
+        # that graph: the mesh is resolved once, out of the graph, on every rank alike.
+        def view() -> MeshView:
+            return resolve_mesh(call, mesh)
+
+        def captures_trainable() -> bool:
+            return reaches_trainable(f)
+
+        self.view = torch.compiler.assume_constant_result(view)
+        self.captures_trainable = torch.compiler.assume_constant_result(captures_trainable)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return _outside_graph(self, args, kwargs)
+        if torch.compiler.is_compiling():  # the call lowered to traceable ops: one graph (shard/compiled.py)
+            return run_compiled(self, self.view(), args, kwargs, _COMPILED)
         return _run(self, args, kwargs)
-
-
-@torch._disable_dynamo
-def _outside_graph(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``torch.compile(shard_map(f))``: the orchestration runs eagerly, as a graph break, as a cmap's does."""
-    return _run(site, args, kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ one call
@@ -349,6 +357,10 @@ def _check_vma(
             "does anything computed from it (zeros_like and full_like included); psum, pmax, pmin or "
             "all_gather_invariant make a value invariant over their axes."
         )
+
+
+# What the compiled driver takes from here: the same checks, and the eager call out of the graph.
+_COMPILED = Parts(manual=_manual, placements=_placements, eager=eager_fallbacks(_run))
 
 
 def _axes(names: Any) -> str:
