@@ -131,3 +131,92 @@ MATRIX = [
 @pytest.mark.parametrize("name,check_vma,backend", MATRIX, ids=[f"{m[0]}-vma{int(m[1])}-{m[2]}" for m in MATRIX])
 def test_compiled_shard_map(worlds, name, check_vma, backend):
     assert worlds(4).run(check_case, name, check_vma, backend, deadline=300) == [1] * 4
+
+
+# ---------------------------------------------------------------------------------------------- what runs eagerly
+def check_refusals() -> List[str]:
+    """What the compiled call cannot lower runs eagerly, out of the graph: without fullgraph, a graph break with the
+    eager values and gradients; with fullgraph=True, dynamo's error, whose text names what and the fix."""
+    line = mesh((2,), ("x",))
+    w = randn(3, 3, seed=5, dtype=DOUBLE).requires_grad_()
+    cases = [
+        (lambda v: cm.psum(v @ w, "x"), randn(4, 3, seed=6, dtype=DOUBLE)),  # a closure that requires grad
+        (lambda v: v.sin(), randn(5, 3, seed=7, dtype=DOUBLE)),  # 5 rows over 2 ranks
+        (lambda v: cm.psum(v, "x", axis_index_groups=[[0], [1]]), randn(4, 3, seed=8, dtype=DOUBLE)),
+    ]
+    messages = []
+    for f, x in cases:
+        sm = cm.shard_map(f, mesh=line, in_specs=P("x"), out_specs=P("x"))
+        want, want_grads = _grads(sm, (x,))
+        w.grad = None
+        torch._dynamo.reset()
+        got, got_grads = _grads(torch.compile(sm, backend="aot_eager"), (x,))
+        _close((got, got_grads), (want, want_grads), "a graph break")
+        w.grad = None
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="runs eagerly") as caught:
+            torch.compile(sm, fullgraph=True, backend="eager")(x)
+        messages.append(str(caught.value).split("skip function ", 1)[1].split(" in file")[0])
+    return messages
+
+
+def test_what_cannot_compile_runs_eagerly_and_says_why(worlds):
+    got = worlds(2).run(check_refusals, deadline=240)
+    assert got[0] == got[1]
+    for words, message in zip(
+        [("closure", "in_specs entry"), ("do not divide", "pad"), ("axis_index_groups",)], got[0]
+    ):
+        assert all(w in message for w in words), message
+
+
+# -------------------------------------------------------------------------------------- the training step's form
+def check_training_step(local: bool) -> Tuple[Any, ...]:
+    """A compiled training step whose loss is a Megatron MLP under shard_map, with a graph break inside f (a print's)
+    in the second form: three SGD steps against eager ones, the same losses and weights; the first form one frame.
+    With ``local``, the per-device style: each rank passes its own blocks and gets its blocks back."""
+    grid = mesh((2, 2), ("x", "y"))
+    x, w1, w2 = _mlp_args()
+    specs = (P("x"), P(None, "y"), P("y", None))
+    if local:  # this rank's blocks of the same global arguments
+        coords = dict(zip(("x", "y"), grid.get_coordinate()))
+        x = x.tensor_split(2)[coords["x"]]
+        w1, w2 = w1.tensor_split(2, 1)[coords["y"]], w2.tensor_split(2)[coords["y"]]
+
+    def broken(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ w1)
+        torch._dynamo.graph_break()
+        return cm.psum(h @ w2, "y")
+
+    def train(f: Callable, compiled: bool) -> Tuple[List[float], List[torch.Tensor], int]:
+        sm = cm.shard_map(f, mesh=grid, in_specs=specs, out_specs=P("x"), local=local)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+        def step(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return sm(x, a, b).square().mean()
+
+        torch._dynamo.reset()
+        run = torch.compile(step, fullgraph=f is megatron, backend=counter) if compiled else step
+        weights = [w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+        opt = torch.optim.SGD(weights, lr=0.5)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = run(x, *weights)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [v.detach() for v in weights], counter.frame_count
+
+    want_losses, want_weights, _ = train(megatron, False)
+    got_losses, got_weights, frames = train(megatron, True)
+    _close(got_losses, want_losses, "compiled losses")
+    _close(got_weights, want_weights, "the weights after three compiled steps")
+    broken_losses, broken_weights, broken_frames = train(broken, True)
+    _close(broken_losses, want_losses, "losses with a graph break in f")
+    _close(broken_weights, want_weights, "the weights with a graph break in f")
+    return frames, broken_frames > 1
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+def test_compiled_training_step(worlds, local):
+    assert worlds(4).run(check_training_step, local, deadline=300) == [(1, True)] * 4
