@@ -105,8 +105,10 @@ def check_case(name: str, check_vma: bool, backend: str) -> int:
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(sm, fullgraph=True, backend=counter)
-    got, got_grads = _grads(compiled, args)
-    again, _ = _grads(compiled, args)  # the same graph again: no recompile
+    with cm.record_collectives() as log:  # the eager protocol's collectives and rounds: none run
+        got, got_grads = _grads(compiled, args)
+        again, _ = _grads(compiled, args)  # the same graph again: no recompile
+    assert log.count == 0, log
     what = f"{name} check_vma={check_vma} {backend}"
     _close(got, eager, f"{what}: compiled vs eager")
     _close(again, eager, f"{what}: second compiled call vs eager")
@@ -115,6 +117,9 @@ def check_case(name: str, check_vma: bool, backend: str) -> int:
         want, want_grads = _grads(ref, args)
         _close(got, want, f"{what}: compiled vs unsharded")
         _close(got_grads, want_grads, f"{what}: gradients, compiled vs unsharded")
+    if name == "megatron":  # dynamo's own account: one graph, no break
+        explained = torch._dynamo.explain(sm)(*args)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
     return counter.frame_count
 
 
