@@ -165,6 +165,40 @@ def check_refusals() -> List[str]:
     return messages
 
 
+def check_wrong_out_specs() -> List[str]:
+    """check_vma's check of out_specs runs while dynamo traces (an eager call without gradients): a wrong entry is
+    jax's error on every rank, compiled as eagerly, and with fullgraph=True dynamo's error says why; the inputs, which
+    f changes in place, and the random stream are as they were."""
+    line = mesh((2,), ("x",))
+
+    def f(v: torch.Tensor, scale: Dict[str, Any]) -> torch.Tensor:
+        v.mul_(scale["by"])  # in place, on the caller's rows
+        return v * torch.rand(()).to(v.dtype)  # varies over "x", but out_specs says P()
+
+    sm = cm.shard_map(f, mesh=line, in_specs=(P("x"), P()), out_specs=P())
+    x, scale = randn(4, 3, seed=9, dtype=DOUBLE), {"by": 2.0, "name": "kept"}
+    messages = []
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        given, state = x.clone(), torch.get_rng_state()
+        with pytest.raises(Exception) as caught:
+            torch.compile(sm, fullgraph=fullgraph, backend="eager")(given, scale)
+        messages.append(f"{type(caught.value).__name__}: {caught.value}")
+        if fullgraph:  # refused before anything ran: the trace-time call changed copies, and drew on a fork
+            _close(given, x, "the inputs after the trace-time check")
+            assert torch.equal(torch.get_rng_state(), state), "the random stream moved"
+    torch._dynamo.reset()
+    right = cm.shard_map(f, mesh=line, in_specs=(P("x"), P()), out_specs=P("x"))
+    torch.manual_seed(3)
+    given = x.clone()
+    want = right(given, scale)
+    torch.manual_seed(3)
+    again = x.clone()
+    got = torch.compile(right, fullgraph=True, backend="eager")(again, scale)
+    _close((got, again), (want, given), "the right out_specs, compiled (values, the inputs changed in place)")
+    return messages
+
+
 def test_what_cannot_compile_runs_eagerly_and_says_why(worlds):
     got = worlds(2).run(check_refusals, deadline=240)
     assert got[0] == got[1]
@@ -172,6 +206,10 @@ def test_what_cannot_compile_runs_eagerly_and_says_why(worlds):
         [("closure", "in_specs entry"), ("do not divide", "pad"), ("axis_index_groups",)], got[0]
     ):
         assert all(w in message for w in words), message
+    refused, raised = worlds(2).run(check_wrong_out_specs, deadline=240)[1]
+    assert "Unsupported" in refused and "check_vma" in refused and "fix that entry" in refused, refused
+    assert raised.startswith("CmapError") and "out_specs which require replication" in raised, raised
+    assert "out_specs is P() which implies" in raised and "{x}" in raised, raised
 
 
 # -------------------------------------------------------------------------------------- the training step's form

@@ -24,7 +24,7 @@ from ..wire.guard import guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
-from .compiled import Parts, eager_fallbacks, run_compiled
+from .compiled import TENSOR, Parts, eager_fallbacks, run_compiled
 from .conclude import Outcome, conclude
 from .mesh import Mesh, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
@@ -148,21 +148,46 @@ class ShardMapped:
         functools.update_wrapper(self, f, updated=())
         call, mesh = self.call, opts.mesh
 
-        # Read when dynamo traces a call (it can read neither closure cells nor the mesh's cache), as constants of
-        # that graph: the mesh is resolved once, out of the graph, on every rank alike.
-        def view() -> MeshView:
+        # Run when dynamo traces a call (it can read neither closure cells nor the mesh's cache), their results
+        # constants of that graph, on every rank alike. Dynamo also stores each result among the globals of the
+        # compiled function's module, by the function's name: the names are the package's own.
+        def cmap_shard_map_mesh_view() -> MeshView:
             return resolve_mesh(call, mesh)
 
-        def captures_trainable() -> bool:
+        def cmap_shard_map_captures_trainable() -> bool:
             return reaches_trainable(f)
 
-        self.view = torch.compiler.assume_constant_result(view)
-        self.captures_trainable = torch.compiler.assume_constant_result(captures_trainable)
+        def cmap_shard_map_out_specs_failure(skeleton: Any, *tensors: torch.Tensor) -> Optional[str]:
+            return _out_specs_failure(self, skeleton, tensors)
+
+        self.view = torch.compiler.assume_constant_result(cmap_shard_map_mesh_view)
+        self.captures_trainable = torch.compiler.assume_constant_result(cmap_shard_map_captures_trainable)
+        self.out_specs_failure = torch.compiler.assume_constant_result(cmap_shard_map_out_specs_failure)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # the call lowered to traceable ops: one graph (shard/compiled.py)
             return run_compiled(self, self.view(), args, kwargs, _COMPILED)
         return _run(self, args, kwargs)
+
+
+def _out_specs_failure(site: ShardMapped, skeleton: Any, tensors: Sequence[torch.Tensor]) -> Optional[str]:
+    """``check_vma``'s error for the call whose arguments are ``skeleton`` (``(args, kwargs)`` with
+    :data:`~.compiled.TENSOR` for each tensor) and ``tensors``, or None: the eager call, without gradients, run while
+    dynamo traces the compiled one (the types cannot be tracked inside the graph), on every rank alike."""
+    flat, tree = tree_flatten(skeleton)
+    given = iter([t.detach().clone() for t in tensors])  # f may change its blocks in place
+    args, kwargs = tree_unflatten([next(given) if isinstance(v, str) and v == TENSOR else v for v in flat], tree)
+    accelerators = sorted({t.device for t in tensors if t.device.type != "cpu"}, key=str)
+    kind = accelerators[0].type if accelerators else "cuda"
+    try:  # f's random draws here are not the compiled call's
+        with torch.no_grad(), torch.random.fork_rng([d.index for d in accelerators], device_type=kind):
+            _run(site, args, kwargs)
+    except ValueError as exc:  # a CmapError that is also a ValueError, on every rank
+        if "out_specs which require replication" in str(exc):
+            return str(exc)
+    except Exception:  # any other error is the compiled call's own, when it runs
+        pass
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ one call

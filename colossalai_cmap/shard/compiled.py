@@ -27,7 +27,7 @@ others (they wait in the next collective until the group's timeout), as with a c
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
@@ -61,6 +61,8 @@ def run_compiled(site: Any, view: MeshView, args: Tuple[Any, ...], kwargs: Dict[
     places = parts.placements(site, "in", opts.in_specs, args, view, manual)
     leaves, tree = tree_flatten(args)
     reason = unsupported(site, view, leaves, places)
+    if reason is None and site.opts.check_vma:
+        reason = _checked(site, args, kwargs)
     if reason is not None:
         return parts.eager[reason](site, args, kwargs)
     grads = torch.is_grad_enabled()
@@ -106,7 +108,28 @@ def unsupported(site: Any, view: MeshView, leaves: Sequence[Any], places: Sequen
     return None
 
 
+# What stands for a tensor in the structure of the arguments that the trace-time check is given (a constant).
+TENSOR = "<colossalai_cmap: a tensor>"
+_CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _checked(site: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+    """``check_vma``'s check of ``out_specs``, by the eager call run while dynamo traces (out of the graph, without
+    gradients): "out_specs" where it fails (the eager call then raises jax's error on every rank), else None. Skipped
+    when an argument is neither a tensor nor a constant (a custom pytree node, an object): dynamo cannot pass it."""
+    leaves, _ = tree_flatten((args, kwargs))
+    if not all(isinstance(v, (torch.Tensor,) + _CONSTANTS) for v in leaves):
+        return None
+    skeleton = tree_map(lambda v: TENSOR if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    return None if site.out_specs_failure(skeleton, *tensors) is None else "out_specs"
+
+
 REASONS = {
+    "out_specs": (
+        "check_vma's check of out_specs failed when dynamo traced the call (an entry leaves out an axis its output "
+        "varies over; the eager call raises jax's error naming it): fix that entry, or pass check_vma=False"
+    ),
     "nested": "a shard_map inside the f of another shard_map, smap or cmap runs over that call's frames",
     "uneven": (
         "an in_specs entry splits a dim its mesh axes do not divide, and the exit learns the other ranks' uneven "
