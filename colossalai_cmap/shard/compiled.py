@@ -4,8 +4,9 @@ so that dynamo traces ``torch.compile(shard_map(f, ...), fullgraph=True)`` into 
 The pipeline (:func:`run_compiled`), with the eager call's specs, blocks and transposes but no round of its own:
 
 1. Refuse what needs the eager orchestration (:func:`unsupported`): a map nested in another's ``f``, uneven blocks
-   (the exit's round learns other ranks' block lengths; jax requires even ones), and tensors ``f`` reads from its
-   closures or module parameters that require grad (their gradient is summed over the mesh by interception).
+   (the exit's round learns other ranks' block lengths; jax requires even ones), tensors ``f`` reads from its
+   closures or module parameters that require grad (their gradient is summed over the mesh by interception), and
+   with ``check_vma=True`` an ``out_specs`` entry the trace-time check finds wrong (below).
 2. The mesh, resolved once, out of the graph (a constant of it), and the specs checked as eagerly.
 3. Cut: each global argument's block, a traced ``Split`` per mesh axis (:mod:`~colossalai_cmap.wire.traced`) where
    it needs a gradient (rows gathered in backward, replicated axes' gradients summed), else a ``narrow``.
@@ -19,9 +20,12 @@ The pipeline (:func:`run_compiled`), with the eager call's specs, blocks and tra
 Varying-axis types are not tracked inside the graph: their tracker is a ``TorchFunctionMode`` that stores types on
 tensor objects and reads autograd nodes, which dynamo cannot trace. So ``check_vma=True`` compiles with
 ``check_vma=False``'s transposes (the same values and gradients; backward may all-reduce where jax's types would
-not), and its static check of ``out_specs`` runs only eagerly: run the step once without ``torch.compile`` to have
-it checked (docs/shard_map.md, "torch.compile"). No status round either: an error on one rank is not raised on the
-others (they wait in the next collective until the group's timeout), as with a compiled cmap.
+not). Its check of ``out_specs`` runs while dynamo traces instead (:func:`_checked`): the eager call, without
+gradients, on copies of the arguments and a forked random stream, out of the graph (a
+``torch.compiler.assume_constant_result`` function of the call site, so every rank runs it at the same point); a
+wrong entry makes the call run eagerly, where it raises jax's error on every rank. No status round either: an error
+on one rank is not raised on the others (they wait in the next collective until the group's timeout), as with a
+compiled cmap.
 """
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
