@@ -105,9 +105,11 @@ def check_case(name: str, check_vma: bool, backend: str) -> int:
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(sm, fullgraph=True, backend=counter)
-    with cm.record_collectives() as log:  # the eager protocol's collectives and rounds: none run
+    with cm.record_collectives() as log:  # tracing runs the eager call once, for check_vma's check of out_specs
         got, got_grads = _grads(compiled, args)
-        again, _ = _grads(compiled, args)  # the same graph again: no recompile
+    assert (log.count > 0) == check_vma, log
+    with cm.record_collectives() as log:  # the same graph again (no recompile): none of the eager protocol's
+        again, _ = _grads(compiled, args)
     assert log.count == 0, log
     what = f"{name} check_vma={check_vma} {backend}"
     _close(got, eager, f"{what}: compiled vs eager")
