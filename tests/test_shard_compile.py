@@ -82,6 +82,11 @@ CASES: Dict[str, Tuple[Callable, Any, Any, Any]] = {
 }
 
 
+# more shard_map options per case: the reduce-scatter runs with "y" the only manual axis (partial manual: f sees whole
+# values along "x", computed alike on its ranks)
+OPTIONS: Dict[str, Dict[str, Any]] = {"psum_scatter": dict(axis_names={"y"})}
+
+
 def _loss(out: Any) -> torch.Tensor:
     """A loss that weighs every output leaf differently, so a gradient routed to the wrong leaf shows."""
     flat = torch.utils._pytree.tree_leaves(out)
@@ -100,7 +105,9 @@ def check_case(name: str, check_vma: bool, backend: str) -> int:
     frame compiled with fullgraph=True; returns dynamo's frame count."""
     f, in_specs, out_specs, ref = CASES[name]
     args = _mlp_args()
-    sm = cm.shard_map(f, mesh=mesh((2, 2), ("x", "y")), in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    grid = mesh((2, 2), ("x", "y"))
+    options = OPTIONS.get(name, {})
+    sm = cm.shard_map(f, mesh=grid, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, **options)
     eager, eager_grads = _grads(sm, args)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
@@ -129,7 +136,7 @@ def check_case(name: str, check_vma: bool, backend: str) -> int:
 MATRIX = [
     ("megatron", True, "aot_eager"),
     ("fsdp", True, "aot_eager"),
-    ("psum_scatter", True, "eager"),
+    ("psum_scatter", True, "eager"),  # partial manual (OPTIONS)
     ("collectives", True, "aot_eager"),
     ("collectives", False, "eager"),
 ]
@@ -146,6 +153,7 @@ def check_refusals() -> List[str]:
     eager values and gradients; with fullgraph=True, dynamo's error, whose text names what and the fix."""
     line = mesh((2,), ("x",))
     w = randn(3, 3, seed=5, dtype=DOUBLE).requires_grad_()
+    smapped = cm.smap(lambda v: cm.psum(v, "x"), in_axes=0, out_axes=None, axis_name="x")
     cases = [
         (lambda v: cm.psum(v @ w, "x"), randn(4, 3, seed=6, dtype=DOUBLE)),  # a closure that requires grad
         (lambda v: v.sin(), randn(5, 3, seed=7, dtype=DOUBLE)),  # 5 rows over 2 ranks
@@ -163,6 +171,15 @@ def check_refusals() -> List[str]:
         torch._dynamo.reset()
         with pytest.raises(torch._dynamo.exc.Unsupported, match="runs eagerly") as caught:
             torch.compile(sm, fullgraph=True, backend="eager")(x)
+        messages.append(str(caught.value).split("skip function ", 1)[1].split(" in file")[0])
+    with cm.set_mesh(line):  # smap makes its shard_map at each call, from the mesh in context
+        x = randn(2, 3, seed=10, dtype=DOUBLE)
+        want = _grads(smapped, (x,))
+        torch._dynamo.reset()
+        _close(_grads(torch.compile(smapped, backend="aot_eager"), (x,)), want, "smap, a graph break")
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="runs eagerly") as caught:
+            torch.compile(smapped, fullgraph=True, backend="eager")(x)
         messages.append(str(caught.value).split("skip function ", 1)[1].split(" in file")[0])
     return messages
 
@@ -203,9 +220,10 @@ def check_wrong_out_specs() -> List[str]:
 
 def test_what_cannot_compile_runs_eagerly_and_says_why(worlds):
     got = worlds(2).run(check_refusals, deadline=240)
-    assert got[0] == got[1]
+    assert got[0] == got[1] and len(got[0]) == 4, got
     for words, message in zip(
-        [("closure", "in_specs entry"), ("do not divide", "pad"), ("axis_index_groups",)], got[0]
+        [("closure", "in_specs entry"), ("do not divide", "pad"), ("axis_index_groups",), ("smap", "axis_names=")],
+        got[0],
     ):
         assert all(w in message for w in words), message
     refused, raised = worlds(2).run(check_wrong_out_specs, deadline=240)[1]
