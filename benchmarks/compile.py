@@ -14,6 +14,9 @@ repetition:
 * ``eager vmap`` and ``compiled f, vmap``: mode "vmap" maps the original function of a compiled f.
 * ``compile(cmap) fullgraph``: ``torch.compile(cmap(f), fullgraph=True)`` in mode "vmap": one graph, against
   ``eager vmap``.
+* ``eager shard_map`` and ``compile(shard_map) fullgraph``: a Megatron MLP block (columns of the first weight and
+  rows of the second over the mesh axis "tp", one ``psum``) under ``shard_map``, eagerly and as one graph
+  (``torch.compile(shard_map(f), fullgraph=True)``; ``check_vma`` is not tracked inside the graph).
 
 It prints the median time per call (max over ranks), each variant's ratio to its eager reference (of the medians, and
 the range of the repetitions' own ratios), and the first
@@ -32,6 +35,7 @@ import torch.distributed as dist
 
 import colossalai_cmap as cm
 from benchmarks import world
+from colossalai_cmap import P
 
 
 def make_f(w1: torch.Tensor, w2: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -65,6 +69,16 @@ def measure(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, 32, generator=g).requires_grad_()
     f = make_f(w1, w2)
     compiled = torch.compile(f, fullgraph=True, backend=args.backend)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+    t1, t2 = torch.randn(32, 64, generator=g) / 6, torch.randn(64, 32, generator=g) / 8
+
+    def block(v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return cm.psum(torch.tanh(v @ a) @ b, "tp")
+
+    megatron = cm.shard_map(block, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P())
+    mlp_block = torch.compile(megatron, fullgraph=True, backend=args.backend)
     variants = {
         "eager batched": cm.cmap(f, axis_name="i", mode="batched"),
         "compiled f, batched": cm.cmap(compiled, axis_name="i", mode="batched"),
@@ -72,8 +86,11 @@ def measure(args: argparse.Namespace) -> None:
         "eager vmap": cm.cmap(f, axis_name="i"),
         "compiled f, vmap": cm.cmap(compiled, axis_name="i"),
         "compile(cmap) fullgraph": torch.compile(cm.cmap(f, axis_name="i"), fullgraph=True, backend=args.backend),
+        "eager shard_map": lambda v: megatron(v, t1, t2),
+        "compile(shard_map) fullgraph": lambda v: mlp_block(v, t1, t2),
     }
     reference = {
+        "compile(shard_map) fullgraph": "eager shard_map",
         "compiled f, batched": "eager batched",
         "compile(cmap)": "eager batched",
         "compiled f, vmap": "eager vmap",
@@ -88,10 +105,11 @@ def measure(args: argparse.Namespace) -> None:
         return run
 
     first, times = {}, {name: [] for name in variants}
-    want = variants["eager batched"](x).detach()
+    want = {ref: variants[ref](x).detach() for ref in ("eager batched", "eager shard_map")}
     for name, fn in variants.items():
         first[name] = timed(step(fn), 1)
-        assert torch.allclose(fn(x).detach(), want, atol=1e-5), name
+        ref = "eager shard_map" if "shard_map" in name else "eager batched"
+        assert torch.allclose(fn(x).detach(), want[ref], atol=1e-5), name
     names = list(variants)
     for rep in range(args.reps):
         for k in range(len(names)):  # the starting variant rotates

@@ -43,8 +43,26 @@ def exchange(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, ar
     if not torch.compiler.is_compiling():
         return rule.rows(frame, rows, rule, name, arg)
     if rule.traced is None:
-        raise NotImplementedError(f"{rule.label(name)} has no traced rule.")
+        return _EAGER_EXCHANGE(frame, rows, rule, name, arg)
     return rule.traced(frame, rows, rule, name, arg)
+
+
+def _exchanged_eagerly() -> Callable[..., torch.Tensor]:
+    """The eager exchange out of the graph, for an op with no traced form: a graph break, or with ``fullgraph=True``
+    dynamo's error, which shows this function's name, so the name says why and what to do."""
+
+    def run(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any) -> torch.Tensor:
+        return rule.rows(frame, rows, rule, name, arg)
+
+    run.__name__ = run.__qualname__ = (
+        "a collective with axis_index_groups has no traced form and runs eagerly, not inside torch.compile (a graph "
+        "break); to keep one graph, write each group's sum as a psum over the whole axis of the value masked to that "
+        "group (torch.where on axis_index)"
+    )
+    return torch._disable_dynamo(run)
+
+
+_EAGER_EXCHANGE = _exchanged_eagerly()
 
 
 def traced_vmap(frame: AxisFrame, x: torch.Tensor, rule: AxisRule, name: str, arg: Any) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
 from ..axis.lowering import index_table
 from ..call import closures
+from ..call.module_params import reaches_trainable
 from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import collective_device
@@ -23,6 +24,7 @@ from ..wire.guard import guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
+from .compiled import TENSOR, Parts, eager_fallbacks, run_compiled
 from .conclude import Outcome, conclude
 from .mesh import Mesh, MeshJoints, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
@@ -145,17 +147,48 @@ class ShardMapped:
         self.name = getattr(f, "__name__", type(f).__name__)
         self.call = f"shard_map({self.name})"
         functools.update_wrapper(self, f, updated=())
+        call, mesh = self.call, opts.mesh
+
+        # Run when dynamo traces a call (it can read neither closure cells nor the mesh's cache), their results
+        # constants of that graph, on every rank alike. Dynamo also stores each result among the globals of the
+        # compiled function's module, by the function's name: the names are the package's own.
+        def cmap_shard_map_mesh_view() -> MeshView:
+            return resolve_mesh(call, mesh)
+
+        def cmap_shard_map_captures_trainable() -> bool:
+            return reaches_trainable(f)
+
+        def cmap_shard_map_out_specs_failure(skeleton: Any, *tensors: torch.Tensor) -> Optional[str]:
+            return _out_specs_failure(self, skeleton, tensors)
+
+        self.view = torch.compiler.assume_constant_result(cmap_shard_map_mesh_view)
+        self.captures_trainable = torch.compiler.assume_constant_result(cmap_shard_map_captures_trainable)
+        self.out_specs_failure = torch.compiler.assume_constant_result(cmap_shard_map_out_specs_failure)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return _outside_graph(self, args, kwargs)
+        if torch.compiler.is_compiling():  # the call lowered to traceable ops: one graph (shard/compiled.py)
+            return run_compiled(self, self.view(), args, kwargs, _COMPILED)
         return _run(self, args, kwargs)
 
 
-@torch._disable_dynamo
-def _outside_graph(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``torch.compile(shard_map(f))``: the orchestration runs eagerly, as a graph break, as a cmap's does."""
-    return _run(site, args, kwargs)
+def _out_specs_failure(site: ShardMapped, skeleton: Any, tensors: Sequence[torch.Tensor]) -> Optional[str]:
+    """``check_vma``'s error for the call whose arguments are ``skeleton`` (``(args, kwargs)`` with
+    :data:`~.compiled.TENSOR` for each tensor) and ``tensors``, or None: the eager call, without gradients, run while
+    dynamo traces the compiled one (the types cannot be tracked inside the graph), on every rank alike."""
+    flat, tree = tree_flatten(skeleton)
+    given = iter([t.detach().clone() for t in tensors])  # f may change its blocks in place
+    args, kwargs = tree_unflatten([next(given) if isinstance(v, str) and v == TENSOR else v for v in flat], tree)
+    accelerators = sorted({t.device for t in tensors if t.device.type != "cpu"}, key=str)
+    kind = accelerators[0].type if accelerators else "cuda"
+    try:  # f's random draws here are not the compiled call's
+        with torch.no_grad(), torch.random.fork_rng([d.index for d in accelerators], device_type=kind):
+            _run(site, args, kwargs)
+    except ValueError as exc:  # a CmapError that is also a ValueError, on every rank
+        if "out_specs which require replication" in str(exc):
+            return str(exc)
+    except Exception:  # any other error is the compiled call's own, when it runs
+        pass
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ one call
@@ -355,6 +388,10 @@ def _check_vma(
             "does anything computed from it (zeros_like and full_like included); psum, pmax, pmin or "
             "all_gather_invariant make a value invariant over their axes."
         )
+
+
+# What the compiled driver takes from here: the same checks, and the eager call out of the graph.
+_COMPILED = Parts(manual=_manual, placements=_placements, eager=eager_fallbacks(_run))
 
 
 def _axes(names: Any) -> str:

@@ -99,6 +99,11 @@ class Smapped:
         functools.update_wrapper(self, f, updated=())
 
     def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _EAGER(self, *args)
+        return self._run(*args)
+
+    def _run(self, *args: Any) -> Any:
         where, view = self._checked_context()
         name = self.axis_name
         in_specs = self._in_specs(args)
@@ -213,3 +218,21 @@ def _from_front(v: Any, axis: Optional[int]) -> Any:
     if axis is None or axis >= 0 or not isinstance(v, torch.Tensor):
         return v
     return v.movedim(0, axis % v.dim())
+
+
+def _eagerly() -> Callable[..., Any]:
+    """The eager smap out of the graph, as one graph break; with ``fullgraph=True`` dynamo's error shows this
+    function's name, so the name says why and what to do."""
+
+    def run(site: Smapped, *args: Any) -> Any:
+        return site._run(*args)
+
+    run.__name__ = run.__qualname__ = (
+        "smap runs eagerly, not inside torch.compile: it makes its shard_map at each call, from the mesh in context; "
+        "to keep one graph, use shard_map(f, mesh, in_specs=P(axis_name), out_specs=..., axis_names={axis_name}), "
+        "made outside the compiled function"
+    )
+    return torch._disable_dynamo(run)
+
+
+_EAGER = _eagerly()

@@ -33,15 +33,20 @@ class P(tuple):
         >>> P()                # replicated over the whole mesh
     """
 
+    entries: Tuple[Union[None, str, Tuple[str, ...]], ...]
+
     def __new__(cls, *entries: Union[None, str, Tuple[str, ...]]) -> "P":
-        return super().__new__(cls, tuple(tuple(e) if isinstance(e, list) else e for e in entries))
+        entries = tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+        spec = super().__new__(cls, entries)
+        spec.entries = entries  # a plain tuple: what dynamo reads (it iterates no tuple subclass)
+        return spec
 
     def __repr__(self) -> str:
         return f"P({', '.join(map(repr, self))})"
 
     def axes(self) -> Tuple[str, ...]:
         """Every mesh axis the spec names, in order."""
-        return tuple(a for e in self if e is not None for a in (e if isinstance(e, tuple) else (e,)))
+        return tuple(a for e in self.entries if e is not None for a in (e if isinstance(e, tuple) else (e,)))
 
 
 def _entry_axes(entry: Union[None, str, Tuple[str, ...]]) -> Tuple[str, ...]:
@@ -124,7 +129,7 @@ def check_spec(call: str, kind: str, path: str, spec: Any, names: Sequence[str])
             f"must be a pytree of P (colossalai_cmap.P, jax's PartitionSpec) instances."
         )
     seen = set()
-    for entry in spec:
+    for entry in spec.entries:
         if not (entry is None or isinstance(entry, str) or (isinstance(entry, tuple) and entry)):
             raise TypeError(f"{call}: {kind}_specs{path} is {spec!r}: each entry is None, an axis name or a tuple.")
         for a in _entry_axes(entry):
@@ -158,15 +163,15 @@ def placement(leaf: Leaf, spec: P, value: Any, names: Sequence[str]) -> Placemen
                 f"only tensors are split (use P() for other values)."
             )
         return Placement(path, spec, (), tuple(names))
-    if len(spec) > value.dim():
+    if len(spec.entries) > value.dim():
         raise ValueError(
             f"{call}: shard_map was given an {kind}_specs entry which is too long to be compatible with the "
-            f"corresponding {kind}put value: {kind}_specs{path} is {spec!r} which has length {len(spec)}, but {where} "
-            f"has shape {tuple(value.shape)}, which has rank {value.dim()} (and {value.dim()} < {len(spec)}). "
+            f"corresponding {kind}put value: {kind}_specs{path} is {spec!r} which has length {len(spec.entries)}, but {where} "
+            f"has shape {tuple(value.shape)}, which has rank {value.dim()} (and {value.dim()} < {len(spec.entries)}). "
             f"Entries in {kind}_specs must be of length no greater than the number of axes in the corresponding "
             f"{kind}put value." + (" For scalar values (rank 0), consider using P()." if value.dim() == 0 else "")
         )
-    split = tuple((d, _entry_axes(e)) for d, e in enumerate(spec) if e is not None)
+    split = tuple((d, _entry_axes(e)) for d, e in enumerate(spec.entries) if e is not None)
     named = set(spec.axes())
     return Placement(path, spec, split, tuple(a for a in names if a not in named))
 

@@ -47,6 +47,8 @@ def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Ten
         return t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank])
     if way == JOIN and role == COPY:
         return fc.all_reduce(t.contiguous(), "sum", pg)
+    if way == JOIN and role == FIRST:  # rank 0's value, on every rank
+        return fc.broadcast(t.contiguous(), 0, pg)
     if role == FIRST:
         return t.clone() if rank == 0 else torch.zeros_like(t)
     if role == FRACTION:
