@@ -58,7 +58,9 @@ def _names(axis_name: AxisName) -> Tuple[str, ...]:
 def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
     """``op`` over every axis of a (tuple) name, innermost first, so that the first name is major; a reduction over
     mesh axes taken together, one on their group."""
-    joint = _joint(axis_name) if len(_names(axis_name)) > 1 and RULES[op].kind is RuleKind.REDUCE else None
+    # is_compiling first: dynamo cannot index the rule table's mappingproxy (_joint is None there anyway)
+    several = len(_names(axis_name)) > 1 and not torch.compiler.is_compiling()
+    joint = _joint(axis_name) if several and RULES[op].kind is RuleKind.REDUCE else None
     if joint is not None:
         size = axis_size(axis_name)
         frame = AxisFrame(joint.link, size, joint.index, (1,) * size, "rank")
