@@ -166,16 +166,40 @@ def check_sequence(loss_parallel: bool, vocab: bool, heads: int, kv_heads: int, 
     ref = llama(heads, kv_heads, hidden)
     tp = cm.shard_model(llama(heads, kv_heads, hidden), plan=plan, sequence_parallel=True, loss_parallel=loss_parallel)
     compare(tp, ref, loss_parallel, f"sequence parallel TP={P} loss_parallel={loss_parallel} vocab={vocab}")
+    check_accumulated_norm_grads(tp, ref)
     plain = cm.shard_model(llama(heads, kv_heads, hidden), plan=plan, loss_parallel=loss_parallel)
     ids, labels = batch(4, 12)
-    sent = []
+    sent, names = [], []
     for model in (tp, plain):
         for _ in range(2):  # the second step is the steady state
             with counting() as log:
                 model(input_ids=ids, labels=labels).loss.backward()
         sent.append(log.sent)
+        names.append(log.names())
     layers = [layer_saved_bytes(model, ids, labels) for model in (ref, tp)]
-    return sent, layers
+    return sent, layers, names[0]
+
+
+def check_accumulated_norm_grads(tp: nn.Module, ref: nn.Module) -> None:
+    """The norms' gradients, summed over the group after each backward, accumulate over two backwards as
+    unsharded; under torch.autograd.grad (nothing accumulates) the norm weight's gradient is whole too."""
+    for model in (tp, ref):
+        model.zero_grad()
+        for seed in (5, 6):
+            ids, labels = batch(seed)
+            model(input_ids=ids, labels=labels).loss.backward()
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"two backwards: grad of {name}: {m}")
+    ids, labels = batch(7)
+    got, want = (
+        torch.autograd.grad(
+            m(input_ids=ids, labels=labels).loss, [m.model.norm.weight, m.model.layers[0].input_layernorm.weight]
+        )
+        for m in (tp, ref)
+    )
+    torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"torch.autograd.grad of the norms: {m}")
 
 
 def check_styles():
@@ -336,12 +360,16 @@ def test_auto_plan(worlds, P, heads, kv_heads, hidden, kind, loss_parallel):
     [(2, True, False, 4, 2, 64), (3, False, True, 6, 3, 48), (4, True, True, 4, 2, 64)],
 )
 def test_sequence_parallel(worlds, P, loss_parallel, vocab, heads, kv_heads, hidden):
-    """Values and gradients as unsharded; bytes within 1.3x of the plan without it (Megatron's count is 1.25x per
+    """Values and gradients as unsharded, also accumulated over two backwards; the norms' gradients in one
+    all-reduce per backward; bytes within 1.3x of the plan without it (Megatron's count is 1.25x per
     layer); what a decoder layer saves for backward within 1.06x of the unsharded layer's, times ceil(S/t)/S."""
-    for (sp, plain), (unsharded, sharded) in worlds(P).run(
+    for (sp, plain), (unsharded, sharded), names in worlds(P).run(
         check_sequence, loss_parallel, vocab, heads, kv_heads, hidden, deadline=DEADLINE
     ):
         assert sp <= 1.3 * plain, (sp, plain)
+        # the 5 norms' gradients (2 per layer, the final norm) summed in one all-reduce; the loss's 2; with fewer
+        # key/value heads than ranks, the sums of the replicated k and v weights' gradients (2 per layer)
+        assert names.count("all_reduce") == 1 + 2 * loss_parallel + 4 * (kv_heads < P), names
         assert sharded <= 1.06 * unsharded * -(-12 // P) / 12, (sharded, unsharded)
 
 

@@ -32,13 +32,12 @@ from ..wire.native import (
     GatherFromSequence,
     ReduceScatterToSequence,
     RoundFreeCopy,
-    all_reduce,
     gather_sequence,
     scatter_sequence_sum,
     summed,
 )
 from ..wire.roles import Rows, tensor_split_sizes
-from .sequence import LinearOnGathered, Regather, SequenceState, pad_to_sequence
+from .sequence import GradSums, LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
 __all__ = [
     "ColumnParallelLinear",
@@ -416,8 +415,9 @@ class SequenceRows:
     (``Sequence``); the module stays in place, so its parameters keep their names.
 
     The input enters through ``Split`` of rows (this rank's rows; backward gathers the input gradient), the output
-    leaves through ``Join`` of rows (every rank's rows; backward takes this rank's rows), and each parameter's
-    gradient is summed over the group as it is computed (each rank's rows contribute a part).
+    leaves through ``Join`` of rows (every rank's rows; backward takes this rank's rows), and the parameters'
+    gradients are summed over the group (each rank's rows contribute a part), in one all-reduce after each backward
+    (:class:`~.sequence.GradSums`).
     """
 
     def __init__(self, module: nn.Module, group: Group, path: str, style: Any) -> None:
@@ -426,9 +426,10 @@ class SequenceRows:
         if group.size > 1:
             module.register_forward_pre_hook(self.enter)
             module.register_forward_hook(self.leave)
+            sums = GradSums(group, self.timeout)
             for p in module.parameters():
                 if p.requires_grad:
-                    p.register_hook(self.sum_grad)
+                    sums.add(p)
 
     def link(self, t: torch.Tensor) -> Link:
         return link_for(self.group, t.device, CALL, self.timeout)
@@ -444,9 +445,6 @@ class SequenceRows:
         spec = JoinSpec(self.link(first), (Rows(1, self.sizes),), f"the gather of sequence-parallel {self.path!r}")
         whole = join(spec, [first])[0]
         return (whole, *out[1:]) if isinstance(out, tuple) else whole
-
-    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.link(grad), grad)
 
 
 def sum_output(group: Group, path: str) -> Any:

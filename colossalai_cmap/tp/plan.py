@@ -276,7 +276,7 @@ def _check_sequence(model: nn.Module, assignments: List[Assignment]) -> List[nn.
 
 def _sum_replicated_grads(model: nn.Module, sequence: SequenceState) -> None:
     """Sequence parallelism: each rank's rows give a part of a replicated parameter's gradient (the norms, a
-    rowwise bias): a hook sums it over the group as it is computed. The input embedding is left out: its output's
+    rowwise bias): their sums over the group make one all-reduce after each backward (``GradSums``). The input embedding is left out: its output's
     gradient is gathered whole before it (or it is vocabulary-parallel)."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     held = {id(p) for p in inputs.parameters()} if inputs is not None else set()  # whole gradients (see above)
@@ -286,7 +286,7 @@ def _sum_replicated_grads(model: nn.Module, sequence: SequenceState) -> None:
             held.update(id(p) for n, p in module.named_parameters() if not (keep_bias and n == "bias"))
     for name, p in model.named_parameters():
         if id(p) not in held and p.requires_grad:
-            p.register_hook(sequence.sum_grad_hook(name))
+            sequence.grad_sums.add(p)
 
 
 def _vocab_head(model: nn.Module, assignments: List[Assignment]) -> List[Assignment]:
