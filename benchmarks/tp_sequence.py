@@ -299,7 +299,7 @@ def formula(t: int) -> Dict[str, float]:
 def report(P: int, results: Dict[str, Any]) -> None:
     base, f = results["unsharded"]["saved"], formula(P)
     plain = results["shard_model plain"].get("bytes")
-    plain_times = results["shard_model plain"]["times"]
+    plain_times = results["shard_model plain"].get("times", [])
     print(
         f"\nTP {P}: Llama {LAYERS} layers, h={HIDDEN}, a={HEADS} (kv {KV_HEADS}), s={SEQ}, b={BATCH}, V={VOCAB}, fp32"
     )

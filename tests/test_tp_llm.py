@@ -287,6 +287,39 @@ def check_dropout():
     return out0, mask0
 
 
+class DropoutBlock(nn.Module):
+    """A residual MLP block with dropout in its sharded region (between up and down)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def check_dropout_recomputed(checkpointed):
+    """Two training steps of two checkpointed blocks (dropout in their sharded regions, and after them in the
+    replicated one) under torch.utils.checkpoint with use_reentrant ``checkpointed`` (None: no checkpoint);
+    returns every gradient, which must not depend on it: the recomputation replays the masks."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(5)
+    blocks = nn.ModuleList([DropoutBlock(), DropoutBlock()]).double()
+    plan = {"*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+    blocks, drop = cm.shard_model(blocks, plan=plan), nn.Dropout(0.3)
+    grads = []
+    for step in range(2):
+        x = randn(3, 8, seed=step, dtype=torch.float64).requires_grad_()
+        h = x
+        for block in blocks:
+            h = block(h) if checkpointed is None else checkpoint(block, h, use_reentrant=checkpointed)
+        drop(h).square().sum().backward()
+        grads += [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+        blocks.zero_grad()
+    return grads
+
+
 class Fused(nn.Module):
     """A hand-written block with a fused qkv and a fused gate_up (6 heads of 4; intermediate 10)."""
 
@@ -396,6 +429,15 @@ def test_dropout_in_and_out_of_the_tensor_parallel_region(worlds, P):
         assert torch.equal(out, alone[0])  # the replicated region's mask: the same on every rank, for any size
     masks = [mask[:, : 16 // P] for _, mask in got]  # the columns every rank holds (16 features split over P)
     assert all(not torch.equal(masks[i], masks[j]) for i in range(P) for j in range(i))  # one mask per rank
+
+
+@pytest.mark.parametrize("P", [2])
+def test_dropout_replayed_under_activation_checkpointing(worlds, P):
+    plain = worlds(P).run(check_dropout_recomputed, None, deadline=DEADLINE)
+    for use_reentrant in (False, True):
+        got = worlds(P).run(check_dropout_recomputed, use_reentrant, deadline=DEADLINE)
+        for rank, (a, b) in enumerate(zip(got, plain)):
+            assert all(torch.equal(g, want) for g, want in zip(a, b)), f"use_reentrant={use_reentrant} rank {rank}"
 
 
 def test_every_transformers_style_is_mapped_or_refused():

@@ -242,7 +242,7 @@ def _fork_region_random(model: nn.Module, assignments: List[Assignment], group: 
     modules = dict(model.named_modules())
     parents = {a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise)} - {""}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    region = RegionRandom(group, torch.initial_seed(), device)  # one state for all of them, as Megatron's tracker
+    region = RegionRandom(group, device)
     for path in sorted(parents):
         modules[path].register_forward_pre_hook(region.enter, with_kwargs=True)
         modules[path].register_forward_hook(region.leave, with_kwargs=True)
