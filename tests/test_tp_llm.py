@@ -16,7 +16,7 @@ from torch import nn
 from wire_tap import counting
 
 import colossalai_cmap as cm
-from colossalai_cmap.tp.styles import TRANSFORMERS_STYLES
+from colossalai_cmap.tp.styles import TRANSFORMERS_STYLES, RowwiseReplicated
 
 DEADLINE = 120
 pytestmark = pytest.mark.timeout(300)
@@ -361,6 +361,49 @@ def check_fused():
     return True
 
 
+class PackedRows(nn.Module):
+    """A hand-written block whose row-parallel weights are packed along their input features: ``mix`` takes the
+    unequal parts (8, 12) that ``up`` leaves; ``out`` takes a replicated input in parts (5, 7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.mix, self.out = nn.Linear(12, 20), nn.Linear(20, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        return self.out(x + self.mix(torch.nn.functional.gelu(self.up(x))))
+
+
+PACKED_ROWS_PLAN = {
+    "up": cm.Colwise(parts=(8, 12)),
+    "mix": cm.Rowwise(parts=(8, 12)),
+    "out": RowwiseReplicated(parts=(5, 7)),
+}
+
+
+def check_packed_rows():
+    """Rowwise(parts=...): outputs, the input's and every parameter's gradient as unsharded; full_state_dict and
+    load_full_state_dict round trip."""
+    torch.manual_seed(0)
+    ref = PackedRows().double()
+    tp = cm.shard_model(__import__("copy").deepcopy(ref), plan=PACKED_ROWS_PLAN)
+    x = randn(2, 5, 12, seed=3, dtype=torch.float64).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = tp(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y.square().sum().backward(), y_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    state = cm.full_state_dict(tp)
+    assert all(torch.equal(state[n], v) for n, v in ref.state_dict().items())
+    other = cm.shard_model(PackedRows().double(), plan=PACKED_ROWS_PLAN)
+    cm.load_full_state_dict(other, state)
+    torch.testing.assert_close(other(x), y_ref, **TOL)
+    return True
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize(
     "P, heads, kv_heads, hidden, kind, loss_parallel",
@@ -416,7 +459,19 @@ def test_packed_parts(worlds, P):
     assert worlds(P).run(check_fused, deadline=DEADLINE) == [True] * P
 
 
+@pytest.mark.parametrize("P", [2, 3])
+def test_packed_row_parts(worlds, P):
+    assert worlds(P).run(check_packed_rows, deadline=DEADLINE) == [True] * P
+
+
 def test_packed_parts_refused_by_name():
+    with pytest.raises(ValueError, match=r"gives 'mix' \(20 input features\) Rowwise\(parts=\(8, 8\)\)"):
+        cm.shard_model(PackedRows(), plan={"up": "colwise", "mix": cm.Rowwise(parts=(8, 8))})
+    with pytest.raises(ValueError, match=r"Rowwise\(parts=0\): parts is a positive count"):
+        cm.Rowwise(parts=0)
+
+
+def test_packed_column_parts_refused_by_name():
     with pytest.raises(ValueError, match=r"gives 'qkv' \(72 output features\) Colwise\(parts=\(24, 24\)\)"):
         cm.shard_model(Fused(), plan={"qkv": cm.Colwise(parts=(24, 24))})
 

@@ -300,7 +300,9 @@ class RowParallelLinear(_Sharded):
     def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any, entries: Entries) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = tensor_split_sizes(linear.in_features, group.size)
+        self.parts = style.part_lengths(linear.in_features)
+        split = [tensor_split_sizes(n, group.size) for n in self.parts or (linear.in_features,)]
+        self.sizes = tuple(sum(s[r] for s in split) for r in range(group.size))
         self.entries = entries
         self._keep("weight", linear.weight, 1)
         self._keep("bias", linear.bias, None)
@@ -308,7 +310,8 @@ class RowParallelLinear(_Sharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mine = self.sizes[self.group.rank]
         if self.style.takes_replicated and x.shape[-1] == self.in_features:
-            x = self.entries.enter(x, self.link(x)).narrow(-1, sum(self.sizes[: self.group.rank]), mine)
+            entered = self.entries.enter(x, self.link(x))
+            x = Slice(x.dim() - 1, self.sizes, self.group.rank, tuple(x.shape), self.parts).take(entered)
         if x.shape[-1] != mine:
             raise ValueError(
                 f"{CALL}: {self.style.name} layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
@@ -320,7 +323,10 @@ class RowParallelLinear(_Sharded):
         return out if self.bias is None else out + self.bias
 
     def slices(self) -> Dict[str, Slice]:
-        return {"weight": Slice(1, self.sizes, self.group.rank, (self.out_features, self.in_features))}
+        return {"weight": Slice(1, self.sizes, self.group.rank, (self.out_features, self.in_features), self.parts)}
+
+    def _slice(self, full: torch.Tensor, dim: int) -> Slice:
+        return Slice(dim, self.sizes, self.group.rank, tuple(full.shape), self.parts)
 
     def extra_repr(self) -> str:
         return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")
