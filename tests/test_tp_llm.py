@@ -404,6 +404,78 @@ def check_packed_rows():
     return True
 
 
+class HandAttention(nn.Module):
+    """Attention over 6 heads of 4 (whole heads over 2 and 3 ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(24, 24) for _ in range(4))
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = (f(x).view(B, S, -1, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v
+        return self.o(a.transpose(1, 2).reshape(B, S, -1))
+
+
+class HandLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = nn.LayerNorm(24), HandAttention(), nn.LayerNorm(24)
+        self.mlp = nn.Sequential(nn.Linear(24, 36), nn.GELU(), nn.Linear(36, 24))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class HandLM(nn.Module):
+    """A hand-written decoder (no transformers, no ``_no_split_modules``): embedding, 2 layers, norm, LM head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.layers = nn.Embedding(VOCAB, 24), nn.ModuleList([HandLayer(), HandLayer()])
+        self.norm, self.head = nn.LayerNorm(24), nn.Linear(24, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+HAND_PLAN = {
+    "layers.*.attn.[qkv]": "colwise",
+    "layers.*.attn.o": "rowwise",
+    "layers.*.mlp.0": "colwise",
+    "layers.*.mlp.2": "rowwise",
+    "head": "colwise_gather",
+}
+
+
+def check_hand_written_sequence_parallel():
+    """sequence_parallel=True on a model naming no decoder layers: logits and every gradient as unsharded."""
+    torch.manual_seed(0)
+    ref = HandLM().double()
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5), m.bias.uniform_(-0.5, 0.5)
+    tp = cm.shard_model(__import__("copy").deepcopy(ref), plan=HAND_PLAN, sequence_parallel=True)
+    ids, _ = batch(1)
+    with counting() as log:
+        y = tp(ids)
+        y.square().sum().backward()
+    y_ref = ref(ids)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y_ref.square().sum().backward()
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    return log.names().count("reduce_scatter_tensor")
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize(
     "P, heads, kv_heads, hidden, kind, loss_parallel",
@@ -447,6 +519,22 @@ def test_sequence_parallel(worlds, P, loss_parallel, vocab, heads, kv_heads, hid
         # key/value heads than ranks, the sums of the replicated k and v weights' gradients (2 per layer)
         assert names.count("all_reduce") == 1 + 2 * loss_parallel + 4 * (kv_heads < P), names
         assert sharded <= 1.06 * unsharded * -(-12 // P) / 12, (sharded, unsharded)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_sequence_parallel_without_no_split_modules(worlds, P):
+    """The decoder layers are the modules above the attention and MLP; forward makes one reduce-scatter per
+    rowwise layer (4), backward one per gathered sequence (attention, MLP: 4; the head: 1)."""
+    assert worlds(P).run(check_hand_written_sequence_parallel, deadline=DEADLINE) == [9] * P
+
+
+def test_sequence_parallel_refuses_a_model_with_no_decoder_layers():
+    flat = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16))
+    with pytest.raises(ValueError, match=r"Sequential names no decoder layers in _no_split_modules, .* set Sequential"):
+        cm.shard_model(flat, plan={"1": "colwise", "3": "rowwise"}, sequence_parallel=True)
+    blocks = nn.Sequential(nn.Embedding(VOCAB, 16), nn.ModuleList([nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))]))
+    with pytest.raises(ValueError, match=r"colwise layer '1.0.0' sits in module '1.0', with no decoder layer above"):
+        cm.shard_model(blocks, plan={"1.0.0": "colwise", "1.0.1": "rowwise"}, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("P", [2, 3])
