@@ -9,12 +9,12 @@ Colossal-AI's shardformer (its Llama policy, plain and with ``enable_sequence_pa
 Every variant is built from the same seed on every rank and runs the same batch (float32). Per variant: the
 collectives of one training step (forward + backward, counted by the wire counter ``tests/wire_tap.py``: what each
 rank sends under the ring algorithm), the bytes decoder layer 1 saves for backward on a rank (each storage once,
-parameters left out, read with ``torch.autograd.graph.saved_tensors_hooks``), the largest difference of the loss
-and of every gradient from the unsharded model's, and the step time: median and range of the ratio to shard_model plain over repetitions that interleave the variants
-(one step of each in turn). The saved bytes are set next to
-Korthikanti et al.'s per-layer formulas: ``sbh(34 + 5as/h)`` unsharded, ``sbh(10 + 24/t + 5as/(ht))`` with TP and
-``sbh(34/t + 5as/(ht))`` with TP + SP (16-bit activations with dropout masks; this model has no dropout and runs in
-float32, so compare the ratios to the unsharded layer).
+the parameters' storages left out, views of them too, read with ``torch.autograd.graph.saved_tensors_hooks``), the
+largest difference of the loss and of every gradient from the unsharded model's, and the step time: the median and
+range of its ratio to shard_model plain's over repetitions that interleave the variants (one step of each in turn).
+The saved bytes are set next to Korthikanti et al.'s per-layer formulas: ``sbh(34 + 5as/h)`` unsharded,
+``sbh(10 + 24/t + 5as/(ht))`` with TP and ``sbh(34/t + 5as/(ht))`` with TP + SP (16-bit activations with dropout
+masks; this model has no dropout and runs in float32, so compare the ratios to the unsharded layer).
 """
 
 import argparse
@@ -166,11 +166,15 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def saved_layer_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """What decoder layer 1 saves for backward: each storage once, the parameters' storages left out (``F.linear``
+    saves a transposed view of its weight, which is no ``Parameter`` but holds no new memory)."""
     seen, ctx = {}, {}
+    local_params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    params = {p.untyped_storage().data_ptr() for p in local_params}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            local = t.to_local() if hasattr(t, "to_local") else t
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.untyped_storage().data_ptr() not in params:
             seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
         return t
 

@@ -127,11 +127,13 @@ def check_auto(heads: int, kv_heads: int, hidden: int, kind: str, loss_parallel:
 
 def layer_saved_bytes(model: nn.Module, ids, labels) -> int:
     """The bytes decoder layer 1 of ``model`` saves for backward in a training step (each storage once, the
-    parameters left out), read with torch.autograd.graph.saved_tensors_hooks around the layer's forward."""
+    parameters' storages left out: F.linear saves a transposed view of its weight), read with
+    torch.autograd.graph.saved_tensors_hooks around the layer's forward."""
     seen, hooks = {}, {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
-        if not isinstance(t, nn.Parameter):
+        if t.untyped_storage().data_ptr() not in params:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 

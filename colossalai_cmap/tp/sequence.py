@@ -14,8 +14,9 @@ rows of a whole-length input (the pad's transpose). A replicated embedding's out
 gather of its gradient in backward (``ScatterToSequence``), so its table's gradient is whole on every rank. An
 attention or MLP module holding column-parallel layers gathers the sequence on entry (attention reshapes by the
 input's length). The parameters no tensor-parallel layer holds, other than the input embedding (the norms), get
-their gradients summed over the group: each rank's rows contribute a part, in one all-reduce per backward (:class:`GradSums`). The LM head keeps its gathered input for
-backward (one ``[batch, sequence, hidden]`` per model, not per layer) rather than gather it again.
+their gradients summed over the group: each rank's rows contribute a part, in one all-reduce per backward
+(:class:`GradSums`). The LM head keeps its gathered input for backward (one ``[batch, sequence, hidden]`` per
+model, not per layer) rather than gather it again.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
