@@ -9,18 +9,19 @@ Colossal-AI's shardformer (its Llama policy, plain and with ``enable_sequence_pa
 Every variant is built from the same seed on every rank and runs the same batch (float32). Per variant: the
 collectives of one training step (forward + backward, counted by the wire counter ``tests/wire_tap.py``: what each
 rank sends under the ring algorithm), the bytes decoder layer 1 saves for backward on a rank (each storage once,
-parameters left out, read with ``torch.autograd.graph.saved_tensors_hooks``), the largest difference of the loss
-and of every gradient from the unsharded model's, and the median step time. The saved bytes are set next to
-Korthikanti et al.'s per-layer formulas: ``sbh(34 + 5as/h)`` unsharded, ``sbh(10 + 24/t + 5as/(ht))`` with TP and
-``sbh(34/t + 5as/(ht))`` with TP + SP (16-bit activations with dropout masks; this model has no dropout and runs in
-float32, so compare the ratios to the unsharded layer).
+the parameters' storages left out, views of them too, read with ``torch.autograd.graph.saved_tensors_hooks``), the
+largest difference of the loss and of every gradient from the unsharded model's, and the step time: the median and
+range of its ratio to shard_model plain's over repetitions that interleave the variants (one step of each in turn).
+The saved bytes are set next to Korthikanti et al.'s per-layer formulas: ``sbh(34 + 5as/h)`` unsharded,
+``sbh(10 + 24/t + 5as/(ht))`` with TP and ``sbh(34/t + 5as/(ht))`` with TP + SP (16-bit activations with dropout
+masks; this model has no dropout and runs in float32, so compare the ratios to the unsharded layer).
 """
 
 import argparse
 import statistics
 import time
 import traceback
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -165,11 +166,15 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def saved_layer_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """What decoder layer 1 saves for backward: each storage once, the parameters' storages left out (``F.linear``
+    saves a transposed view of its weight, which is no ``Parameter`` but holds no new memory)."""
     seen, ctx = {}, {}
+    local_params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    params = {p.untyped_storage().data_ptr() for p in local_params}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            local = t.to_local() if hasattr(t, "to_local") else t
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.untyped_storage().data_ptr() not in params:
             seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
         return t
 
@@ -191,7 +196,7 @@ def saved_layer_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def run_variant(name: str, P: int, steps: int, ref: torch.nn.Module) -> Dict[str, Any]:
+def run_variant(name: str, P: int, ref: torch.nn.Module) -> Dict[str, Any]:
     try:
         model, take = build(name, P)
         ids = batch()
@@ -224,14 +229,6 @@ def run_variant(name: str, P: int, steps: int, ref: torch.nn.Module) -> Dict[str
                 f"{getattr(k, '__name__', str(k)).split('.')[-1]}*": n for k, n in dtensor_log.get_comm_counts().items()
             }
         saved = saved_layer_bytes(model, ids)
-        times = []
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for _ in range(steps):
-            start = time.perf_counter()
-            opt.zero_grad()
-            loss_of(model, ids).backward()
-            opt.step()
-            times.append(time.perf_counter() - start)
         return {
             "kinds": kinds,
             "count": log.count,
@@ -239,10 +236,38 @@ def run_variant(name: str, P: int, steps: int, ref: torch.nn.Module) -> Dict[str
             "saved": saved,
             "loss_diff": abs(float(loss) - float(ref_loss)),
             "grad_diff": grad_diff,
-            "ms": 1e3 * statistics.median(times),
+            "step": training_step(model, ids),
         }
     except Exception as exc:  # a variant that cannot run says why
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}", "trace": traceback.format_exc()}
+
+
+def training_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
+    """One AdamW step of ``model`` on ``ids`` (its first call is the warm-up)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_of(model, ids).backward()
+        opt.step()
+
+    step()
+    return step
+
+
+def time_steps(results: Dict[str, Any], reps: int) -> None:
+    """Step times, the variants interleaved: repetition i times one step of each variant in turn (all ranks
+    together, after a barrier), so that the load of a shared machine falls alike on all of them; rank 0's clock."""
+    steps = {name: r.pop("step") for name, r in results.items() if "step" in r}
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    for name, ts in times.items():
+        results[name]["times"] = ts
 
 
 VARIANTS = (
@@ -260,8 +285,9 @@ def measure(P: int, steps: int) -> Dict[str, Any]:
     ref = llama()
     results = {"unsharded": {"saved": saved_layer_bytes(ref, batch())}}
     for name in VARIANTS:
-        results[name] = run_variant(name, P, steps, ref)
+        results[name] = run_variant(name, P, ref)
         dist.barrier()
+    time_steps(results, steps)
     return results
 
 
@@ -277,12 +303,13 @@ def formula(t: int) -> Dict[str, float]:
 def report(P: int, results: Dict[str, Any]) -> None:
     base, f = results["unsharded"]["saved"], formula(P)
     plain = results["shard_model plain"].get("bytes")
+    plain_times = results["shard_model plain"].get("times", [])
     print(
         f"\nTP {P}: Llama {LAYERS} layers, h={HIDDEN}, a={HEADS} (kv {KV_HEADS}), s={SEQ}, b={BATCH}, V={VOCAB}, fp32"
     )
     print(
         f"{'variant':38} {'collectives per step':44} {'bytes/rank':>10} {'vs plain':>8} {'saved L1':>9} "
-        f"{'vs 1 proc':>9} {'loss diff':>9} {'grad diff':>9} {'ms':>7}"
+        f"{'vs 1 proc':>9} {'loss diff':>9} {'grad diff':>9} {'ms':>7} {'step time vs plain':>20}"
     )
     print(f"{'unsharded (1 process)':38} {'':44} {'':>10} {'':>8} {base:>9,} {1:>9.3f}")
     for name in VARIANTS:
@@ -294,8 +321,14 @@ def report(P: int, results: Dict[str, Any]) -> None:
         sent = f"{r['bytes']:>10,.0f} {r['bytes'] / plain:>8.3f}" if r["bytes"] else f"{'n/a*':>10} {'':>8}"
         print(
             f"{name:38} {kinds:44} {sent} {r['saved']:>9,} "
-            f"{r['saved'] / base:>9.3f} {r['loss_diff']:>9.1e} {r['grad_diff']:>9.1e} {r['ms']:>7.1f}"
+            f"{r['saved'] / base:>9.3f} {r['loss_diff']:>9.1e} {r['grad_diff']:>9.1e} "
+            f"{1e3 * statistics.median(r['times']):>7.1f} {step_ratio(r['times'], plain_times):>20}"
         )
+    print(
+        f"step times: median of {len(plain_times)} interleaved repetitions (one AdamW step of each variant in turn), "
+        f"rank 0's clock; the ratio to shard_model plain in the same repetition: median [min, max]. A shared "
+        f"2-vCPU CPU machine (gloo), {P} processes: compare ratios, not milliseconds."
+    )
     print("* DTensor's functional collectives (counted by torch's CommDebugMode; the wire counter sees no bytes)")
     print(
         f"Korthikanti per layer (16-bit, bytes): unsharded {f['unsharded']:,.0f}; TP {f['TP']:,.0f} "
@@ -304,10 +337,16 @@ def report(P: int, results: Dict[str, Any]) -> None:
     )
 
 
+def step_ratio(times: List[float], plain: List[float]) -> str:
+    """The median and range of a variant's step time over shard_model plain's in the same repetition."""
+    ratios = sorted(t / p for t, p in zip(times, plain))
+    return f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}, {ratios[-1]:.2f}]"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tp_sequence", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed repetitions (one step of every variant each)")
     args = parser.parse_args(argv)
     for P in args.tp:
         report(P, world.spawn(measure, P, (P, args.steps), timeout_s=600)[0])

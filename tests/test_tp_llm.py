@@ -16,7 +16,7 @@ from torch import nn
 from wire_tap import counting
 
 import colossalai_cmap as cm
-from colossalai_cmap.tp.styles import TRANSFORMERS_STYLES
+from colossalai_cmap.tp.styles import TRANSFORMERS_STYLES, RowwiseReplicated
 
 DEADLINE = 120
 pytestmark = pytest.mark.timeout(300)
@@ -127,11 +127,13 @@ def check_auto(heads: int, kv_heads: int, hidden: int, kind: str, loss_parallel:
 
 def layer_saved_bytes(model: nn.Module, ids, labels) -> int:
     """The bytes decoder layer 1 of ``model`` saves for backward in a training step (each storage once, the
-    parameters left out), read with torch.autograd.graph.saved_tensors_hooks around the layer's forward."""
+    parameters' storages left out: F.linear saves a transposed view of its weight), read with
+    torch.autograd.graph.saved_tensors_hooks around the layer's forward."""
     seen, hooks = {}, {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
-        if not isinstance(t, nn.Parameter):
+        if t.untyped_storage().data_ptr() not in params:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
@@ -166,16 +168,40 @@ def check_sequence(loss_parallel: bool, vocab: bool, heads: int, kv_heads: int, 
     ref = llama(heads, kv_heads, hidden)
     tp = cm.shard_model(llama(heads, kv_heads, hidden), plan=plan, sequence_parallel=True, loss_parallel=loss_parallel)
     compare(tp, ref, loss_parallel, f"sequence parallel TP={P} loss_parallel={loss_parallel} vocab={vocab}")
+    check_accumulated_norm_grads(tp, ref)
     plain = cm.shard_model(llama(heads, kv_heads, hidden), plan=plan, loss_parallel=loss_parallel)
     ids, labels = batch(4, 12)
-    sent = []
+    sent, names = [], []
     for model in (tp, plain):
         for _ in range(2):  # the second step is the steady state
             with counting() as log:
                 model(input_ids=ids, labels=labels).loss.backward()
         sent.append(log.sent)
+        names.append(log.names())
     layers = [layer_saved_bytes(model, ids, labels) for model in (ref, tp)]
-    return sent, layers
+    return sent, layers, names[0]
+
+
+def check_accumulated_norm_grads(tp: nn.Module, ref: nn.Module) -> None:
+    """The norms' gradients, summed over the group after each backward, accumulate over two backwards as
+    unsharded; under torch.autograd.grad (nothing accumulates) the norm weight's gradient is whole too."""
+    for model in (tp, ref):
+        model.zero_grad()
+        for seed in (5, 6):
+            ids, labels = batch(seed)
+            model(input_ids=ids, labels=labels).loss.backward()
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"two backwards: grad of {name}: {m}")
+    ids, labels = batch(7)
+    got, want = (
+        torch.autograd.grad(
+            m(input_ids=ids, labels=labels).loss, [m.model.norm.weight, m.model.layers[0].input_layernorm.weight]
+        )
+        for m in (tp, ref)
+    )
+    torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"torch.autograd.grad of the norms: {m}")
 
 
 def check_styles():
@@ -263,6 +289,39 @@ def check_dropout():
     return out0, mask0
 
 
+class DropoutBlock(nn.Module):
+    """A residual MLP block with dropout in its sharded region (between up and down)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def check_dropout_recomputed(checkpointed):
+    """Two training steps of two checkpointed blocks (dropout in their sharded regions, and after them in the
+    replicated one) under torch.utils.checkpoint with use_reentrant ``checkpointed`` (None: no checkpoint);
+    returns every gradient, which must not depend on it: the recomputation replays the masks."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(5)
+    blocks = nn.ModuleList([DropoutBlock(), DropoutBlock()]).double()
+    plan = {"*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+    blocks, drop = cm.shard_model(blocks, plan=plan), nn.Dropout(0.3)
+    grads = []
+    for step in range(2):
+        x = randn(3, 8, seed=step, dtype=torch.float64).requires_grad_()
+        h = x
+        for block in blocks:
+            h = block(h) if checkpointed is None else checkpoint(block, h, use_reentrant=checkpointed)
+        drop(h).square().sum().backward()
+        grads += [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+        blocks.zero_grad()
+    return grads
+
+
 class Fused(nn.Module):
     """A hand-written block with a fused qkv and a fused gate_up (6 heads of 4; intermediate 10)."""
 
@@ -304,6 +363,121 @@ def check_fused():
     return True
 
 
+class PackedRows(nn.Module):
+    """A hand-written block whose row-parallel weights are packed along their input features: ``mix`` takes the
+    unequal parts (8, 12) that ``up`` leaves; ``out`` takes a replicated input in parts (5, 7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.mix, self.out = nn.Linear(12, 20), nn.Linear(20, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        return self.out(x + self.mix(torch.nn.functional.gelu(self.up(x))))
+
+
+PACKED_ROWS_PLAN = {
+    "up": cm.Colwise(parts=(8, 12)),
+    "mix": cm.Rowwise(parts=(8, 12)),
+    "out": RowwiseReplicated(parts=(5, 7)),
+}
+
+
+def check_packed_rows():
+    """Rowwise(parts=...): outputs, the input's and every parameter's gradient as unsharded; full_state_dict and
+    load_full_state_dict round trip."""
+    torch.manual_seed(0)
+    ref = PackedRows().double()
+    tp = cm.shard_model(__import__("copy").deepcopy(ref), plan=PACKED_ROWS_PLAN)
+    x = randn(2, 5, 12, seed=3, dtype=torch.float64).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = tp(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y.square().sum().backward(), y_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    state = cm.full_state_dict(tp)
+    assert all(torch.equal(state[n], v) for n, v in ref.state_dict().items())
+    other = cm.shard_model(PackedRows().double(), plan=PACKED_ROWS_PLAN)
+    cm.load_full_state_dict(other, state)
+    torch.testing.assert_close(other(x), y_ref, **TOL)
+    return True
+
+
+class HandAttention(nn.Module):
+    """Attention over 6 heads of 4 (whole heads over 2 and 3 ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(24, 24) for _ in range(4))
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = (f(x).view(B, S, -1, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v
+        return self.o(a.transpose(1, 2).reshape(B, S, -1))
+
+
+class HandLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = nn.LayerNorm(24), HandAttention(), nn.LayerNorm(24)
+        self.mlp = nn.Sequential(nn.Linear(24, 36), nn.GELU(), nn.Linear(36, 24))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class HandLM(nn.Module):
+    """A hand-written decoder (no transformers, no ``_no_split_modules``): embedding, 2 layers, norm, LM head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.layers = nn.Embedding(VOCAB, 24), nn.ModuleList([HandLayer(), HandLayer()])
+        self.norm, self.head = nn.LayerNorm(24), nn.Linear(24, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+HAND_PLAN = {
+    "layers.*.attn.[qkv]": "colwise",
+    "layers.*.attn.o": "rowwise",
+    "layers.*.mlp.0": "colwise",
+    "layers.*.mlp.2": "rowwise",
+    "head": "colwise_gather",
+}
+
+
+def check_hand_written_sequence_parallel():
+    """sequence_parallel=True on a model naming no decoder layers: logits and every gradient as unsharded."""
+    torch.manual_seed(0)
+    ref = HandLM().double()
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5), m.bias.uniform_(-0.5, 0.5)
+    tp = cm.shard_model(__import__("copy").deepcopy(ref), plan=HAND_PLAN, sequence_parallel=True)
+    ids, _ = batch(1)
+    with counting() as log:
+        y = tp(ids)
+        y.square().sum().backward()
+    y_ref = ref(ids)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y_ref.square().sum().backward()
+    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
+    for name, p in tp.named_parameters():
+        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    return log.names().count("reduce_scatter_tensor")
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize(
     "P, heads, kv_heads, hidden, kind, loss_parallel",
@@ -336,13 +510,33 @@ def test_auto_plan(worlds, P, heads, kv_heads, hidden, kind, loss_parallel):
     [(2, True, False, 4, 2, 64), (3, False, True, 6, 3, 48), (4, True, True, 4, 2, 64)],
 )
 def test_sequence_parallel(worlds, P, loss_parallel, vocab, heads, kv_heads, hidden):
-    """Values and gradients as unsharded; bytes within 1.3x of the plan without it (Megatron's count is 1.25x per
+    """Values and gradients as unsharded, also accumulated over two backwards; the norms' gradients in one
+    all-reduce per backward; bytes within 1.3x of the plan without it (Megatron's count is 1.25x per
     layer); what a decoder layer saves for backward within 1.06x of the unsharded layer's, times ceil(S/t)/S."""
-    for (sp, plain), (unsharded, sharded) in worlds(P).run(
+    for (sp, plain), (unsharded, sharded), names in worlds(P).run(
         check_sequence, loss_parallel, vocab, heads, kv_heads, hidden, deadline=DEADLINE
     ):
         assert sp <= 1.3 * plain, (sp, plain)
+        # the 5 norms' gradients (2 per layer, the final norm) summed in one all-reduce; the loss's 2; with fewer
+        # key/value heads than ranks, the sums of the replicated k and v weights' gradients (2 per layer)
+        assert names.count("all_reduce") == 1 + 2 * loss_parallel + 4 * (kv_heads < P), names
         assert sharded <= 1.06 * unsharded * -(-12 // P) / 12, (sharded, unsharded)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_sequence_parallel_without_no_split_modules(worlds, P):
+    """The decoder layers are the modules above the attention and MLP; forward makes one reduce-scatter per
+    rowwise layer (4), backward one per gathered sequence (attention, MLP: 4; the head: 1)."""
+    assert worlds(P).run(check_hand_written_sequence_parallel, deadline=DEADLINE) == [9] * P
+
+
+def test_sequence_parallel_refuses_a_model_with_no_decoder_layers():
+    flat = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16))
+    with pytest.raises(ValueError, match=r"Sequential names no decoder layers in _no_split_modules, .* set Sequential"):
+        cm.shard_model(flat, plan={"1": "colwise", "3": "rowwise"}, sequence_parallel=True)
+    blocks = nn.Sequential(nn.Embedding(VOCAB, 16), nn.ModuleList([nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))]))
+    with pytest.raises(ValueError, match=r"colwise layer '1.0.0' sits in module '1.0', with no decoder layer above"):
+        cm.shard_model(blocks, plan={"1.0.0": "colwise", "1.0.1": "rowwise"}, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("P", [2, 3])
@@ -355,7 +549,19 @@ def test_packed_parts(worlds, P):
     assert worlds(P).run(check_fused, deadline=DEADLINE) == [True] * P
 
 
+@pytest.mark.parametrize("P", [2, 3])
+def test_packed_row_parts(worlds, P):
+    assert worlds(P).run(check_packed_rows, deadline=DEADLINE) == [True] * P
+
+
 def test_packed_parts_refused_by_name():
+    with pytest.raises(ValueError, match=r"gives 'mix' \(20 input features\) Rowwise\(parts=\(8, 8\)\)"):
+        cm.shard_model(PackedRows(), plan={"up": "colwise", "mix": cm.Rowwise(parts=(8, 8))})
+    with pytest.raises(ValueError, match=r"Rowwise\(parts=0\): parts is a positive count"):
+        cm.Rowwise(parts=0)
+
+
+def test_packed_column_parts_refused_by_name():
     with pytest.raises(ValueError, match=r"gives 'qkv' \(72 output features\) Colwise\(parts=\(24, 24\)\)"):
         cm.shard_model(Fused(), plan={"qkv": cm.Colwise(parts=(24, 24))})
 
@@ -368,6 +574,15 @@ def test_dropout_in_and_out_of_the_tensor_parallel_region(worlds, P):
         assert torch.equal(out, alone[0])  # the replicated region's mask: the same on every rank, for any size
     masks = [mask[:, : 16 // P] for _, mask in got]  # the columns every rank holds (16 features split over P)
     assert all(not torch.equal(masks[i], masks[j]) for i in range(P) for j in range(i))  # one mask per rank
+
+
+@pytest.mark.parametrize("P", [2])
+def test_dropout_replayed_under_activation_checkpointing(worlds, P):
+    plain = worlds(P).run(check_dropout_recomputed, None, deadline=DEADLINE)
+    for use_reentrant in (False, True):
+        got = worlds(P).run(check_dropout_recomputed, use_reentrant, deadline=DEADLINE)
+        for rank, (a, b) in enumerate(zip(got, plain)):
+            assert all(torch.equal(g, want) for g, want in zip(a, b)), f"use_reentrant={use_reentrant} rank {rank}"
 
 
 def test_every_transformers_style_is_mapped_or_refused():

@@ -32,13 +32,12 @@ from ..wire.native import (
     GatherFromSequence,
     ReduceScatterToSequence,
     RoundFreeCopy,
-    all_reduce,
     gather_sequence,
     scatter_sequence_sum,
     summed,
 )
 from ..wire.roles import Rows, tensor_split_sizes
-from .sequence import LinearOnGathered, Regather, SequenceState, pad_to_sequence
+from .sequence import GradSums, LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
 __all__ = [
     "ColumnParallelLinear",
@@ -301,7 +300,9 @@ class RowParallelLinear(_Sharded):
     def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any, entries: Entries) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.sizes = tensor_split_sizes(linear.in_features, group.size)
+        self.parts = style.part_lengths(linear.in_features)
+        split = [tensor_split_sizes(n, group.size) for n in self.parts or (linear.in_features,)]
+        self.sizes = tuple(sum(s[r] for s in split) for r in range(group.size))
         self.entries = entries
         self._keep("weight", linear.weight, 1)
         self._keep("bias", linear.bias, None)
@@ -309,7 +310,8 @@ class RowParallelLinear(_Sharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mine = self.sizes[self.group.rank]
         if self.style.takes_replicated and x.shape[-1] == self.in_features:
-            x = self.entries.enter(x, self.link(x)).narrow(-1, sum(self.sizes[: self.group.rank]), mine)
+            entered = self.entries.enter(x, self.link(x))
+            x = Slice(x.dim() - 1, self.sizes, self.group.rank, tuple(x.shape), self.parts).take(entered)
         if x.shape[-1] != mine:
             raise ValueError(
                 f"{CALL}: {self.style.name} layer {self.path!r} takes this rank's {mine} of its {self.in_features} input "
@@ -321,7 +323,10 @@ class RowParallelLinear(_Sharded):
         return out if self.bias is None else out + self.bias
 
     def slices(self) -> Dict[str, Slice]:
-        return {"weight": Slice(1, self.sizes, self.group.rank, (self.out_features, self.in_features))}
+        return {"weight": Slice(1, self.sizes, self.group.rank, (self.out_features, self.in_features), self.parts)}
+
+    def _slice(self, full: torch.Tensor, dim: int) -> Slice:
+        return Slice(dim, self.sizes, self.group.rank, tuple(full.shape), self.parts)
 
     def extra_repr(self) -> str:
         return _describe(self, f"in_features={self.in_features}, out_features={self.out_features}")
@@ -416,8 +421,9 @@ class SequenceRows:
     (``Sequence``); the module stays in place, so its parameters keep their names.
 
     The input enters through ``Split`` of rows (this rank's rows; backward gathers the input gradient), the output
-    leaves through ``Join`` of rows (every rank's rows; backward takes this rank's rows), and each parameter's
-    gradient is summed over the group as it is computed (each rank's rows contribute a part).
+    leaves through ``Join`` of rows (every rank's rows; backward takes this rank's rows), and the parameters'
+    gradients are summed over the group (each rank's rows contribute a part), in one all-reduce after each backward
+    (:class:`~.sequence.GradSums`).
     """
 
     def __init__(self, module: nn.Module, group: Group, path: str, style: Any) -> None:
@@ -426,9 +432,10 @@ class SequenceRows:
         if group.size > 1:
             module.register_forward_pre_hook(self.enter)
             module.register_forward_hook(self.leave)
+            sums = GradSums(group, self.timeout)
             for p in module.parameters():
                 if p.requires_grad:
-                    p.register_hook(self.sum_grad)
+                    sums.add(p)
 
     def link(self, t: torch.Tensor) -> Link:
         return link_for(self.group, t.device, CALL, self.timeout)
@@ -444,9 +451,6 @@ class SequenceRows:
         spec = JoinSpec(self.link(first), (Rows(1, self.sizes),), f"the gather of sequence-parallel {self.path!r}")
         whole = join(spec, [first])[0]
         return (whole, *out[1:]) if isinstance(out, tuple) else whole
-
-    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.link(grad), grad)
 
 
 def sum_output(group: Group, path: str) -> Any:

@@ -130,9 +130,10 @@ def shard_model(
         sequence_parallel: Megatron's sequence parallelism (:mod:`~colossalai_cmap.tp.sequence`): between the
             tensor-parallel regions each rank holds its rows of the sequence; colwise layers all-gather it on
             entry, rowwise layers and the vocab embedding reduce-scatter it on exit; the norms' gradients are summed
-            over the group. Takes a transformers model (its decoder layers are ``_no_split_modules``) whose plan
-            has only colwise, colwise_gather, rowwise and vocab styles and a colwise LM head; for training (the
-            model's hidden states come out sharded; ``generate`` is not supported).
+            over the group. The decoder layers are the classes ``_no_split_modules`` names, else the modules above
+            the ones holding colwise layers; the plan has only colwise, colwise_gather, rowwise and vocab styles,
+            and a colwise LM head; for training (the model's hidden states come out sharded; ``generate`` is not
+            supported).
 
     Returns:
         ``model`` itself, its matched modules replaced by tensor-parallel layers that hold this rank's slices.
@@ -201,8 +202,9 @@ def _hook_sequence_parallel(
     model.register_forward_pre_hook(sequence.read_length, with_kwargs=True)
     for layer in layers:
         layer.register_forward_pre_hook(sequence.enter_layer, with_kwargs=True)
-    head = model.get_output_embeddings()
-    head.keeps_gathered = True
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        head.keeps_gathered = True
     modules = dict(model.named_modules())
     parents = {a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise) and a.module is not head}
     for path in sorted(parents - {""}):
@@ -242,7 +244,7 @@ def _fork_region_random(model: nn.Module, assignments: List[Assignment], group: 
     modules = dict(model.named_modules())
     parents = {a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise)} - {""}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    region = RegionRandom(group, torch.initial_seed(), device)  # one state for all of them, as Megatron's tracker
+    region = RegionRandom(group, device)
     for path in sorted(parents):
         modules[path].register_forward_pre_hook(region.enter, with_kwargs=True)
         modules[path].register_forward_hook(region.leave, with_kwargs=True)
@@ -266,27 +268,60 @@ def _check_sequence(model: nn.Module, assignments: List[Assignment]) -> List[nn.
         )
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
+    return layers or _layers_above_regions(model, assignments, head)
+
+
+def _layers_above_regions(
+    model: nn.Module, assignments: List[Assignment], head: Optional[nn.Module]
+) -> List[nn.Module]:
+    """The decoder layers of a model that names none in ``_no_split_modules``: the module above each module
+    holding colwise layers (an attention, an MLP), which takes the hidden state of the residual stream; refused by
+    name where that is the model itself or a container that no forward calls."""
+    modules, found = dict(model.named_modules()), {}
+    for a in assignments:
+        if not isinstance(a.style, Colwise) or a.module is head:
+            continue
+        region = a.path.rpartition(".")[0]
+        if not region:
+            continue  # a top-level colwise layer (an LM head) gathers the sequence itself
+        layer = region.rpartition(".")[0]
+        above = modules[layer] if layer else None
+        if not layer or isinstance(above, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"{CALL}: sequence_parallel=True: {type(model).__name__} names no decoder layers in "
+                f"_no_split_modules, and colwise layer {a.path!r} sits in module {region!r}, with no decoder layer "
+                f"above it "
+                f"(a module called with the hidden state, holding the attention and MLP modules); set "
+                f"{type(model).__name__}._no_split_modules to the decoder layers' class names, or put the colwise "
+                f"layers in modules of their own inside each layer."
+            )
+        found.setdefault(layer, above)
+    if not found:
         raise ValueError(
-            f"{CALL}: sequence_parallel=True takes a transformers model whose decoder layers are named in "
-            f"_no_split_modules; {type(model).__name__} names none."
+            f"{CALL}: sequence_parallel=True: {type(model).__name__} names no decoder layers in _no_split_modules, "
+            f"and its colwise layers are all top-level modules; set {type(model).__name__}._no_split_modules to "
+            f"the decoder layers' class names."
         )
-    return layers
+    return list(found.values())
 
 
 def _sum_replicated_grads(model: nn.Module, sequence: SequenceState) -> None:
     """Sequence parallelism: each rank's rows give a part of a replicated parameter's gradient (the norms, a
-    rowwise bias): a hook sums it over the group as it is computed. The input embedding is left out: its output's
-    gradient is gathered whole before it (or it is vocabulary-parallel)."""
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    held = {id(p) for p in inputs.parameters()} if inputs is not None else set()  # whole gradients (see above)
+    rowwise bias): their sums over the group make one all-reduce after each backward (``GradSums``). The input
+    embedding (a hand-written model's embeddings) is left out: its output's gradient is gathered whole before it
+    (or it is vocabulary-parallel)."""
+    if hasattr(model, "get_input_embeddings"):
+        inputs = [model.get_input_embeddings()]
+    else:  # a hand-written model: its embeddings run before the first decoder layer, on the whole sequence
+        inputs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    held = {id(p) for m in inputs if m is not None for p in m.parameters()}  # whole gradients (see above)
     for module in model.modules():
         if isinstance(module, PARALLEL_LAYERS):
             keep_bias = isinstance(module, RowParallelLinear) and module.bias is not None
             held.update(id(p) for n, p in module.named_parameters() if not (keep_bias and n == "bias"))
     for name, p in model.named_parameters():
         if id(p) not in held and p.requires_grad:
-            p.register_hook(sequence.sum_grad_hook(name))
+            sequence.grad_sums.add(p)
 
 
 def _vocab_head(model: nn.Module, assignments: List[Assignment]) -> List[Assignment]:

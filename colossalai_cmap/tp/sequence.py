@@ -14,11 +14,12 @@ rows of a whole-length input (the pad's transpose). A replicated embedding's out
 gather of its gradient in backward (``ScatterToSequence``), so its table's gradient is whole on every rank. An
 attention or MLP module holding column-parallel layers gathers the sequence on entry (attention reshapes by the
 input's length). The parameters no tensor-parallel layer holds, other than the input embedding (the norms), get
-their gradients summed over the group: each rank's rows contribute a part. The LM head keeps its gathered input for
-backward (one ``[batch, sequence, hidden]`` per model, not per layer) rather than gather it again.
+their gradients summed over the group: each rank's rows contribute a part, in one all-reduce per backward
+(:class:`GradSums`). The LM head keeps its gathered input for backward (one ``[batch, sequence, hidden]`` per
+model, not per layer) rather than gather it again.
 """
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from ..wire.link import Link, link_for
 from ..wire.native import ScatterToSequence, SequenceSpec, all_reduce, gather_sequence
 from ..wire.roles import tensor_split_sizes
 
-__all__ = ["SequenceState", "Regather", "LinearOnGathered", "pad_to_sequence"]
+__all__ = ["SequenceState", "GradSums", "Regather", "LinearOnGathered", "pad_to_sequence"]
 
 CALL = "shard_model"
 
@@ -42,6 +43,7 @@ class SequenceState:
         self.group, self.timeout = group, default_timeout()
         self.length: Optional[int] = None
         self.replicated_input = True  # the decoder layers' first input is replicated (an unsharded embedding)
+        self.grad_sums = GradSums(group, self.timeout)
 
     def spec(self, t: torch.Tensor, length: int, what: str) -> SequenceSpec:
         link = link_for(self.group, t.device, CALL, self.timeout)
@@ -80,13 +82,65 @@ class SequenceState:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": x}
 
-    def sum_grad_hook(self, what: str) -> Any:
-        """A parameter's gradient hook: the sum over the group of each rank's part (its rows' contribution)."""
+
+class GradSums:
+    """The sums over a group of replicated parameters' gradients (each rank's rows give a part: the norms under
+    sequence parallelism), coalesced into one ``all_reduce`` per backward and dtype, as Megatron's
+    ``_allreduce_layernorm_grads`` does after backward.
+
+    Each parameter's gradient hook keeps this rank's part and lets autograd accumulate zeros in its place; the
+    first of a backward queues a callback on autograd's engine that, once the backward has finished, sums the kept
+    parts in one flat all-reduce and adds each sum to its ``.grad``: ``.grad`` ends as the old value plus the sum,
+    exactly what a sum in each hook gives. Under ``torch.autograd.grad`` (nothing accumulates) or
+    ``create_graph=True`` the hook sums its gradient alone and returns it.
+    """
+
+    def __init__(self, group: Group, timeout: float) -> None:
+        self.group, self.timeout = group, timeout
+        self.pending: Dict[int, List[Tuple[nn.Parameter, torch.Tensor]]] = {}  # by autograd graph task
+        self.accumulators: List[Any] = []  # autograd's AccumulateGrad nodes, kept alive to be asked about
+
+    def add(self, p: nn.Parameter) -> None:
+        """Sum ``p``'s gradient over the group in every backward."""
+        node = torch.autograd.graph.get_gradient_edge(p).node
+        self.accumulators.append(node)
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            return all_reduce(link_for(self.group, grad.device, CALL, self.timeout), grad)
+            if torch.is_grad_enabled() or not _accumulates(node):
+                return all_reduce(link_for(self.group, grad.device, CALL, self.timeout), grad)
+            task = torch._C._current_graph_task_id()
+            if task not in self.pending:
+                self.pending[task] = []
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.flush(task))
+            self.pending[task].append((p, grad))
+            return torch.zeros_like(grad)
 
-        return hook
+        p.register_hook(hook)
+
+    def flush(self, task: int) -> None:
+        """The end of a backward: every kept part summed, one all-reduce per (device, dtype), added to ``.grad``."""
+        kept = self.pending.pop(task, [])
+        by_kind: Dict[Tuple[torch.device, torch.dtype], List[Tuple[nn.Parameter, torch.Tensor]]] = {}
+        for p, grad in kept:
+            by_kind.setdefault((grad.device, grad.dtype), []).append((p, grad))
+        for (device, _), items in by_kind.items():
+            flat = torch.cat([grad.reshape(-1) for _, grad in items])
+            sums = all_reduce(link_for(self.group, device, CALL, self.timeout), flat)
+            for (p, grad), total in zip(items, sums.split([grad.numel() for _, grad in items])):
+                total = total.view_as(grad)
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.add_(total)
+
+
+def _accumulates(node: Any) -> bool:
+    """Whether the running backward accumulates into the leaf of ``node`` (False under ``torch.autograd.grad``,
+    which torch does not answer for leaves)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "... we are currently running autograd.grad()"
+        return False
 
 
 def pad_to_sequence(state: SequenceState, mine: torch.Tensor, length: int) -> torch.Tensor:

@@ -119,29 +119,16 @@ class Colwise(ParallelStyle):
         parts: a packed Linear's parts along its output features (a fused qkv: ``(q, k, v)`` lengths; a fused
             gate_up: ``2``, equal parts): each part is split alone, and a rank's output is its slice of each part,
             in order. None: one part."""
-        if parts is not None and not isinstance(parts, int):
-            parts = tuple(int(n) for n in parts)
-        if parts is not None and (parts <= 0 if isinstance(parts, int) else not parts or min(parts) <= 0):
-            raise ValueError(f"{CALL}: Colwise(parts={parts!r}): parts is a positive count or positive lengths.")
-        self.parts = parts
+        self.parts = _checked_parts(self, parts)
 
     def part_lengths(self, features: int) -> Tuple[int, ...]:
         """The parts' lengths for ``features`` output features; () for one part."""
-        if self.parts is None:
-            return ()
-        if isinstance(self.parts, int):
-            return (features // self.parts,) * self.parts
-        return self.parts
+        return _part_lengths(self.parts, features)
 
     def _check(self, path: str, module: nn.Module, pattern: str) -> None:
         super()._check(path, module, pattern)
-        parts, n = self.parts, module.out_features
-        if parts is not None and (n % parts if isinstance(parts, int) else sum(parts) != n):
-            raise ValueError(
-                f"{CALL}: plan pattern {pattern!r} gives {path!r} ({n} output features) {self!r}, whose parts do not "
-                f"add up to its features; give parts lengths that sum to {n}, or a count that divides it."
-            )
-        if parts is not None and self.gathers:
+        _check_parts(self, path, module.out_features, "output", pattern)
+        if self.parts is not None and self.gathers:
             raise ValueError(
                 f"{CALL}: plan pattern {pattern!r}: {self!r} gathers its output; packed parts are colwise."
             )
@@ -152,7 +139,7 @@ class Colwise(ParallelStyle):
         return module.out_features, "output"
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()" if self.parts is None else f"{type(self).__name__}(parts={self.parts!r})"
+        return _parts_repr(self)
 
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
         return ColumnParallelLinear(module, group, path, entries, self)
@@ -182,6 +169,9 @@ class Rowwise(ParallelStyle):
 
     Forward makes one sum over the group (Megatron's *g*, ``RoundFreeSum``: one all-reduce, no round). Backward
     communicates nothing. Inside an attention module, every rank must get whole heads.
+
+    ``Rowwise(parts=...)`` takes a packed weight whose input features are parts (the output of a
+    ``Colwise(parts=...)`` layer, a rank's slice of each part in order): each part's columns are split alone.
     """
 
     name = "rowwise"
@@ -190,8 +180,28 @@ class Rowwise(ParallelStyle):
     takes_replicated = False
     sums = True
 
+    def __init__(self, parts: Union[None, int, Sequence[int]] = None) -> None:
+        """Args:
+        parts: a packed Linear's parts along its input features (the input a ``Colwise(parts=...)`` layer leaves:
+            ``(a, b)`` lengths, or ``2``, equal parts): each part is split alone, and a rank takes its slice of each
+            part, in order. None: one part."""
+        self.parts = _checked_parts(self, parts)
+
+    def part_lengths(self, features: int) -> Tuple[int, ...]:
+        """The parts' lengths for ``features`` input features; () for one part."""
+        return _part_lengths(self.parts, features)
+
+    def _check(self, path: str, module: nn.Module, pattern: str) -> None:
+        super()._check(path, module, pattern)
+        _check_parts(self, path, module.in_features, "input", pattern)
+
     def _head_features(self, module: nn.Module) -> Optional[Tuple[int, str]]:
+        if self.parts is not None:
+            return None  # each part is split alone, as for Colwise(parts=...)
         return module.in_features, "input"
+
+    def __repr__(self) -> str:
+        return _parts_repr(self)
 
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
         return RowParallelLinear(module, group, path, self, entries)
@@ -312,6 +322,38 @@ class Sequence(ParallelStyle):
     def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
         SequenceRows(module, group, path, self)  # its hooks, on the module
         return module
+
+
+def _checked_parts(style: ParallelStyle, parts: Any) -> Union[None, int, Tuple[int, ...]]:
+    """A packed Linear's parts as a style keeps them: None, a positive count, or a tuple of positive lengths."""
+    if parts is not None and not isinstance(parts, int):
+        parts = tuple(int(n) for n in parts)
+    if parts is not None and (parts <= 0 if isinstance(parts, int) else not parts or min(parts) <= 0):
+        raise ValueError(
+            f"{CALL}: {type(style).__name__}(parts={parts!r}): parts is a positive count or positive lengths."
+        )
+    return parts
+
+
+def _part_lengths(parts: Union[None, int, Tuple[int, ...]], features: int) -> Tuple[int, ...]:
+    if parts is None:
+        return ()
+    if isinstance(parts, int):
+        return (features // parts,) * parts
+    return parts
+
+
+def _check_parts(style: Any, path: str, n: int, side: str, pattern: str) -> None:
+    parts = style.parts
+    if parts is not None and (n % parts if isinstance(parts, int) else sum(parts) != n):
+        raise ValueError(
+            f"{CALL}: plan pattern {pattern!r} gives {path!r} ({n} {side} features) {style!r}, whose parts do not "
+            f"add up to its features; give parts lengths that sum to {n}, or a count that divides it."
+        )
+
+
+def _parts_repr(style: Any) -> str:
+    return f"{type(style).__name__}()" if style.parts is None else f"{type(style).__name__}(parts={style.parts!r})"
 
 
 SHORTHANDS: Dict[str, ParallelStyle] = {
