@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from ..wire.group import group_of
 from ..wire.link import Link, link_for
+from ..wire.roles import first_row, first_rows
 from .frame import AxisFrame
-from .lowering import _real, _starts, gather_rows, index_table, reduce_rows
+from .lowering import _real, gather_rows, index_table, reduce_rows
 from .rules import AxisRule, rule_of
 
 Groups = Tuple[Tuple[int, ...], ...]
@@ -102,7 +103,7 @@ def _sub_frame(frame: AxisFrame, bucket: Bucket, sizes: Sequence[int]) -> AxisFr
     """The frame of one bucket's collective: its ranks, each holding ``sizes`` rows."""
     me = bucket.ranks.index(_me(frame))
     link = None if len(bucket.ranks) == 1 else _sub_link(frame.link, bucket.ranks)
-    return AxisFrame(link, sum(sizes), sum(sizes[:me]), tuple(sizes), frame.mode)
+    return AxisFrame(link, sum(sizes), first_row(sizes, me), tuple(sizes), frame.mode)
 
 
 def _me(frame: AxisFrame) -> int:
@@ -114,7 +115,7 @@ def _mine(frame: AxisFrame, groups: Groups) -> Tuple[Layout, int, List[Bucket]]:
     sizes = tuple(frame.sizes) if frame.link is not None else (frame.size,)
     found = layout(groups, sizes)
     me = _me(frame)
-    return found, _starts(sizes)[me], [b for b in found.buckets if me in b.ranks]
+    return found, first_rows(sizes)[me], [b for b in found.buckets if me in b.ranks]
 
 
 def _to_rows(

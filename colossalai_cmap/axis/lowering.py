@@ -8,15 +8,14 @@ docs/collectives.md.
 """
 
 import functools
-import itertools
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from ..wire import native as wire_native
 from ..wire.exchange import JoinSpec, SplitSpec, join, split
 from ..wire.native import NativeSpec
-from ..wire.roles import COPY
+from ..wire.roles import COPY, first_row, first_rows
 from ..wire.rounds import Kind
 from ..wire.traced import gather_under_vmap
 from .frame import AxisFrame, Joint
@@ -87,11 +86,6 @@ def _real(frame: AxisFrame, rows: torch.Tensor) -> torch.Tensor:
     """The rows that take part: none for an empty shard's stand-in, which contributes nothing (through its graph,
     zero rows, so that backward still meets on every rank)."""
     return rows[:0] if frame.dummy else rows
-
-
-def _starts(sizes: Sequence[int]) -> List[int]:
-    """Each rank's first row, from every rank's row count."""
-    return [0, *itertools.accumulate(sizes)][:-1]
 
 
 # --------------------------------------------------------------------------------------- a reduction's own rows
@@ -207,7 +201,7 @@ def a2a_rows(
     if _alone(frame):
         got = four  # one rank: its examples are every source
     else:
-        offsets = _starts(sizes)
+        offsets = first_rows(sizes)
         send = torch.cat([four.narrow(1, o, k).flatten(0, 1) for o, k in zip(offsets, sizes)])
         spec = _spec(frame, rule, name, 0, tuple(n * k for k in sizes), tuple(k * n for k in sizes))
         got = wire_native.run(rule.collective, spec, send).unflatten(0, (B, n))  # [source example, my example]
@@ -221,7 +215,7 @@ def permute_rows(
     """Each of this run's examples j gets example ``sources[j]``'s row (zeros for -1): each row travels once, from
     the rank that holds its source to the rank that holds its destination."""
     owner = [r for r, k in enumerate(sizes) for _ in range(k)]
-    offsets = _starts(sizes)
+    offsets = first_rows(sizes)
     me = 0 if frame.link is None else frame.link.group.rank
     pairs = [(s, j) for j, s in enumerate(sources) if s >= 0]  # (source, destination), in destination order
     sent = [[s - offsets[me] for s, j in pairs if owner[s] == me and owner[j] == r] for r in range(len(sizes))]
@@ -270,7 +264,7 @@ def scatter_on_ranks(joint: Joint, x: torch.Tensor, d: int, lengths: Tuple[int, 
     by_rank = _by_rank(joint)
     sizes = tuple(lengths[i] for i in by_rank)
     if not _in_order(joint):
-        starts = _starts(lengths)
+        starts = first_rows(lengths)
         picks = tuple(k for i in by_rank for k in range(starts[i], starts[i] + lengths[i]))
         x = x.index_select(d, index_table(picks, x.device))
     return wire_native.run(wire_native.ReduceScatter, NativeSpec(joint.link, d, sizes, what, Kind.OP), x)
@@ -289,7 +283,7 @@ def a2a_on_ranks(
     else:
         by_rank = _by_rank(joint)
         if not _in_order(joint):
-            starts = _starts(lengths)
+            starts = first_rows(lengths)
             picks = tuple(k for i in by_rank for k in range(starts[i], starts[i] + lengths[i]))
             rows = rows.index_select(0, index_table(picks, rows.device))
         spec = NativeSpec(joint.link, 0, tuple(lengths[i] for i in by_rank), what, Kind.OP, (mine,) * size)
@@ -386,7 +380,7 @@ class _CompiledGather(torch.autograd.Function):
 
         total = fc.all_reduce(grad.contiguous(), "sum", ctx.pg)
         rank = torch.distributed.get_rank(ctx.pg)
-        return total.narrow(0, sum(ctx.sizes[:rank]), ctx.sizes[rank]), None, None
+        return total.narrow(0, first_row(ctx.sizes, rank), ctx.sizes[rank]), None, None
 
 
 # ----------------------------------------------------------------------- traced: inside torch.compile, vmap mode

@@ -63,19 +63,19 @@ class Tracker(TorchFunctionMode):
     """The types of the tensors ``f`` makes, over the manual axes ``links`` names (each axis's group).
 
     A tracker nested in another (``parent``: a ``smap`` inside a map over other axes of its mesh) types the parent's
-    axes too, and reads the types the parent gave; the parent rests while the nested one runs. With ``owner`` (the
-    call's tag), each tensor from outside ``f`` enters through the guard's identity node at its first use.
+    axes too, and reads the types the parent gave; the parent rests while the nested one runs. With ``tag`` (the
+    call's :class:`CallTag`), each tensor from outside ``f`` enters through the guard's identity node at its first use.
     """
 
     def __init__(
         self,
         links: Dict[str, Link],
-        owner: Optional[CallTag] = None,
+        tag: Optional[CallTag] = None,
         parent: Optional["Tracker"] = None,
         mesh: Optional[MeshAxes] = None,
     ) -> None:
         super().__init__()
-        self.parent, self.owner, self.serial, self.paused = parent, owner, next(_SERIAL), 0
+        self.parent, self.tag, self.serial, self.paused = parent, tag, next(_SERIAL), 0
         self.mesh = mesh if parent is None else None  # the mesh whose axes taken together make one group
         self.links = links if parent is None else {**parent.links, **links}
         self.serials = frozenset({self.serial}) | (parent.serials if parent is not None else frozenset())
@@ -91,7 +91,7 @@ class Tracker(TorchFunctionMode):
         found = [t for t in _tensors(args, kwargs)]
         if not found:
             return func(*args, **kwargs)
-        if self.owner is not None:
+        if self.tag is not None:
             swap = {id(t): a for t in found if (a := self.route(t)) is not t}
             if swap and args and _in_place(func):  # the mutated tensor keeps its identity
                 swap.pop(id(args[0]), None)
@@ -171,7 +171,7 @@ class Tracker(TorchFunctionMode):
         """``t``, or where it is a tensor from outside ``f`` that requires grad (a replicated block, a closure, a
         parameter), its alias through the call's boundary (:func:`~..wire.guard.as_is`), once per tensor: the guarded
         backward through ``f`` stops there, as at the entry's Splits."""
-        if self.owner is None or not isinstance(t, torch.Tensor):
+        if self.tag is None or not isinstance(t, torch.Tensor):
             return t
         found = t.__dict__.get(_ATTR)
         if found is not None and found[0] == self.serial:  # typed in this call: made in f (the most frequent case)
@@ -188,7 +188,7 @@ class Tracker(TorchFunctionMode):
             return t  # under a transform inside f: the graph walk finds the edge, and the call runs unguarded
         self.paused += 1
         try:
-            alias = self.mark(as_is(self.owner, t), NONE)
+            alias = self.mark(as_is(self.tag, t), NONE)
         finally:
             self.paused -= 1
         self.entered[id(t)] = (t, alias)

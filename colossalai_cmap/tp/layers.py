@@ -36,7 +36,7 @@ from ..wire.native import (
     scatter_sequence_sum,
     summed,
 )
-from ..wire.roles import Rows, tensor_split_sizes
+from ..wire.roles import Rows, first_row, tensor_split_sizes
 from .sequence import GradSums, LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
 __all__ = [
@@ -54,7 +54,7 @@ CALL = "shard_model"
 
 class Slice(NamedTuple):
     """How one parameter of a sharded module is split: group rank ``r`` holds ``sizes[r]`` entries along ``dim``
-    of the full ``full_shape``, starting at ``sum(sizes[:r])``; this rank is group rank ``rank``. With ``parts``
+    of the full ``full_shape``, starting at ``first_row(sizes, r)``; this rank is group rank ``rank``. With ``parts``
     (the lengths of packed parts along ``dim``: a fused qkv or gate_up), each part is split alone and a rank holds
     its slice of every part, in order."""
 
@@ -66,14 +66,14 @@ class Slice(NamedTuple):
 
     @property
     def offset(self) -> int:
-        return sum(self.sizes[: self.rank])
+        return first_row(self.sizes, self.rank)
 
     def _pieces(self, rank: int) -> List[Tuple[int, int]]:
         """(start, length) along ``dim`` of each piece rank ``rank`` holds."""
         found, start = [], 0
         for n in self.parts:
             split = tensor_split_sizes(n, len(self.sizes))
-            found.append((start + sum(split[:rank]), split[rank]))
+            found.append((start + first_row(split, rank), split[rank]))
             start += n
         return found
 

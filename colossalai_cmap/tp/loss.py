@@ -17,7 +17,7 @@ from ..wire.comm import default_timeout
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from ..wire.native import all_reduce, all_reduce_max
-from ..wire.roles import tensor_split_sizes
+from ..wire.roles import first_row, tensor_split_sizes
 from .layers import CALL
 
 __all__ = ["vocab_parallel_cross_entropy", "CausalLMLoss"]
@@ -75,7 +75,7 @@ def vocab_parallel_cross_entropy(
         return flat.reshape(target.shape)
     link = link_for(group, logits.device, CALL, default_timeout())
     flat = _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), sum(sizes[: group.rank]), link, ignore_index
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), first_row(sizes, group.rank), link, ignore_index
     )
     return flat.reshape(target.shape)
 

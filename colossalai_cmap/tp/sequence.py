@@ -28,7 +28,7 @@ from ..wire.comm import default_timeout
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from ..wire.native import ScatterToSequence, SequenceSpec, all_reduce, gather_sequence
-from ..wire.roles import tensor_split_sizes
+from ..wire.roles import first_row, tensor_split_sizes
 
 __all__ = ["SequenceState", "GradSums", "Regather", "LinearOnGathered", "pad_to_sequence"]
 
@@ -52,7 +52,7 @@ class SequenceState:
     def mine(self, length: int) -> Tuple[int, int]:
         """This rank's (first row, row count) of a sequence of ``length``."""
         sizes = tensor_split_sizes(length, self.group.size)
-        return sum(sizes[: self.group.rank]), sizes[self.group.rank]
+        return first_row(sizes, self.group.rank), sizes[self.group.rank]
 
     def read_length(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """The model's forward pre-hook: the whole length, from ``input_ids`` or ``inputs_embeds``."""

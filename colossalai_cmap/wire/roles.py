@@ -26,7 +26,8 @@ gives each rank its cotangent over P, so the ranks' parts add up to the mean cot
 mean over ranks of values that are equal; ``FRACTION`` is its transpose, with no communication either way.
 """
 
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+import itertools
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 
 class Rows(NamedTuple):
@@ -51,6 +52,11 @@ def tensor_split_sizes(n: int, parts: int) -> Tuple[int, ...]:
 def first_row(sizes: Sequence[int], rank: int) -> int:
     """Where rank ``rank``'s rows start, when rank r holds ``sizes[r]`` of them in rank order."""
     return sum(sizes[:rank])
+
+
+def first_rows(sizes: Sequence[int]) -> List[int]:
+    """Every rank's :func:`first_row`."""
+    return [0, *itertools.accumulate(sizes)][:-1]
 
 
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
