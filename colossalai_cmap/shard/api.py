@@ -280,6 +280,8 @@ def _run_f(
             owner.take_entries()
         out = tree_unflatten(flat, out_tree)
         kept, gathered = _output_kinds(site, flat, out_mesh)
+        if out_mesh is not None:
+            dtensor.check_outputs(site.call, flat, out_places, view)
         measured = gathered + (kept if out_mesh is not None else [])  # DTensors' global shapes come from the table
         lengths = block_lengths([flat[i] for i in measured], [out_places[i] for i in measured])
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)

@@ -15,6 +15,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from ..errors import CmapError, RankFailure
 from .specs import P, Placement, broadcast_specs
 
 
@@ -47,9 +48,9 @@ def mesh_of(mesh: Any) -> Any:
 
 def unwrap_inputs(call: str, args: Tuple[Any, ...], in_specs: Any, view: Any, mesh: Any, out_dtensor: Any) -> Inputs:
     """Each DTensor argument checked against the mesh and ``in_specs`` and replaced by its local tensor."""
-    cls = dtensor_type()
-    if in_specs is not None and not out_dtensor and (cls is None or not has_dtensor(tree_flatten(args)[0])):
-        return Inputs(args, in_specs, (False,) * len(tree_flatten(args)[0]), None)  # no DTensor: nothing to do
+    cls, leaves = dtensor_type(), tree_flatten(args)[0]
+    if in_specs is not None and not out_dtensor and not has_dtensor(leaves):
+        return Inputs(args, in_specs, (False,) * len(leaves), None)  # no DTensor: nothing to do
     flat, tree = _flatten(args)
     given = _given_specs(call, in_specs, args)
     specs, local, values, out_mesh = [], [], [], mesh_of(mesh)
@@ -137,14 +138,14 @@ def spec_of(call: str, where: str, value: Any) -> P:
             continue
         if p.is_partial():
             raise ValueError(
-                f"{call}: {where} is a DTensor with placement {p} on mesh dim {name!r}: a pending sum, which a "
+                f"{call}: {where} is a DTensor with placement {p!r} on mesh dim {name!r}: a pending sum, which a "
                 f"shard_map block cannot hold (jax's in_specs have no partial values either). Reduce it first: "
                 f"{where}.redistribute(mesh, [Replicate()]) (or Shard(d)), or pass {where}.to_local() with "
                 f"local=True and psum it over {name!r} inside f."
             )
         if type(p).__name__ != "Shard":  # _StridedShard (FSDP2 over TP) and others: not one block per rank
             raise ValueError(
-                f"{call}: {where} is a DTensor with placement {p} on mesh dim {name!r}, which is not one contiguous "
+                f"{call}: {where} is a DTensor with placement {p!r} on mesh dim {name!r}, which is not one contiguous "
                 f"block per rank; redistribute it to Shard(d) or Replicate() first."
             )
         entries[p.dim % value.dim()].append(name)
@@ -165,12 +166,26 @@ def placements_of(spec: P, ndim: int, names: Sequence[str]) -> List[Any]:
     return out
 
 
+def check_outputs(call: str, flat: Sequence[Any], places: Sequence[Placement], view: Any) -> None:
+    """Each DTensor output's spec must be one DTensor can hold: a dim split over mesh dims in mesh order."""
+    for v, p in zip(flat, places):
+        for d, axes in p.split if isinstance(v, torch.Tensor) else ():
+            ordered = tuple(a for a in view.names if a in axes)
+            if tuple(axes) != ordered:
+                raise ValueError(
+                    f"{call}: out_specs{p.path} is {p.spec!r}, which splits dim {d} over {axes} with {axes[0]!r} "
+                    f"major; a DTensor splits a dim over mesh dims in mesh order ({ordered}). Reorder the entry, "
+                    f"or pass out_dtensor=False."
+                )
+
+
 def wrap_outputs(
     call: str, flat: Sequence[Any], places: Sequence[Placement], out_mesh: Any, view: Any, table: Any, column: Any
 ) -> List[Any]:
     """Each output block as a DTensor on ``out_mesh`` with its ``out_specs`` placements. Its global shape is read
     from every rank's block lengths (``table``, ``column[(i, d)]``: the column of output ``i``'s dim ``d``), and
-    the blocks must be DTensor's: ``torch.chunk`` blocks along each mesh dim in turn."""
+    the blocks must be DTensor's, ``torch.chunk`` blocks along each mesh dim in turn: else the same ``CmapError``
+    (a ``ValueError``) on every rank, decided from the table they all hold."""
     from torch.distributed.tensor import DTensor
 
     out = []
@@ -178,16 +193,13 @@ def wrap_outputs(
         if not isinstance(v, torch.Tensor):
             out.append(v)
             continue
-        for d, axes in p.split:
-            if list(axes) != [a for a in view.names if a in axes]:
-                raise ValueError(
-                    f"{call}: out_specs{p.path} is {p.spec!r}, which splits dim {d} over {axes} with "
-                    f"{axes[0]!r} major; a DTensor splits a dim over mesh dims in mesh order "
-                    f"({tuple(a for a in view.names if a in axes)}). Reorder the entry, or pass out_dtensor=False."
-                )
         shape = list(v.shape)
-        for d, axes in p.split:
-            shape[d] = _global_length(call, p, d, axes, view, table, column[(i, d)])
+        try:
+            for d, axes in p.split:
+                shape[d] = _global_length(call, p, d, axes, view, table, column[(i, d)])
+        except ValueError as exc:
+            failures = [RankFailure(r, g, "ValueError", str(exc)) for r, g in enumerate(view.whole.ranks)]
+            raise CmapError.from_failures(call, failures, view.whole.rank) from None
         placements = placements_of(p.spec, v.dim(), view.names)
         stride = torch.empty(shape, device="meta").stride()
         out.append(DTensor.from_local(v, out_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride))
@@ -195,38 +207,34 @@ def wrap_outputs(
 
 
 def _global_length(call: str, p: Placement, d: int, axes: Sequence[str], view: Any, table: Any, col: int) -> int:
-    """The global length of dim ``d`` (the blocks along ``axes`` at this rank's other coordinates, summed), after
-    checking that every rank's block is the one DTensor's layout gives it."""
+    """The global length of dim ``d``: the blocks along ``axes`` summed, after checking, for every rank of the
+    mesh, that its block is the one DTensor's layout gives it (so every rank decides alike)."""
     from torch.distributed.tensor import Shard
 
-    def at(coords: dict) -> int:
-        return int(table[view.whole_rank(coords)][col])
+    everyone = [_coords_of(k, view) for k in range(len(view.grid))]
+    rows = {tuple(c.values()): int(table[view.whole_rank(c)][col]) for c in everyone}
+    others = [n for n in view.names if n not in axes]
 
-    base = dict(view.coords)
-    total = 0
-    for flat in range(_count(axes, view)):
-        coords, rest = dict(base), flat
-        for a in reversed(axes):
-            rest, coords[a] = divmod(rest, view.sizes[a])
-        total += at(coords)
-    for flat in range(_count(axes, view)):
-        coords, rest = dict(base), flat
-        for a in reversed(axes):
-            rest, coords[a] = divmod(rest, view.sizes[a])
-        size = total
+    def total_at(c: dict) -> int:  # the blocks of c's slice: the ranks that differ from c along ``axes`` only
+        return sum(rows[tuple(o.values())] for o in everyone if all(o[n] == c[n] for n in others))
+
+    total = total_at(view.coords)
+    for c in everyone:
+        size = total_at(c)
         for a in axes:  # DTensor: torch.chunk over each mesh dim in turn
-            size = Shard._local_shard_size_on_dim(size, view.sizes[a], coords[a])[0]
-        if size != at(coords):
+            size = Shard._local_shard_size_on_dim(size, view.sizes[a], c[a])[0]
+        if total_at(c) != total or size != rows[tuple(c.values())]:
             raise ValueError(
-                f"{call}: out_specs{p.path} is {p.spec!r}, and the blocks along dim {d} are not a DTensor's "
-                f"(torch.chunk blocks of the global length {total}: {size} at {coords}, not {at(coords)}); make "
-                f"the blocks even, or pass out_dtensor=False."
+                f"{call}: out_specs{p.path} is {p.spec!r}, and the blocks along dim {d} are not a DTensor's: "
+                f"torch.chunk blocks of the global length {total_at(c)} give {size} rows at {c}, not "
+                f"{rows[tuple(c.values())]}. Make the blocks even, or pass out_dtensor=False."
             )
     return total
 
 
-def _count(axes: Sequence[str], view: Any) -> int:
-    n = 1
-    for a in axes:
-        n *= view.sizes[a]
-    return n
+def _coords_of(flat: int, view: Any) -> dict:
+    """The coordinates of the ``flat``-th rank of the grid (row-major), in mesh order."""
+    coords = {}
+    for n in reversed(view.names):
+        flat, coords[n] = divmod(flat, view.sizes[n])
+    return {n: coords[n] for n in view.names}
