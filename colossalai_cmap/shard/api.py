@@ -187,46 +187,13 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     table = conclude(site.call, view, where.links, whole, outcome)
     flat, out_tree = tree_flatten(out)
     what = f"the outputs of {site.call}"
-    kept, gathered = _output_kinds(site, flat, out_mesh)
-    got = list(flat)
-    if kept:  # blocks: left as they are (local=True), or placed as DTensors
-        blocks = leave_local([flat[i] for i in kept], [out_places[i] for i in kept], where.links, what)
+    if opts.local or out_mesh is not None:  # blocks: left as they are, or placed as DTensors
+        flat = leave_local(flat, out_places, where.links, what)
         if out_mesh is not None:
-            column = _dtensor_columns(flat, out_places, gathered, kept)
-            blocks = dtensor.wrap_outputs(
-                site.call, blocks, [out_places[i] for i in kept], out_mesh, view, table, column
-            )
-        for i, v in zip(kept, blocks):
-            got[i] = v
-    if gathered:
-        joined = assemble(
-            [flat[i] for i in gathered], [out_places[i] for i in gathered], where.links, view, table, what
-        )
-        for i, v in zip(gathered, joined):
-            got[i] = v
-    return tree_unflatten(got, out_tree)
-
-
-def _output_kinds(site: ShardMapped, flat: Sequence[Any], out_mesh: Any) -> Tuple[List[int], List[int]]:
-    """The outputs that stay blocks (``local=True``, or DTensors), and those assembled into global values."""
-    if site.opts.local or out_mesh is not None:
-        return list(range(len(flat))), []
-    return [], list(range(len(flat)))
-
-
-def _dtensor_columns(
-    flat: Sequence[Any], places: Sequence[Placement], gathered: Sequence[int], kept: Sequence[int]
-) -> Dict:
-    """Where each DTensor output's block lengths sit in the exit's table: after the assembled outputs' columns, in
-    the order :func:`_block_lengths` wrote them. Keys are (position among the kept outputs, dim)."""
-    start = sum(len(places[i].split) for i in gathered if isinstance(flat[i], torch.Tensor))
-    column, k = {}, start
-    for j, i in enumerate(kept):
-        if isinstance(flat[i], torch.Tensor):
-            for d, _ in places[i].split:
-                column[(j, d)] = k
-                k += 1
-    return column
+            flat = dtensor.wrap_outputs(site.call, flat, out_places, out_mesh, view, table)
+    else:
+        flat = assemble(flat, out_places, where.links, view, table, what)
+    return tree_unflatten(flat, out_tree)
 
 
 def _run_f(
@@ -279,11 +246,10 @@ def _run_f(
         else:
             owner.take_entries()
         out = tree_unflatten(flat, out_tree)
-        kept, gathered = _output_kinds(site, flat, out_mesh)
         if out_mesh is not None:
             dtensor.check_outputs(site.call, flat, out_places, view)
-        measured = gathered + (kept if out_mesh is not None else [])  # DTensors' global shapes come from the table
-        lengths = block_lengths([flat[i] for i in measured], [out_places[i] for i in measured])
+        # assembled outputs and DTensors (their global shapes) need every rank's block lengths
+        lengths = None if opts.local and out_mesh is None else block_lengths(flat, out_places)
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
         return outcome, out, _typed(out_places, typer), out_mesh
     except Exception as exc:  # every rank learns of it at the exit

@@ -180,23 +180,24 @@ def check_outputs(call: str, flat: Sequence[Any], places: Sequence[Placement], v
 
 
 def wrap_outputs(
-    call: str, flat: Sequence[Any], places: Sequence[Placement], out_mesh: Any, view: Any, table: Any, column: Any
+    call: str, flat: Sequence[Any], places: Sequence[Placement], out_mesh: Any, view: Any, table: Any
 ) -> List[Any]:
     """Each output block as a DTensor on ``out_mesh`` with its ``out_specs`` placements. Its global shape is read
-    from every rank's block lengths (``table``, ``column[(i, d)]``: the column of output ``i``'s dim ``d``), and
+    from every rank's block lengths (``table``, a column per split dim of each output, as ``block_lengths``), and
     the blocks must be DTensor's, ``torch.chunk`` blocks along each mesh dim in turn: else the same ``CmapError``
     (a ``ValueError``) on every rank, decided from the table they all hold."""
     from torch.distributed.tensor import DTensor
 
-    out = []
-    for i, (v, p) in enumerate(zip(flat, places)):
+    out, column = [], 0
+    for v, p in zip(flat, places):
         if not isinstance(v, torch.Tensor):
             out.append(v)
             continue
         shape = list(v.shape)
         try:
             for d, axes in p.split:
-                shape[d] = _global_length(call, p, d, axes, view, table, column[(i, d)])
+                shape[d] = _global_length(call, p, d, axes, view, table, column)
+                column += 1
         except ValueError as exc:
             failures = [RankFailure(r, g, "ValueError", str(exc)) for r, g in enumerate(view.whole.ranks)]
             raise CmapError.from_failures(call, failures, view.whole.rank) from None
