@@ -17,6 +17,8 @@
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from shard_cases import mesh as device_mesh
 
 import colossalai_cmap as cm
@@ -205,6 +207,46 @@ def test_mistakes_are_refused_by_name(worlds):
             assert is_cmap and is_value, (rank, name, message)
             for w in words:
                 assert w in message, (rank, name, w, message)
+
+
+def run_placement_property(shape, names):
+    """A DTensor of ``shape`` with placements ``names`` on the 2 x 2 mesh, even or not, through
+    ``f(b) = 2 b + psum(b.sum())`` (over the axes it is split on) with its own placements out: values and
+    gradients against the global function's, exactly."""
+    dt = _dtensor()
+    mesh = device_mesh((2, 2), ("x", "y"))
+    x, ct = ints(*shape, seed=11), ints(*shape, seed=12)
+    xd = dt.distribute_tensor(x, mesh, _placements(names)).requires_grad_()
+    split = tuple(a for a, n in zip(("x", "y"), names) if n != "R")
+
+    def f(b):
+        return b * 2 + (cm.psum(b.sum(), split) if split else b.sum())
+
+    entries = [[a for a, n in zip(("x", "y"), names) if n == f"S{d}"] for d in range(len(shape))]  # its own spec
+    spec = P(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
+    y = shard_map(f, mesh, out_specs=spec)(xd)
+    (y * dt.DTensor.from_local(ct, mesh, [dt.Replicate()] * 2)).sum().backward()
+    ref = x.clone().requires_grad_()
+    ((ref * 2 + ref.sum()) * ct).sum().backward()
+    return (
+        tuple(y.placements) == tuple(xd.placements)
+        and torch.equal(y.full_tensor(), x * 2 + x.sum())
+        and tuple(xd.grad.placements) == tuple(xd.placements)
+        and torch.equal(xd.grad.full_tensor(), ref.grad)
+    )
+
+
+@st.composite
+def shapes_and_placements(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
+    names = tuple(draw(st.sampled_from(["R"] + [f"S{d}" for d in range(len(shape))])) for _ in range(2))
+    return shape, names
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(shapes_and_placements())
+def test_any_shape_and_placements(worlds, case):
+    assert worlds(4).run(run_placement_property, *case, deadline=DEADLINE) == [True] * 4, case
 
 
 # ---------------------------------------------------------------------------- inside parallelize_module code

@@ -69,7 +69,7 @@ def unwrap_inputs(call: str, args: Tuple[Any, ...], in_specs: Any, view: Any, me
             out_mesh = out_mesh if out_mesh is not None else value.device_mesh
             specs.append(inferred)
             local.append(True)
-            values.append(value.to_local())
+            values.append(ToLocal.apply(value))
         else:
             if spec is None:
                 if isinstance(value, torch.Tensor):
@@ -94,6 +94,30 @@ def unwrap_inputs(call: str, args: Tuple[Any, ...], in_specs: Any, view: Any, me
         tuple(local),
         out_mesh if want else None,
     )
+
+
+class ToLocal(torch.autograd.Function):
+    """``DTensor.to_local()`` whose backward places the gradient with the DTensor's own global shape and stride.
+    torch 2.5.1's derives them from the local gradient, which is wrong for uneven blocks: autograd then copies the
+    gradient to the leaf's layout, and the copy is a replicated DTensor (an all-gather) instead of a placed one."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Any) -> torch.Tensor:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        ctx.layout = (value.device_mesh, tuple(value.placements), value.shape, value.stride())
+        with torch.no_grad():
+            local = value.to_local()
+        if isinstance(local, AsyncCollectiveTensor):  # a redistribute's result, still in flight
+            local = local.wait()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = ctx.layout
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _flatten(args: Any) -> Tuple[List[Tuple[str, Any]], Any]:
