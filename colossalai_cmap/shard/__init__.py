@@ -3,9 +3,9 @@
 ``shard_map(f, mesh, in_specs, out_specs)`` runs ``f`` once per rank of the mesh on plain tensors, this rank's
 blocks of the global arguments, and assembles the global outputs. The partition specs (``P``) and their checks
 (:mod:`.specs`), the mesh and its groups (:mod:`.mesh`), cutting blocks and assembling them, each the other's
-transpose (:mod:`.blocks`), the exit that makes a failure on one rank a failure on every rank (:mod:`.conclude`), the
-call lowered to traceable ops inside ``torch.compile`` (:mod:`.compiled`), and the public function with the pipeline
-of one call (:mod:`.api`).
+transpose (:mod:`.blocks`), the exit that makes a failure on one rank a failure on every rank (:mod:`.conclude`),
+DTensors in and out (:mod:`.dtensor`), the call lowered to traceable ops inside ``torch.compile`` (:mod:`.compiled`),
+and the public function with the pipeline of one call (:mod:`.api`).
 
 May import: ``call`` (the closure interception, and the marker that makes a cmap nested in ``f`` run locally),
 ``axis``, ``integration``, ``wire`` and the leaf modules. Nothing below imports it.

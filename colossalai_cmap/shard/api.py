@@ -23,6 +23,7 @@ from ..wire.exchange import CallTag, SplitSpec, split
 from ..wire.guard import guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
+from . import dtensor
 from .blocks import assemble, block_lengths, cut, enter_local, leave_local
 from .compiled import TENSOR, Parts, eager_fallbacks, run_compiled
 from .conclude import Outcome, conclude
@@ -42,6 +43,7 @@ def shard_map(
     check_rep: Optional[bool] = None,
     axis_names: Optional[Any] = None,
     local: bool = False,
+    out_dtensor: Optional[bool] = None,
     timeout: Optional[float] = None,
 ) -> Any:
     """jax's ``shard_map`` for PyTorch: ``f`` runs once per rank of ``mesh``, on this rank's blocks.
@@ -63,7 +65,10 @@ def shard_map(
         in_specs: a pytree prefix of the positional arguments tuple, with ``P`` leaves (a bare ``P`` for all). Each
             entry of a ``P`` is None, an axis name, or a tuple of names (the first major); mesh axes a spec leaves
             out are replicated. Dims need not divide by their axes' size: blocks are ``torch.tensor_split`` blocks
-            (jax requires division).
+            (jax requires division). A DTensor argument is this rank's block already: its spec is its placements'
+            (``Shard(d)`` on mesh dim ``"x"`` puts ``"x"`` at entry ``d``, ``Replicate()`` names nothing), taken
+            where ``in_specs`` is None or has a None leaf for it, as jax infers ``in_specs`` from explicit
+            shardings; its mesh must be this one.
         out_specs: a pytree prefix of ``f``'s output. Along a mesh axis a spec leaves out, the output must be
             invariant (with ``check_vma``, checked from the types: see below); without ``check_vma`` it is taken
             from the rank at coordinate 0 of that axis, and each rank along it gets an even share of its cotangent
@@ -82,6 +87,9 @@ def shard_map(
             nothing is cut or assembled (the specs are still checked). The gradients are the global call's: a
             block's gradient is summed over the axes its spec leaves out, an output replicated over an axis counts
             once, and tensors ``f`` closes over are replicated values whose gradient is summed over the mesh.
+        out_dtensor: return each tensor output as a DTensor on the mesh, placed by its out_specs entry (this rank's
+            block, not assembled), as ``local_map``'s ``out_placements`` do. Default: when an argument is a DTensor.
+            Needs a torch ``DeviceMesh`` (the mesh, or the DTensor arguments').
         timeout: seconds each collective may wait before every rank raises ``CmapError`` (default as ``cmap``'s).
 
     Returns:
@@ -105,16 +113,16 @@ def shard_map(
         >>> c = matmul(a, b)  # a @ b, on every rank
     """
     options = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, check_rep=check_rep)
-    options.update(axis_names=axis_names, local=local, timeout=timeout)
+    options.update(axis_names=axis_names, local=local, out_dtensor=out_dtensor, timeout=timeout)
     if f is None:
         return functools.partial(shard_map, **options)
-    for name in ("mesh", "in_specs", "out_specs"):
+    for name in ("mesh", "out_specs"):
         if options[name] is None:
             raise TypeError(f"shard_map() missing required argument {name!r}")
     check = bool(True if check_vma is None and check_rep is None else check_rep if check_vma is None else check_vma)
     timeout = timeout if timeout is not None else default_timeout()
     manual = None if axis_names is None else tuple(axis_names)
-    return ShardMapped(f, Sharding(mesh, in_specs, out_specs, check, local, timeout, manual))
+    return ShardMapped(f, Sharding(mesh, in_specs, out_specs, check, local, timeout, manual, out_dtensor))
 
 
 class Sharding(NamedTuple):
@@ -127,6 +135,7 @@ class Sharding(NamedTuple):
     local: bool
     timeout: Optional[float]
     axis_names: Optional[Tuple[str, ...]] = None
+    out_dtensor: Optional[bool] = None
 
 
 class Where(NamedTuple):
@@ -208,12 +217,14 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     whole = link_for(view.whole, device, site.call, opts.timeout)
     links = {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}
     where = Where(view, links, whole, _manual(site, view))
-    outcome, out, out_places = _run_f(site, where, args, kwargs)
+    outcome, out, out_places, out_mesh = _run_f(site, where, args, kwargs)
     table = conclude(site.call, view, where.links, whole, outcome)
     flat, out_tree = tree_flatten(out)
     what = f"the outputs of {site.call}"
-    if opts.local:
+    if opts.local or out_mesh is not None:  # blocks: left as they are, or placed as DTensors
         flat = leave_local(flat, out_places, where.links, what)
+        if out_mesh is not None:
+            flat = dtensor.wrap_outputs(site.call, flat, out_places, out_mesh, view, table)
     else:
         flat = assemble(flat, out_places, where.links, view, table, what)
     return tree_unflatten(flat, out_tree)
@@ -221,13 +232,17 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
 
 def _run_f(
     site: ShardMapped, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Tuple[Outcome, Any, List[Placement]]:
+) -> Tuple[Outcome, Any, List[Placement], Any]:
     """This rank's part: check the specs, cut the blocks, run ``f``, read its outputs; never raises (but for
     torch's own control flow), so that every rank reaches the exit."""
     opts, view, whole = site.opts, where.view, where.whole
-    owner, start = CallTag(), torch._C._autograd._get_sequence_nr()
+    owner, out_mesh = CallTag(), None
     try:
-        places = _placements(site, "in", opts.in_specs, args, view, where.manual)
+        inputs = dtensor.unwrap_inputs(site.call, args, opts.in_specs, view, opts.mesh, opts.out_dtensor)
+        args, out_mesh = inputs.args, inputs.out_mesh
+        entered_local = tuple(e or opts.local for e in inputs.entered_local)
+        start = torch._C._autograd._get_sequence_nr()  # after to_local: the DTensors' nodes are outside f
+        places = _placements(site, "in", inputs.specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
         parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold
         # a nested smap's tensors from the outer map keep the outer map's graph: no entry node, and the guard steps
@@ -237,7 +252,7 @@ def _run_f(
         typer = (
             vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent, joints) if opts.check_vma else None
         )
-        blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, opts.local)
+        blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, entered_local)
         intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
         split_over = manual_ranks(view, where.manual)
         frames = _frames(where, joints)
@@ -269,14 +284,17 @@ def _run_f(
         else:
             owner.take_entries()
         out = tree_unflatten(flat, out_tree)
-        lengths = None if opts.local else block_lengths(flat, out_places)
+        if out_mesh is not None:
+            dtensor.check_outputs(site.call, flat, out_places, view)
+        # assembled outputs and DTensors (their global shapes) need every rank's block lengths
+        lengths = None if opts.local and out_mesh is None else block_lengths(flat, out_places)
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
-        return outcome, out, _typed(out_places, typer)
+        return outcome, out, _typed(out_places, typer), out_mesh
     except Exception as exc:  # every rank learns of it at the exit
         owner.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank
             raise
-        return Outcome((view.whole.failure(exc), exc)), None, []
+        return Outcome((view.whole.failure(exc), exc)), None, [], out_mesh
 
 
 def _manual(site: ShardMapped, view: MeshView) -> Tuple[str, ...]:
@@ -312,19 +330,28 @@ def _placements(
 
 
 def _enter_blocks(
-    leaves: List[Any], places: Sequence[Placement], where: Where, owner: CallTag, local: bool
+    leaves: List[Any], places: Sequence[Placement], where: Where, owner: CallTag, local: Sequence[bool]
 ) -> List[Any]:
-    """The global arguments cut into this rank's blocks; or, with ``local``, the blocks as given, entered through
-    the call's entry (no communication either way). With ``local``, a block's gradient is this rank's block of the
-    global gradient: its own along the split axes, summed over the axes its spec leaves out."""
-    if not local:
-        return cut(leaves, places, where.links, where.view, owner)
-    leaves = enter_local(leaves, places, where.links, owner)
-    picked = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    spec = SplitSpec(where.whole, (KEEP,) * len(picked), owner)
-    entered = split(spec, [leaves[i] for i in picked]) if picked else ()
+    """The global arguments cut into this rank's blocks; the ``local`` ones (``local=True``, DTensors' local
+    tensors) are blocks as given, entered through the call's entry (no communication either way). A local block's
+    gradient is this rank's block of the global gradient: its own along the split axes, summed over the axes its
+    spec leaves out."""
     out = list(leaves)
-    for i, v in zip(picked, entered):
+    whole = [i for i in range(len(leaves)) if not local[i]]
+    if whole:
+        for i, v in zip(
+            whole, cut([leaves[i] for i in whole], [places[i] for i in whole], where.links, where.view, owner)
+        ):
+            out[i] = v
+    mine = [i for i in range(len(leaves)) if local[i]]
+    if not mine:
+        return out
+    entered = enter_local([leaves[i] for i in mine], [places[i] for i in mine], where.links, owner)
+    picked = [i for i, v in zip(mine, entered) if isinstance(v, torch.Tensor)]
+    for i, v in zip(mine, entered):
+        out[i] = v
+    spec = SplitSpec(where.whole, (KEEP,) * len(picked), owner)
+    for i, v in zip(picked, split(spec, [out[i] for i in picked]) if picked else ()):
         out[i] = v
     return out
 

@@ -176,15 +176,22 @@ def placement(leaf: Leaf, spec: P, value: Any, names: Sequence[str]) -> Placemen
     return Placement(path, spec, split, tuple(a for a in names if a not in named))
 
 
-def broadcast_specs(call: str, kind: str, specs: Any, tree: Any, what: str) -> List[Tuple[str, Any, Any]]:
+def broadcast_specs(
+    call: str, kind: str, specs: Any, tree: Any, what: str, none_is_leaf: bool = False
+) -> List[Tuple[str, Any, Any]]:
     """Each leaf of ``tree`` as (path, leaf, spec), the spec given by the prefix ``specs`` (jax's tree-prefix rule).
-    ``what`` names ``tree`` in the message when ``specs`` is not a prefix of it."""
+    ``what`` names ``tree`` in the message when ``specs`` is not a prefix of it. With ``none_is_leaf``, a None in
+    ``specs`` is an entry (left out), not an empty subtree."""
     leaves = tree_flatten_with_path(tree)[0]
-    found = _broadcast_to_and_flatten(specs, tree_structure(tree), is_leaf=lambda s: isinstance(s, P))
+
+    def is_leaf(s: Any) -> bool:
+        return isinstance(s, P) or (none_is_leaf and s is None)
+
+    found = _broadcast_to_and_flatten(specs, tree_structure(tree), is_leaf=is_leaf)
     if found is None:
         raise ValueError(
             f"{call}: shard_map {kind}_specs must be a tree prefix of {what}: {kind}_specs has structure "
-            f"{tree_structure(specs, is_leaf=lambda s: isinstance(s, P))}, which is not a prefix of "
+            f"{tree_structure(specs, is_leaf=is_leaf)}, which is not a prefix of "
             f"{tree_structure(tree)}."
         )
     return [(keystr(path), leaf, spec) for (path, leaf), spec in zip(leaves, found)]
