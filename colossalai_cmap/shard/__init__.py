@@ -7,6 +7,6 @@ transpose (:mod:`.blocks`), the exit that makes a failure on one rank a failure 
 DTensors in and out (:mod:`.dtensor`), the call lowered to traceable ops inside ``torch.compile`` (:mod:`.compiled`),
 and the public function with the pipeline of one call (:mod:`.api`).
 
-May import: ``call`` (the closure interception, and the marker that makes a cmap nested in ``f`` run locally),
-``axis``, ``integration``, ``wire`` and the leaf modules. Nothing below imports it.
+May import: ``call`` (the closure interception, the trainable-parameter check, and the failure record a rank brings
+to the exit), ``axis``, ``integration``, ``wire`` and the leaf modules. Nothing below imports it.
 """

@@ -13,6 +13,7 @@ from ..axis.frame import AxisFrame, axis_scope
 from ..axis.lowering import index_table
 from ..call import closures
 from ..call.module_params import reaches_trainable
+from ..call.records import Failed
 from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import collective_device
@@ -236,7 +237,7 @@ def _run_f(
     """This rank's part: check the specs, cut the blocks, run ``f``, read its outputs; never raises (but for
     torch's own control flow), so that every rank reaches the exit."""
     opts, view, whole = site.opts, where.view, where.whole
-    owner, out_mesh = CallTag(), None
+    tag, out_mesh = CallTag(), None
     try:
         inputs = dtensor.unwrap_inputs(site.call, args, opts.in_specs, view, opts.mesh, opts.out_dtensor)
         args, out_mesh = inputs.args, inputs.out_mesh
@@ -247,13 +248,13 @@ def _run_f(
         parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold
         # a nested smap's tensors from the outer map keep the outer map's graph: no entry node, and the guard steps
         # aside (the outer map's guard, if any, covers its backward)
-        routing = owner if parent is None else None
+        routing = tag if parent is None else None
         joints = MeshJoints(view.within or view, whole.device, whole.call, whole.timeout)
         typer = (
             vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent, joints) if opts.check_vma else None
         )
-        blocks = _enter_blocks(leaves, _typed(places, typer), where, owner, entered_local)
-        intercept = closures.Interceptor(owner, start, whole) if tracking() and typer is None else None
+        blocks = _enter_blocks(leaves, _typed(places, typer), where, tag, entered_local)
+        intercept = closures.Interceptor(tag, start, whole) if tracking() and typer is None else None
         split_over = manual_ranks(view, where.manual)
         frames = _frames(where, joints)
         with frames, splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
@@ -269,20 +270,20 @@ def _run_f(
             out = tree_map(intercept.route, out)
         if typer is not None:  # a tensor from outside f returned as it is: through the boundary too
             out = tree_map(typer.route, out)
-        owner.running = False
+        tag.running = False
         out_places = _placements(site, "out", opts.out_specs, out, view, where.manual)
         flat, out_tree = tree_flatten(out)
         if typer is not None:
             _check_vma(site, typer, flat, out_places, view)
             flat = _varied(typer, flat, out_places)
         if typer is None:
-            graph_sig = closures.watch(flat, owner, start, whole) if tracking() else 0
+            graph_sig = closures.watch(flat, tag, start, whole) if tracking() else 0
         else:  # nothing hooks: whether the graph leaves f other than through its entry (the ranks must agree)
-            graph_sig = int(tracking() and closures.reaches_outside(flat, owner, start))
+            graph_sig = int(tracking() and closures.reaches_outside(flat, tag, start))
         if not graph_sig:  # this rank's backward through f, guarded
-            flat = guard(flat, owner, whole)
+            flat = guard(flat, tag, whole)
         else:
-            owner.take_entries()
+            tag.take_entries()
         out = tree_unflatten(flat, out_tree)
         if out_mesh is not None:
             dtensor.check_outputs(site.call, flat, out_places, view)
@@ -291,10 +292,10 @@ def _run_f(
         outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
         return outcome, out, _typed(out_places, typer), out_mesh
     except Exception as exc:  # every rank learns of it at the exit
-        owner.running = False
+        tag.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank
             raise
-        return Outcome((view.whole.failure(exc), exc)), None, [], out_mesh
+        return Outcome(Failed(view.whole.failure(exc), exc)), None, [], out_mesh
 
 
 def _manual(site: ShardMapped, view: MeshView) -> Tuple[str, ...]:
@@ -330,7 +331,7 @@ def _placements(
 
 
 def _enter_blocks(
-    leaves: List[Any], places: Sequence[Placement], where: Where, owner: CallTag, local: Sequence[bool]
+    leaves: List[Any], places: Sequence[Placement], where: Where, tag: CallTag, local: Sequence[bool]
 ) -> List[Any]:
     """The global arguments cut into this rank's blocks; the ``local`` ones (``local=True``, DTensors' local
     tensors) are blocks as given, entered through the call's entry (no communication either way). A local block's
@@ -340,17 +341,17 @@ def _enter_blocks(
     whole = [i for i in range(len(leaves)) if not local[i]]
     if whole:
         for i, v in zip(
-            whole, cut([leaves[i] for i in whole], [places[i] for i in whole], where.links, where.view, owner)
+            whole, cut([leaves[i] for i in whole], [places[i] for i in whole], where.links, where.view, tag)
         ):
             out[i] = v
     mine = [i for i in range(len(leaves)) if local[i]]
     if not mine:
         return out
-    entered = enter_local([leaves[i] for i in mine], [places[i] for i in mine], where.links, owner)
+    entered = enter_local([leaves[i] for i in mine], [places[i] for i in mine], where.links, tag)
     picked = [i for i, v in zip(mine, entered) if isinstance(v, torch.Tensor)]
     for i, v in zip(mine, entered):
         out[i] = v
-    spec = SplitSpec(where.whole, (KEEP,) * len(picked), owner)
+    spec = SplitSpec(where.whole, (KEEP,) * len(picked), tag)
     for i, v in zip(picked, split(spec, [out[i] for i in picked]) if picked else ()):
         out[i] = v
     return out

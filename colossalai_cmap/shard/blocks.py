@@ -30,25 +30,23 @@ from .specs import Placement, Step
 
 
 def cut(
-    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], view: Any, owner: CallTag
+    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], view: Any, tag: CallTag
 ) -> List[Any]:
-    """Each global value's block on this rank (the owner tags the entry, as a cmap call's)."""
+    """Each global value's block on this rank (the tag marks the entry, as a cmap call's)."""
     steps = [
         p.cut_steps(v.shape, view.sizes, view.coords) if isinstance(v, torch.Tensor) else []
         for v, p in zip(values, places)
     ]
-    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, owner), xs))
+    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
 
 
-def enter_local(
-    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], owner: CallTag
-) -> List[Any]:
+def enter_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], tag: CallTag) -> List[Any]:
     """``local=True``: each block as given, through a ``Split(COPY)`` on every axis its spec leaves out (no
     communication; backward sums the gradient over those axes)."""
     steps = [
         [Step(a, COPY) for a in p.replicated] if isinstance(v, torch.Tensor) else [] for v, p in zip(values, places)
     ]
-    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, owner), xs))
+    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
 
 
 def leave_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], what: str) -> List[Any]:

@@ -10,10 +10,11 @@ may be uneven), so they cost no round of their own.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
+from ..call.records import Failed
 from ..errors import CmapError
 from ..wire import rounds
 from ..wire.exchange import Exit, JoinSpec, join_values, report_failure
@@ -25,11 +26,11 @@ from .mesh import MeshView
 
 @dataclass
 class Outcome:
-    """What this rank brings to the exit: its failure (or None), a digest of its outputs' structure and of the
+    """What this rank brings to the exit: its :class:`~colossalai_cmap.call.records.Failed` (or None), a digest of its outputs' structure and of the
     closure edges its graph holds, and its outputs' block lengths (:func:`~colossalai_cmap.shard.blocks.block_lengths`).
     """
 
-    failure: Optional[Tuple[object, BaseException]]
+    failed: Optional[Failed]
     layout_sig: int = 0
     graph_sig: int = 0
     lengths: Optional[torch.Tensor] = None
@@ -38,15 +39,15 @@ class Outcome:
 def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, outcome: Outcome) -> List[List[int]]:
     """Every round of the exit; returns every rank's block lengths (rows in the whole mesh's group-rank order; empty
     when nothing is split) on every rank, or raises the same ``CmapError`` on every rank."""
-    failure = outcome.failure
+    failed = outcome.failed
     for name in view.names:
         link = links[name]
         if link.group.pg is whole.group.pg:
             continue
-        status = Status.FAILED if failure is not None else Status.OK
+        status = Status.FAILED if failed is not None else Status.OK
         rounds.status_round(link, Header(Kind.STATUS, status, inline=1))
-    if failure is not None:
-        report_failure(JoinSpec(whole, (), kind=Kind.STATUS), *failure)
+    if failed is not None:
+        report_failure(JoinSpec(whole, (), kind=Kind.STATUS), failed.failure, failed.cause)
     exit_ = Exit(Status.OK, 0, outcome.layout_sig, 0, outcome.graph_sig, 0, 0, False, ("digest", "graph_sig"))
     lengths = [] if outcome.lengths is None else [outcome.lengths]
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
