@@ -25,7 +25,7 @@ from ..wire.guard import guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from . import dtensor
-from .blocks import assemble, block_lengths, cut, enter_local, leave_local
+from .blocks import assemble, assemble_local, block_lengths, cut, cut_local
 from .compiled import TENSOR, Parts, eager_fallbacks, run_compiled
 from .conclude import Outcome, conclude
 from .mesh import Mesh, MeshJoints, MeshView, manual_ranks, resolve_mesh, running
@@ -223,7 +223,7 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     flat, out_tree = tree_flatten(out)
     what = f"the outputs of {site.call}"
     if opts.local or out_mesh is not None:  # blocks: left as they are, or placed as DTensors
-        flat = leave_local(flat, out_places, where.links, what)
+        flat = assemble_local(flat, out_places, where.links, what)
         if out_mesh is not None:
             flat = dtensor.wrap_outputs(site.call, flat, out_places, out_mesh, view, table)
     else:
@@ -253,7 +253,7 @@ def _run_f(
         typer = (
             vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent, joints) if opts.check_vma else None
         )
-        blocks = _enter_blocks(leaves, _typed(places, typer), where, tag, entered_local)
+        blocks = _cut_blocks(leaves, _typed(places, typer), where, tag, entered_local)
         intercept = closures.Interceptor(tag, start, whole) if tracking() and typer is None else None
         split_over = manual_ranks(view, where.manual)
         frames = _frames(where, joints)
@@ -330,7 +330,7 @@ def _placements(
     return out
 
 
-def _enter_blocks(
+def _cut_blocks(
     leaves: List[Any], places: Sequence[Placement], where: Where, tag: CallTag, local: Sequence[bool]
 ) -> List[Any]:
     """The global arguments cut into this rank's blocks; the ``local`` ones (``local=True``, DTensors' local
@@ -347,7 +347,7 @@ def _enter_blocks(
     mine = [i for i in range(len(leaves)) if local[i]]
     if not mine:
         return out
-    entered = enter_local([leaves[i] for i in mine], [places[i] for i in mine], where.links, tag)
+    entered = cut_local([leaves[i] for i in mine], [places[i] for i in mine], where.links, tag)
     picked = [i for i, v in zip(mine, entered) if isinstance(v, torch.Tensor)]
     for i, v in zip(mine, entered):
         out[i] = v

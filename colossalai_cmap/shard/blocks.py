@@ -40,7 +40,7 @@ def cut(
     return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
 
 
-def enter_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], tag: CallTag) -> List[Any]:
+def cut_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], tag: CallTag) -> List[Any]:
     """``local=True``: each block as given, through a ``Split(COPY)`` on every axis its spec leaves out (no
     communication; backward sums the gradient over those axes)."""
     steps = [
@@ -49,7 +49,7 @@ def enter_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[
     return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
 
 
-def leave_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], what: str) -> List[Any]:
+def assemble_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], what: str) -> List[Any]:
     """``local=True``: each output block as it is, through a ``Join(ONCE)`` on every axis its spec leaves out (no
     communication; backward gives each rank its cotangent over the axis size, so the replicated value counts once)."""
     steps = [

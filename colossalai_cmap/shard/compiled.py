@@ -74,7 +74,7 @@ def run_compiled(site: Any, view: MeshView, args: Tuple[Any, ...], kwargs: Dict[
         blocks = [_local_block(v, p, view, grads) for v, p in zip(leaves, places)]
     else:
         blocks = [_cut(v, p, view, grads) for v, p in zip(leaves, places)]
-    kwargs = _enter_kwargs(kwargs, view, grads)
+    kwargs = _whole_kwargs(kwargs, view, grads)
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     for n in manual:
@@ -197,7 +197,7 @@ def _local_block(v: Any, p: Placement, view: MeshView, grads: bool) -> Any:
     return v
 
 
-def _enter_kwargs(kwargs: Dict[str, Any], view: MeshView, grads: bool) -> Dict[str, Any]:
+def _whole_kwargs(kwargs: Dict[str, Any], view: MeshView, grads: bool) -> Dict[str, Any]:
     """Keyword tensors are passed whole, as replicated values: those that need a gradient get it summed over the
     mesh, as a closure's eagerly."""
     if not kwargs or not grads:

@@ -159,7 +159,7 @@ class Entries:
         if len(self.found) > self.LIMIT:
             del self.found[next(iter(self.found))]
 
-    def enter(self, x: torch.Tensor, link: Link) -> torch.Tensor:
+    def copy_to_region(self, x: torch.Tensor, link: Link) -> torch.Tensor:
         if link.group.size == 1 or not needs_function([x]):
             return x  # no gradient to sum, or no one to sum it with: f is the identity
         state = (x._version, torch.is_grad_enabled(), torch._C._functorch.maybe_current_level())
@@ -209,7 +209,7 @@ class _Sharded(nn.Module):
         """A column-parallel product: the replicated input entered through f, or under sequence parallelism
         this rank's rows gathered (kept sharded for backward, gathered again there)."""
         if entries.sequence is None or self.group.size == 1:
-            return F.linear(entries.enter(x, self.link(x)), weight, bias)
+            return F.linear(entries.copy_to_region(x, self.link(x)), weight, bias)
         hit = entries.of_gather(x)
         if hit is None:
             full, regather = entries.gather(x, self.path)
@@ -310,7 +310,7 @@ class RowParallelLinear(_Sharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mine = self.sizes[self.group.rank]
         if self.style.takes_replicated and x.shape[-1] == self.in_features:
-            entered = self.entries.enter(x, self.link(x))
+            entered = self.entries.copy_to_region(x, self.link(x))
             x = Slice(x.dim() - 1, self.sizes, self.group.rank, tuple(x.shape), self.parts).take(entered)
         if x.shape[-1] != mine:
             raise ValueError(
@@ -399,11 +399,11 @@ class HeadGroupLinear(_Sharded):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         start, link = self.head * self.head_dim, self.link(x)
-        weight, bias = (self._enter(p, link) for p in (self.weight, self.bias))
+        weight, bias = (self._copy_to_region(p, link) for p in (self.weight, self.bias))
         bias = None if bias is None else bias.narrow(0, start, self.head_dim)
         return self.column(self.entries, x, weight.narrow(0, start, self.head_dim), bias)
 
-    def _enter(self, p: Optional[torch.Tensor], link: Link) -> Optional[torch.Tensor]:
+    def _copy_to_region(self, p: Optional[torch.Tensor], link: Link) -> Optional[torch.Tensor]:
         if p is None or self.group.size == 1 or not needs_function([p]):
             return p
         return RoundFreeCopy.apply(link, p)
@@ -430,8 +430,8 @@ class SequenceRows:
         self.group, self.path, self.style, self.timeout = group, path, style, default_timeout()
         self.sizes: Optional[Tuple[int, ...]] = None
         if group.size > 1:
-            module.register_forward_pre_hook(self.enter)
-            module.register_forward_hook(self.leave)
+            module.register_forward_pre_hook(self.split_rows)
+            module.register_forward_hook(self.gather_rows)
             sums = GradSums(group, self.timeout)
             for p in module.parameters():
                 if p.requires_grad:
@@ -440,13 +440,13 @@ class SequenceRows:
     def link(self, t: torch.Tensor) -> Link:
         return link_for(self.group, t.device, CALL, self.timeout)
 
-    def enter(self, module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    def split_rows(self, module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
         x = args[0]
         self.sizes = tensor_split_sizes(x.shape[1], self.group.size)
         mine = split(SplitSpec(self.link(x), (Rows(1, self.sizes),)), [x])[0]
         return (mine, *args[1:])
 
-    def leave(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+    def gather_rows(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
         first = out[0] if isinstance(out, tuple) else out
         spec = JoinSpec(self.link(first), (Rows(1, self.sizes),), f"the gather of sequence-parallel {self.path!r}")
         whole = join(spec, [first])[0]

@@ -246,8 +246,8 @@ def _fork_region_random(model: nn.Module, assignments: List[Assignment], group: 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     region = RegionRandom(group, device)
     for path in sorted(parents):
-        modules[path].register_forward_pre_hook(region.enter, with_kwargs=True)
-        modules[path].register_forward_hook(region.leave, with_kwargs=True)
+        modules[path].register_forward_pre_hook(region.seed_region, with_kwargs=True)
+        modules[path].register_forward_hook(region.restore_outside, with_kwargs=True)
 
 
 def _check_sequence(model: nn.Module, assignments: List[Assignment]) -> List[nn.Module]:

@@ -59,7 +59,7 @@ class RegionRandom:
         if mod is not None and state[1] is not None:
             mod.set_rng_state(state[1], self.device)
 
-    def enter(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def seed_region(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         entry = torch.get_rng_state()
         region = _derived_seed(entry, f"tp{TP_SEED_OFFSET + self.rank}")
         # the process generator moves on (one draw, alike on every rank); a device's process state stays as it is
@@ -71,5 +71,5 @@ class RegionRandom:
             with mod.device(self.device):
                 mod.manual_seed(region)
 
-    def leave(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+    def restore_outside(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
         self._write(self.outside.pop())
