@@ -15,7 +15,7 @@ is differentiable (by jax's transpose rules), works under ``torch.vmap`` and ``t
 every mode, and inside nested cmaps for the inner or any outer axis name. ``axis_name`` may be a tuple of names, as
 in ``psum(x, ("i", "j"))``: the axes of nested cmaps taken together, the first one major. Over a tuple of
 ``shard_map`` mesh axes, and for uneven tiled chunks, each op is one native collective on the group of those axes'
-ranks (``_joint``); over a tuple of cmap names it is a psum or an all_gather and a selection.
+ranks (``joint_over``); over a tuple of cmap names it is a psum or an all_gather and a selection.
 """
 
 import contextlib
@@ -28,7 +28,7 @@ from ..wire.roles import COPY, MAX, MIN
 from . import grouped, lowering
 from . import ops as axes
 from . import vma
-from .frame import AxisFrame, Joint, joint_of, lookup
+from .frame import AxisFrame, joint_over, lookup, names_of, native_over, on_ranks, own_chunk
 from .rules import AxisRule, RuleKind, Transpose, register
 
 __all__ = [
@@ -51,21 +51,17 @@ __all__ = [
 AxisName = Union[str, Tuple[str, ...]]
 
 
-def _names(axis_name: AxisName) -> Tuple[str, ...]:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
     """``op`` over every axis of a (tuple) name, innermost first, so that the first name is major; a reduction over
     mesh axes taken together, one on their group."""
-    # is_compiling first: dynamo cannot index the rule table's mappingproxy (_joint is None there anyway)
-    several = len(_names(axis_name)) > 1 and not torch.compiler.is_compiling()
-    joint = _joint(axis_name) if several and RULES[op].kind is RuleKind.REDUCE else None
+    # is_compiling first: dynamo cannot index the rule table's mappingproxy (joint_over is None there anyway)
+    several = len(names_of(axis_name)) > 1 and not torch.compiler.is_compiling()
+    joint = joint_over(axis_name) if several and RULES[op].kind is RuleKind.REDUCE else None
     if joint is not None:
         size = axis_size(axis_name)
         frame = AxisFrame(joint.link, size, joint.index, (1,) * size, "rank")
-        return lowering.reduce_rows(frame, x.unsqueeze(0), RULES[op], _names(axis_name))
-    for name in reversed(_names(axis_name)):
+        return lowering.reduce_rows(frame, x.unsqueeze(0), RULES[op], names_of(axis_name))
+    for name in reversed(names_of(axis_name)):
         x = axes.apply(x, name, op)
     return x
 
@@ -88,12 +84,12 @@ def psum(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Se
     """
     if axis_index_groups is not None:
         name, groups = _grouping("psum", axis_name, axis_index_groups)
-        return vma.typed(_names(axis_name), x, True, lambda v: axes.apply(v, name, "psum_grouped", groups))
-    tracker = vma.typed_axes(_names(axis_name))
+        return vma.typed(names_of(axis_name), x, True, lambda v: axes.apply(v, name, "psum_grouped", groups))
+    tracker = vma.typed_axes(names_of(axis_name))
     if tracker is None:
-        return vma.untyped(_names(axis_name), x, lambda v: _over(v, axis_name, "psum"))
-    joint = _joint(axis_name) if len(_names(axis_name)) > 1 else None
-    return vma.joined(tracker, x, _names(axis_name), "psum", COPY, joint)
+        return vma.untyped(names_of(axis_name), x, lambda v: _over(v, axis_name, "psum"))
+    joint = joint_over(axis_name) if len(names_of(axis_name)) > 1 else None
+    return vma.joined(tracker, x, names_of(axis_name), "psum", COPY, joint)
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
@@ -106,7 +102,7 @@ def pmean(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[S
 
 def _grouping(op: str, axis_name: AxisName, groups: Any) -> Tuple[str, grouped.Groups]:
     """The one axis name and the checked groups of an ``axis_index_groups`` call."""
-    names = _names(axis_name)
+    names = names_of(axis_name)
     if len(names) != 1:
         raise ValueError(
             f"{op}(x, {axis_name!r}, axis_index_groups=...): axis_index_groups takes one axis name; group the "
@@ -121,12 +117,12 @@ def _grouping(op: str, axis_name: AxisName, groups: Any) -> Tuple[str, grouped.G
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise maximum over every example of the axis. Not differentiable."""
-    return vma.typed(_names(axis_name), x, False, lambda v: _over(v, axis_name, "pmax"))
+    return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, "pmax"))
 
 
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise minimum over every example of the axis. Not differentiable."""
-    return vma.typed(_names(axis_name), x, False, lambda v: _over(v, axis_name, "pmin"))
+    return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, "pmin"))
 
 
 def all_gather(
@@ -151,28 +147,28 @@ def all_gather(
                 f"all_gather(x, {axis_name!r}, axis_index_groups=..., to={to!r}): grouped gathers vary (as in jax)."
             )
         name, groups = _grouping("all_gather", axis_name, axis_index_groups)
-        return vma.typed(_names(axis_name), x, True, lambda v: _all_gather(v, name, axis, tiled, groups))
+        return vma.typed(names_of(axis_name), x, True, lambda v: _all_gather(v, name, axis, tiled, groups))
     if to == "invarying":
         return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
     if to != "varying":
         raise ValueError(f"all_gather(x, {axis_name!r}, to={to!r}): to must be 'varying' or 'invarying'.")
-    return vma.typed(_names(axis_name), x, True, lambda v: _all_gather(v, axis_name, axis, tiled))
+    return vma.typed(names_of(axis_name), x, True, lambda v: _all_gather(v, axis_name, axis, tiled))
 
 
 def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
     """:func:`all_gather` whose result is invariant over the axis: inside a ``shard_map`` with ``check_vma=True``
     its transpose is this rank's slice of the cotangent, with no communication (jax's ``all_gather_invariant``).
     Elsewhere (``check_vma=False``, a cmap axis) it is :func:`all_gather`, as in jax."""
-    tracker = vma.typed_axes(_names(axis_name))
+    tracker = vma.typed_axes(names_of(axis_name))
     if tracker is None:
-        return vma.untyped(_names(axis_name), x, lambda v: _all_gather(v, axis_name, axis, tiled))
+        return vma.untyped(names_of(axis_name), x, lambda v: _all_gather(v, axis_name, axis, tiled))
     shape = _example_shape(axis_name, x)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather_invariant", "axis")
-    full = vma.joined(tracker, x, _names(axis_name), "all_gather_invariant", None)
+    full = vma.joined(tracker, x, names_of(axis_name), "all_gather_invariant", None)
     with tracker.pause():
         full = full.reshape(-1, *shape)  # the axes of a tuple name, the first one major
         full = full.movedim(0, axis).flatten(axis, axis + 1) if tiled else full.movedim(0, axis)
-    return tracker.mark(full, tracker.of(x) - set(_names(axis_name)))
+    return tracker.mark(full, tracker.of(x) - set(names_of(axis_name)))
 
 
 def _all_gather(
@@ -197,7 +193,7 @@ def pcast(x: torch.Tensor, axis_name: AxisName, *, to: str) -> torch.Tensor:
     """jax's ``pcast(x, axis_name, to="varying")``: ``x``, now typed as varying over the axis, whose transpose is a
     psum over it. Inside a ``shard_map`` with ``check_vma=True`` ``x`` must be invariant over the axis (jax 0.10
     refuses a cast from varying); elsewhere (``check_vma=False``, a cmap axis) it is the identity, as in jax."""
-    names = _names(axis_name)
+    names = names_of(axis_name)
     if to != "varying":
         raise ValueError(f"pcast(x, {axis_name!r}, to={to!r}): only to='varying' is supported.")
     for name in names:
@@ -221,8 +217,8 @@ def pbroadcast(x: torch.Tensor, axis_name: AxisName, source: int) -> torch.Tenso
     here = axis_index(axis_name) == source
     here = here.reshape(here.shape + (1,) * (x.dim() - here.dim()))
     total = psum(torch.where(here, x, torch.zeros_like(x)), axis_name)
-    tracker = vma.typed_axes(_names(axis_name))
-    return total if tracker is None else tracker.vary(total, _names(axis_name))
+    tracker = vma.typed_axes(names_of(axis_name))
+    return total if tracker is None else tracker.vary(total, names_of(axis_name))
 
 
 def psum_scatter(
@@ -235,24 +231,24 @@ def psum_scatter(
     Along ``shard_map`` mesh axes a tiled dim need not divide by the axis size: rank ``i`` gets the ``i``-th
     ``torch.tensor_split`` chunk (the first ``length % size`` one longer), where jax requires division.
     """
-    return vma.typed(_names(axis_name), x, True, lambda v: _psum_scatter(v, axis_name, scatter_dimension, tiled))
+    return vma.typed(names_of(axis_name), x, True, lambda v: _psum_scatter(v, axis_name, scatter_dimension, tiled))
 
 
 def _psum_scatter(x: torch.Tensor, axis_name: AxisName, scatter_dimension: int, tiled: bool) -> torch.Tensor:
     shape = _example_shape(axis_name, x)
     d = _dim(scatter_dimension, len(shape), "psum_scatter", "scatter_dimension")
     chunk = _chunk("psum_scatter", axis_name, shape[d], tiled, "scatter_dimension")
-    if chunk is not None and _native(axis_name):
-        out = axes.apply(x, _names(axis_name)[0], "psum_scatter", d)
+    if chunk is not None and native_over(axis_name):
+        out = axes.apply(x, names_of(axis_name)[0], "psum_scatter", d)
         return out if tiled else out.squeeze(d + _lead(axis_name))
-    joint = _joint(axis_name, shape[d])
+    joint = joint_over(axis_name, shape[d])
     if joint is not None:
         lengths = lowering.split_lengths(shape[d], axis_size(axis_name))
         out = lowering.scatter_on_ranks(joint, x, d, lengths, f"psum_scatter({axis_name!r})")
         return out if tiled else out.squeeze(d)
     total = psum(x, axis_name)
     if chunk is None:
-        return total.narrow(d, *_own_chunk(axis_name, shape[d]))
+        return total.narrow(d, *own_chunk(axis_name, shape[d]))
     return _per_example(axis_name, lambda t, i: _slice(t, d, i, chunk, tiled), total, axis_index(axis_name))
 
 
@@ -268,7 +264,7 @@ def all_to_all(
     ``i``-th ``torch.tensor_split`` chunk of every rank's value (the first ``length % size`` one longer), where jax
     requires division. Every rank's ``x`` has the same shape, as in jax.
     """
-    return vma.typed(_names(axis_name), x, True, lambda v: _all_to_all(v, axis_name, split_axis, concat_axis, tiled))
+    return vma.typed(names_of(axis_name), x, True, lambda v: _all_to_all(v, axis_name, split_axis, concat_axis, tiled))
 
 
 def _all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int, tiled: bool) -> torch.Tensor:
@@ -276,10 +272,10 @@ def _all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_ax
     s = _dim(split_axis, len(shape), "all_to_all", "split_axis")
     c = _dim(concat_axis, len(shape), "all_to_all", "concat_axis")
     chunk = _chunk("all_to_all", axis_name, shape[s], tiled, "split_axis")
-    if chunk is not None and _native(axis_name):
+    if chunk is not None and native_over(axis_name):
         B = axis_size(axis_name)
         front = _per_example(axis_name, lambda v: v.movedim(s, 0), x)  # the chunks to send along dim 0
-        got = axes.apply(front, _names(axis_name)[0], "all_to_all", 0)  # (B sources * chunk, ...) per example
+        got = axes.apply(front, names_of(axis_name)[0], "all_to_all", 0)  # (B sources * chunk, ...) per example
 
         def arrange(z: torch.Tensor) -> torch.Tensor:
             parts = z.unflatten(0, (B, chunk))  # [source, chunk, the other dims]
@@ -288,13 +284,13 @@ def _all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_ax
             return parts.movedim(1, s + 1).movedim(0, c).flatten(c, c + 1)
 
         return _per_example(axis_name, arrange, got)
-    joint = _joint(axis_name, shape[s])
+    joint = joint_over(axis_name, shape[s])
     if joint is not None:
         lengths = lowering.split_lengths(shape[s], axis_size(axis_name))
-        return lowering.a2a_on_ranks(joint, x, s, c, lengths, tiled, f"all_to_all({axis_name!r})")
+        return lowering.a2a_on_ranks(joint, x, s, c, lengths, tiled=tiled, what=f"all_to_all({axis_name!r})")
     everyone = all_gather(x, axis_name)  # per example: (B, *shape)
     if chunk is None:  # this rank's uneven chunk: the same Python-int range of every rank's value
-        part = everyone.narrow(s + 1, *_own_chunk(axis_name, shape[s]))
+        part = everyone.narrow(s + 1, *own_chunk(axis_name, shape[s]))
         return part.movedim(0, c).flatten(c, c + 1)
 
     def piece(full: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -308,14 +304,14 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int
     """Example ``dst`` gets example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``; examples that no pair names
     as a destination get zeros. Its transpose is the inverse permutation. Over one axis name only the pairs' values
     move, each once."""
-    return vma.typed(_names(axis_name), x, True, lambda v: _ppermute(v, axis_name, perm))
+    return vma.typed(names_of(axis_name), x, True, lambda v: _ppermute(v, axis_name, perm))
 
 
 def _ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[Tuple[int, int]]) -> torch.Tensor:
     sources = _sources(perm, axis_size(axis_name))
-    if _native(axis_name):
-        return axes.apply(x, _names(axis_name)[0], "ppermute", tuple(sources))
-    joint = _joint(axis_name)
+    if native_over(axis_name):
+        return axes.apply(x, names_of(axis_name)[0], "ppermute", tuple(sources))
+    joint = joint_over(axis_name)
     if joint is not None:
         return lowering.permute_on_ranks(joint, x, tuple(sources), f"ppermute({axis_name!r})")
     table = lowering.index_table(tuple(sources), x.device)
@@ -333,56 +329,32 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     """The global index of the current example along the axis (an int64 scalar tensor per example), or inside
     ``shard_map`` this rank's coordinate along the mesh axis; for a tuple of names, the index in the axes taken
     together, the first one major."""
-    tracker = vma.typed_axes(_names(axis_name))
+    tracker = vma.typed_axes(names_of(axis_name))
     with tracker.pause() if tracker is not None else contextlib.nullcontext():
         index = None
-        for name in _names(axis_name):
+        for name in names_of(axis_name):
             mine = axes.index(name)
             index = mine if index is None else index * lookup(name, "axis_index").size + mine
-    return index if tracker is None else tracker.mark(index, _names(axis_name))
+    return index if tracker is None else tracker.mark(index, names_of(axis_name))
 
 
 def axis_size(axis_name: AxisName) -> int:
     """The global batch size B along a cmap axis (not the number of ranks), or the size of a ``shard_map`` mesh
     axis; for a tuple of names, the product."""
     size = 1
-    for name in _names(axis_name):
+    for name in names_of(axis_name):
         size *= lookup(name, "axis_size").size
     return size
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
-def _native(axis_name: AxisName) -> bool:
-    """Whether the per-example ops take their native collective: over one axis name, eagerly, in a mode where each
-    run holds its rows (vmap, batched, or a shard_map axis). Otherwise they are a psum or an all_gather and a
-    selection (loop mode, tuple names, inside torch.compile)."""
-    names = _names(axis_name)
-    if len(names) != 1 or torch.compiler.is_compiling():
-        return False
-    return lookup(names[0], "collective").mode in ("vmap", "batched", "rank")
-
-
-def _joint(axis_name: AxisName, length: int = 1) -> Optional[Joint]:
-    """Where a per-example op over ``shard_map`` mesh axes that ``_native`` leaves out (a tuple of axes, uneven tiled
-    chunks) still takes its native collective: the group of the axes taken together, with this rank's index in it.
-    None (the op is a psum or an all_gather and a selection): inside torch.compile, off mesh axes, axes of different
-    calls (a ``smap`` inside a ``shard_map``), or nothing to split (``length`` 0)."""
-    names = _names(axis_name)
-    if torch.compiler.is_compiling() or not length or not _on_ranks(axis_name):
-        return None
-    if len(names) == 1:
-        frame = lookup(names[0], "collective")
-        return Joint(frame.link, frame.offset, tuple(range(frame.size)))
-    return joint_of(names, "collective")
-
-
 def _lead(axis_name: AxisName) -> int:
     """Dims before an example's own: the rows in batched mode."""
     return 1 if _batched_mode(axis_name) else 0
 
 
 def _batched_mode(axis_name: AxisName) -> bool:
-    return lookup(_names(axis_name)[0], "collective").mode == "batched"
+    return lookup(names_of(axis_name)[0], "collective").mode == "batched"
 
 
 def _example_shape(axis_name: AxisName, x: torch.Tensor) -> Tuple[int, ...]:
@@ -413,7 +385,7 @@ def _chunk(op: str, axis_name: AxisName, length: int, tiled: bool, what: str) ->
     chunks are uneven ``torch.tensor_split`` chunks, which only ``shard_map`` mesh axes allow (there each member is
     a rank, and its chunk's length a plain int; a cmap axis's examples share one vmapped shape)."""
     size = axis_size(axis_name)
-    if tiled and length % size and _on_ranks(axis_name):
+    if tiled and length % size and on_ranks(axis_name):
         return None
     if not tiled and length != size:
         raise ValueError(
@@ -426,22 +398,6 @@ def _chunk(op: str, axis_name: AxisName, length: int, tiled: bool, what: str) ->
             f"chunk is undefined (jax's meaning needs equal chunks); pad it to a multiple of {size}."
         )
     return length // size if tiled else 1
-
-
-def _on_ranks(axis_name: AxisName) -> bool:
-    """Every name is a ``shard_map`` mesh axis, whose members are ranks."""
-    return all(lookup(name, "collective").mode == "rank" for name in _names(axis_name))
-
-
-def _own_chunk(axis_name: AxisName, length: int) -> Tuple[int, int]:
-    """This rank's ``torch.tensor_split`` chunk of ``length`` over mesh axes: its start and length, as Python ints
-    (from the mesh coordinates, not ``axis_index``: no device read)."""
-    coord = 0
-    for name in _names(axis_name):  # the first name major, as axis_index
-        frame = lookup(name, "collective")
-        coord = coord * frame.size + frame.offset
-    base, extra = divmod(length, axis_size(axis_name))
-    return coord * base + min(coord, extra), base + (1 if coord < extra else 0)
 
 
 def _sources(perm: Sequence[Tuple[int, int]], size: int) -> list:
@@ -514,7 +470,7 @@ def _inverse(sources: Tuple[int, ...]) -> Tuple[int, ...]:
 
 
 # Each op's rules, by jax.lax's name: what AxisOp follows. A transpose names another op of this table; an op with
-# no traced rule is composed of psum and all_gather inside torch.compile (see _native).
+# no traced rule is composed of psum and all_gather inside torch.compile (see native_over).
 RULES: Mapping[str, AxisRule] = register(
     AxisRule(
         "psum",

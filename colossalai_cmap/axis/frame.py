@@ -145,3 +145,57 @@ def joint_of(names: Sequence[str], op: str) -> Optional[Joint]:
     if mesh is None or any(f.mode != "rank" or f.mesh is not mesh for f in frames):
         return None
     return mesh.joint(tuple(names))
+
+
+# ------------------------------------------------------------- where a collective over named axes runs, and how
+def names_of(axis_name: Any) -> Tuple[str, ...]:
+    """The names of an axis name or a tuple of them."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def size_of(axis_name: Any) -> int:
+    """The product of the named axes' sizes."""
+    size = 1
+    for name in names_of(axis_name):
+        size *= lookup(name, "axis_size").size
+    return size
+
+
+def native_over(axis_name: Any) -> bool:
+    """Whether the per-example ops take their native collective: over one axis name, eagerly, in a mode where each
+    run holds its rows (vmap, batched, or a shard_map axis). Otherwise they are a psum or an all_gather and a
+    selection (loop mode, tuple names, inside torch.compile)."""
+    names = names_of(axis_name)
+    if len(names) != 1 or torch.compiler.is_compiling():
+        return False
+    return lookup(names[0], "collective").mode in ("vmap", "batched", "rank")
+
+
+def joint_over(axis_name: Any, length: int = 1) -> Optional[Joint]:
+    """Where a per-example op over ``shard_map`` mesh axes that ``native_over`` leaves out (a tuple of axes, uneven
+    tiled chunks) still takes its native collective: the group of the axes taken together, with this rank's index in it.
+    None (the op is a psum or an all_gather and a selection): inside torch.compile, off mesh axes, axes of different
+    calls (a ``smap`` inside a ``shard_map``), or nothing to split (``length`` 0)."""
+    names = names_of(axis_name)
+    if torch.compiler.is_compiling() or not length or not on_ranks(axis_name):
+        return None
+    if len(names) == 1:
+        frame = lookup(names[0], "collective")
+        return Joint(frame.link, frame.offset, tuple(range(frame.size)))
+    return joint_of(names, "collective")
+
+
+def on_ranks(axis_name: Any) -> bool:
+    """Every name is a ``shard_map`` mesh axis, whose members are ranks."""
+    return all(lookup(name, "collective").mode == "rank" for name in names_of(axis_name))
+
+
+def own_chunk(axis_name: Any, length: int) -> Tuple[int, int]:
+    """This rank's ``torch.tensor_split`` chunk of ``length`` over mesh axes: its start and length, as Python ints
+    (from the mesh coordinates, not ``axis_index``: no device read)."""
+    coord = 0
+    for name in names_of(axis_name):  # the first name major, as axis_index
+        frame = lookup(name, "collective")
+        coord = coord * frame.size + frame.offset
+    base, extra = divmod(length, size_of(axis_name))
+    return coord * base + min(coord, extra), base + (1 if coord < extra else 0)

@@ -271,7 +271,7 @@ def scatter_on_ranks(joint: Joint, x: torch.Tensor, d: int, lengths: Tuple[int, 
 
 
 def a2a_on_ranks(
-    joint: Joint, x: torch.Tensor, s: int, c: int, lengths: Tuple[int, ...], tiled: bool, what: str
+    joint: Joint, x: torch.Tensor, s: int, c: int, lengths: Tuple[int, ...], *, tiled: bool, what: str
 ) -> torch.Tensor:
     """From every member, in index order, its chunk for this member (``lengths[index]`` of ``x``'s dim ``s``),
     concatenated along ``c`` (or, untiled, stacked along a new dim ``c``, dim ``s`` gone): an all-to-all on the joint

@@ -276,14 +276,7 @@ def _run_f(
         if typer is not None:
             _check_vma(site, typer, flat, out_places, view)
             flat = _varied(typer, flat, out_places)
-        if typer is None:
-            graph_sig = closures.watch(flat, tag, start, whole) if tracking() else 0
-        else:  # nothing hooks: whether the graph leaves f other than through its entry (the ranks must agree)
-            graph_sig = int(tracking() and closures.reaches_outside(flat, tag, start))
-        if not graph_sig:  # this rank's backward through f, guarded
-            flat = guard(flat, tag, whole)
-        else:
-            tag.take_entries()
+        flat, graph_sig = _guarded(flat, typer is not None, tag, start, whole)
         out = tree_unflatten(flat, out_tree)
         if out_mesh is not None:
             dtensor.check_outputs(site.call, flat, out_places, view)
@@ -328,6 +321,19 @@ def _placements(
         leaf = Leaf(site.call, kind, path, f"args{path}" if kind == "in" else f"{what}{path}")
         out.append(placement(leaf, spec, value, view.names))
     return out
+
+
+def _guarded(flat: List[Any], typed: bool, tag: CallTag, start: int, whole: Link) -> Tuple[List[Any], int]:
+    """The outputs, through the guard of this rank's backward where the graph leaves ``f`` only through its entry,
+    and the signature of the closure edges it holds otherwise (the ranks must agree on it)."""
+    if not typed:
+        graph_sig = closures.watch(flat, tag, start, whole) if tracking() else 0
+    else:  # nothing hooks: whether the graph leaves f other than through its entry
+        graph_sig = int(tracking() and closures.reaches_outside(flat, tag, start))
+    if graph_sig:
+        tag.take_entries()
+        return flat, graph_sig
+    return guard(flat, tag, whole), graph_sig
 
 
 def _cut_blocks(

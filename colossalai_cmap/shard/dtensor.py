@@ -220,7 +220,7 @@ def wrap_outputs(
         shape = list(v.shape)
         try:
             for d, axes in p.split:
-                shape[d] = _global_length(call, p, d, axes, view, table, column)
+                shape[d] = _global_length(call, p, d, axes, view, table=table, col=column)
                 column += 1
         except ValueError as exc:
             failures = [RankFailure(r, g, "ValueError", str(exc)) for r, g in enumerate(view.whole.ranks)]
@@ -231,7 +231,7 @@ def wrap_outputs(
     return out
 
 
-def _global_length(call: str, p: Placement, d: int, axes: Sequence[str], view: Any, table: Any, col: int) -> int:
+def _global_length(call: str, p: Placement, d: int, axes: Sequence[str], view: Any, *, table: Any, col: int) -> int:
     """The global length of dim ``d``: the blocks along ``axes`` summed, after checking, for every rank of the
     mesh, that its block is the one DTensor's layout gives it (so every rank decides alike)."""
     from torch.distributed.tensor import Shard
