@@ -351,13 +351,18 @@ def check_fused():
     y, y_ref = tp(x), ref(x)
     torch.testing.assert_close(y, y_ref, **TOL)
     y.square().sum().backward(), y_ref.square().sum().backward()
+    return _same_grads_and_state(tp, ref, cm.shard_model(Fused().double(), plan=FUSED_PLAN), x, y_ref)
+
+
+def _same_grads_and_state(tp, ref, other, x, y_ref):
+    """Every parameter's gradient is its slice of the unsharded one; full_state_dict is the unsharded state, and
+    ``other`` (a fresh sharded model) loaded from it gives the unsharded output."""
     slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
     for name, p in tp.named_parameters():
         want = slices[name].take(full[name].grad) if name in slices else full[name].grad
         torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
     state = cm.full_state_dict(tp)
     assert all(torch.equal(state[n], v) for n, v in ref.state_dict().items())
-    other = cm.shard_model(Fused().double(), plan=FUSED_PLAN)
     cm.load_full_state_dict(other, state)
     torch.testing.assert_close(other(x), y_ref, **TOL)
     return True
@@ -394,16 +399,8 @@ def check_packed_rows():
     torch.testing.assert_close(y, y_ref, **TOL)
     y.square().sum().backward(), y_ref.square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
-    slices, full = cm.sharded_parameters(tp), dict(ref.named_parameters())
-    for name, p in tp.named_parameters():
-        want = slices[name].take(full[name].grad) if name in slices else full[name].grad
-        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
-    state = cm.full_state_dict(tp)
-    assert all(torch.equal(state[n], v) for n, v in ref.state_dict().items())
     other = cm.shard_model(PackedRows().double(), plan=PACKED_ROWS_PLAN)
-    cm.load_full_state_dict(other, state)
-    torch.testing.assert_close(other(x), y_ref, **TOL)
-    return True
+    return _same_grads_and_state(tp, ref, other, x, y_ref)
 
 
 class HandAttention(nn.Module):

@@ -17,7 +17,7 @@ from ..wire.exchange import JoinSpec, SplitSpec, join, split
 from ..wire.native import NativeSpec
 from ..wire.roles import COPY, first_row, first_rows
 from ..wire.rounds import Kind
-from ..wire.traced import gather_under_vmap
+from ..wire.traced import gather_under_vmap, out_of_graph
 from .frame import AxisFrame, Joint
 from .rules import AxisRule
 
@@ -46,22 +46,13 @@ def exchange(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, ar
     return rule.traced(frame, rows, rule, name, arg)
 
 
-def _exchanged_eagerly() -> Callable[..., torch.Tensor]:
-    """The eager exchange out of the graph, for an op with no traced form: a graph break, or with ``fullgraph=True``
-    dynamo's error, which shows this function's name, so the name says why and what to do."""
-
-    def run(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any) -> torch.Tensor:
-        return rule.rows(frame, rows, rule, name, arg)
-
-    run.__name__ = run.__qualname__ = (
-        "a collective with axis_index_groups has no traced form and runs eagerly, not inside torch.compile (a graph "
-        "break); to keep one graph, write each group's sum as a psum over the whole axis of the value masked to that "
-        "group (torch.where on axis_index)"
-    )
-    return torch._disable_dynamo(run)
-
-
-_EAGER_EXCHANGE = _exchanged_eagerly()
+# an op with no traced form runs out of the graph
+_EAGER_EXCHANGE = out_of_graph(
+    lambda frame, rows, rule, name, arg: rule.rows(frame, rows, rule, name, arg),
+    "a collective with axis_index_groups has no traced form and runs eagerly, not inside torch.compile (a graph "
+    "break); to keep one graph, write each group's sum as a psum over the whole axis of the value masked to that "
+    "group (torch.where on axis_index)",
+)
 
 
 def traced_vmap(frame: AxisFrame, x: torch.Tensor, rule: AxisRule, name: str, arg: Any) -> torch.Tensor:

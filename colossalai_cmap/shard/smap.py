@@ -26,6 +26,7 @@ from torch.utils._pytree import (
 )
 
 from ..axis import vma
+from ..wire.traced import out_of_graph
 from .api import shard_map
 from .mesh import axis_view, in_context, resolve_mesh
 from .specs import P
@@ -220,19 +221,10 @@ def _from_front(v: Any, axis: Optional[int]) -> Any:
     return v.movedim(0, axis % v.dim())
 
 
-def _eagerly() -> Callable[..., Any]:
-    """The eager smap out of the graph, as one graph break; with ``fullgraph=True`` dynamo's error shows this
-    function's name, so the name says why and what to do."""
-
-    def run(site: Smapped, *args: Any) -> Any:
-        return site._run(*args)
-
-    run.__name__ = run.__qualname__ = (
-        "smap runs eagerly, not inside torch.compile: it makes its shard_map at each call, from the mesh in context; "
-        "to keep one graph, use shard_map(f, mesh, in_specs=P(axis_name), out_specs=..., axis_names={axis_name}), "
-        "made outside the compiled function"
-    )
-    return torch._disable_dynamo(run)
-
-
-_EAGER = _eagerly()
+# smap under torch.compile runs out of the graph
+_EAGER = out_of_graph(
+    lambda site, *args: site._run(*args),
+    "smap runs eagerly, not inside torch.compile: it makes its shard_map at each call, from the mesh in context; "
+    "to keep one graph, use shard_map(f, mesh, in_specs=P(axis_name), out_specs=..., axis_names={axis_name}), "
+    "made outside the compiled function",
+)

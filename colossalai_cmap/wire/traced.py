@@ -7,7 +7,7 @@ one op on the process group, waiting as long as the group's own timeout. Every r
 rank that failed before one leaves its peers waiting (docs/collectives.md, "torch.compile").
 """
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -101,3 +101,14 @@ def gather_under_vmap(t: torch.Tensor, pg: Any) -> torch.Tensor:
     # done's values with pending's gradient: the difference is exactly zero where finite, and done is kept as is
     # where it is not (an infinite sum stays infinite, with no gradient, instead of inf - inf)
     return torch.where(done.isfinite(), pending + (done - pending).detach(), done)
+
+
+def out_of_graph(fn: Callable[..., Any], why: str) -> Callable[..., Any]:
+    """``fn``, run eagerly outside any graph (one graph break). With ``fullgraph=True`` dynamo's error shows the
+    function's name, so it is named ``why``: the sentence that says why it cannot be traced and what to do."""
+
+    def run(*args: Any) -> Any:
+        return fn(*args)
+
+    run.__name__ = run.__qualname__ = why
+    return torch._disable_dynamo(run)
