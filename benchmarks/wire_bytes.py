@@ -13,7 +13,8 @@ wire_tap = test_support("wire_tap")
 
 def main() -> None:
     """``python -m benchmarks.wire_bytes``: the table of bytes per rank against the native bound, P = 2 and 4, for each
-workload of the tests (one axis in cmap and shard_map; shard_map over a tuple of mesh axes and with uneven chunks)."""
+    workload of the tests (one axis in cmap and shard_map; shard_map over a tuple of mesh axes and with uneven chunks).
+    """
     sizes = (4096, 64 * 1024, 1 << 20, 16 << 20)
     print("| call | P | op | bytes per rank | forward sent / native | backward sent / native | collectives fwd + bwd |")
     print("|---|---|---|---|---|---|---|")
