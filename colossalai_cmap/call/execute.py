@@ -295,7 +295,7 @@ def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], sha
             placed.append(t.select(0, 0))
             continue
         dim = normalise_out_dim(opts.call, dim, t.dim() - 1, i)
-        itself = source is not None and share.dims[source] == dim
+        itself = source is not None and share.dims[source] == dim and opts.chunk_size is None  # chunks: vmap copies
         placed.append(share.leaves[source] if itself else t.movedim(0, dim))
     return tree_unflatten(placed, seen["spec"])
 
