@@ -30,7 +30,7 @@ from ..wire.rounds import agree_rows
 from . import closures, module_params, views
 from .dims import flatten, flatten_out_dims, normalise_out_dim
 from .entry import enter, first_example
-from .execute import ExampleSeeds, Share, per_example_seeds, rng_scope, run_share, with_remedy
+from .execute import ExampleSeeds, Share, check_rows, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .records import Failed, Inputs, Outputs, Shares
@@ -51,6 +51,7 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         if extra:
             leaves = _stand_in(opts, shares, inputs, leaves, extra)
         versions = _versions(opts, shares, inputs.leaves) if wired else None
+        joined = _versions(opts, shares, leaves) if extra and versions is not None else None
         frame, seed, seeds = _frame_and_seed(opts, shares, link, empty)
         share = Share(leaves, shares.dims, shares.spec, shares.rows + extra)
         if faults.ACTIVE:
@@ -80,6 +81,8 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.aliases))
+        if joined is not None:
+            _keep_changes(shares, inputs.leaves, leaves, joined)
         mutated = _mutated(versions, inputs.leaves, shares)
         return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
     except Exception as exc:  # every rank learns of it in the status round
@@ -210,14 +213,9 @@ def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional
 
 
 def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int) -> None:
-    """In batched mode func must return one row per example it was given, along each mapped output's out_dim."""
     for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
-        if leaf.kind == BATCHED and v.shape[leaf.out_dim] != rows:
-            raise ValueError(
-                f"{opts.call}: mode='batched': output {i} has {v.shape[leaf.out_dim]} rows along its out_dim "
-                f"{leaf.out_dim} (shape {tuple(v.shape)}), but func was given {rows} examples; it must return one row "
-                f"per example (or use out_dims=None for an output that is not per example)."
-            )
+        if leaf.kind == BATCHED:
+            check_rows(opts, i, v, leaf.out_dim, rows)
 
 
 def _record(opts: Options, flat: List[Any], layout: OutLayout, tag: CallTag, start: int, link: Link) -> int:
@@ -237,6 +235,15 @@ def _versions(opts: Options, shares: Shares, leaves: Sequence[Any]) -> Optional[
     if opts.src is not None:
         return None
     return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in shares.mapped]
+
+
+def _keep_changes(shares: Shares, leaves: Sequence[Any], given: Sequence[Any], versions: List[int]) -> None:
+    """func changed in place the rows it was given joined to stand-ins (a copy): into the caller's rows with them."""
+    for i, before in zip(shares.mapped, versions):
+        if before >= 0 and given[i]._version != before:
+            d = shares.dims[i]
+            with torch.no_grad():
+                leaves[i].narrow(d, shares.offset, shares.rows).copy_(given[i].narrow(d, 0, shares.rows))
 
 
 def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], shares: Shares) -> int:
