@@ -15,7 +15,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import colossalai_cmap as cm
@@ -158,8 +158,7 @@ def _comparable(outcome: Any, call: Call) -> Any:
     _, leaves, views, after, draw = outcome
     free = call.func == "noisy" and (call.randomness == "different" or call.mode == "batched")
     described = [
-        (tuple(v.shape), v.dtype, None if free else v) if isinstance(v, torch.Tensor) else (type(v), v)
-        for v in leaves
+        (tuple(v.shape), v.dtype, None if free else v) if isinstance(v, torch.Tensor) else (type(v), v) for v in leaves
     ]
     if call.src == "local":
         views = None  # the contract returns views of the caller's tensor where every rank holds it (src=None)
@@ -214,8 +213,21 @@ def calls(draw):
     )
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(st.lists(calls(), min_size=30, max_size=30))
+# the two calls that once returned at P = 1 and raised at P = 2: a batched func that returns a row too few, and
+# one that returns a scalar for an out_dim=0 output
+KNOWN = [Call(f, 8, 0, 0, "batched", -1, None, "error", None, None) for f in ("drop_first", "total")]
+
+
+# no shrinking: each try runs three worlds, and the message names the call that differs
+@settings(
+    max_examples=3,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
+@given(st.lists(calls(), min_size=20, max_size=20))
+@example(KNOWN)
 def test_every_call_behaves_alike_at_every_group_size(worlds, drawn):
     assert not dist.is_initialized()
     alone = run_calls(drawn)  # no torch.distributed
