@@ -4,7 +4,8 @@
 The path (docs/design.md has the picture):
 
 1. Resolve the group. A group of one, no ``torch.distributed``, a cmap nested in a cmap over the same group, or meta
-   inputs: run as plain ``torch.vmap`` here (:func:`_run_local`), with no communication.
+   inputs: run alone, the same steps on :func:`alone`'s group of one, whose link is not wired, so nothing moves
+   (a repeated call whose steps around func are none calls the cmap's ``torch.vmap`` wrapper, :func:`_run_as_vmap`).
 2. Shares: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
    find the shares (:mod:`.shares`; with ``src=r`` the shares and this rank's rows come from rank r, :mod:`.from_src`).
    A rank whose sharing fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
