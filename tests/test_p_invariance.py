@@ -112,6 +112,8 @@ def run_calls(calls: List[Call]) -> List[Any]:
         torch.manual_seed(1234)
         x = _input(call)
         arg = _shard(x, call, rank, size) if call.src == "local" else x
+        if call.src == 0 and rank != 0 and call.in_dims is not None:
+            arg = None  # only the source holds the mapped input
         opts = call._asdict()
         func = FUNCS[opts.pop("func")]
         del opts["B"]
@@ -121,8 +123,8 @@ def run_calls(calls: List[Call]) -> List[Any]:
             outcomes.append(("error",) + _error(exc))
             continue
         leaves = torch.utils._pytree.tree_leaves(out)
-        views = tuple((v is arg, _shares_storage(v, arg)) for v in leaves)
-        outcomes.append(("ok", leaves, views, arg.clone(), torch.rand(1)))
+        views = tuple((v is x, _shares_storage(v, x)) for v in leaves)
+        outcomes.append(("ok", leaves, views, (x if arg is None else arg).clone(), torch.rand(1)))
     return outcomes
 
 
@@ -160,7 +162,7 @@ def _comparable(outcome: Any, call: Call) -> Any:
     described = [
         (tuple(v.shape), v.dtype, None if free else v) if isinstance(v, torch.Tensor) else (type(v), v) for v in leaves
     ]
-    if call.src == "local":
+    if call.src is not None:
         views = None  # the contract returns views of the caller's tensor where every rank holds it (src=None)
     elif call.dst == "local":  # each rank's rows view the caller's tensor; only a whole batch can be the tensor itself
         views = tuple(storage for _, storage in views)
@@ -206,7 +208,7 @@ def calls(draw):
         draw(st.sampled_from(out_dims)),
         mode,
         draw(st.sampled_from([-1, "local", 0])),
-        draw(st.sampled_from([None, "local"])),
+        draw(st.sampled_from([None, "local", 0])),
         randomness,
         draw(st.sampled_from(chunks)),
         "i" if func == "centred" or draw(st.booleans()) and draw(st.booleans()) else None,

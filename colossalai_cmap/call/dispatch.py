@@ -97,8 +97,10 @@ def _make_inputs(
                 from .from_src import shares_from_src  # only src=r calls pay for its imports
 
                 return shares_from_src(opts, site.func, args, kwargs, link)
-        on = group if link.wired else link.group
-        return Inputs(make_shares(opts, site.func, on, args, kwargs), list(leaves), kwargs)
+        shares = make_shares(opts, site.func, group if link.wired else link.group, args, kwargs)
+        if isinstance(opts.src, int):  # alone, as the scatter gives every rank (the source too): copies of the rows
+            leaves = [v if d is None else v.clone() for v, d in zip(leaves, shares.dims)]
+        return Inputs(shares, list(leaves), kwargs)
     except CmapError:  # a wait failed (the source's broadcast or scatter): the group is out of step, no more rounds
         raise
     except Exception as exc:
