@@ -27,8 +27,8 @@ from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from .conclude import conclude
-from .execute import with_remedy
 from .dims import flatten, unflatten
+from .execute import with_remedy
 from .options import check_placement
 from .rank import run_rank
 from .records import Failed, FastPath, Inputs, LastCall, Outputs
