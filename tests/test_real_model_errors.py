@@ -41,7 +41,9 @@ def _bert():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    config = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    config = BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100
+    )
     return BertModel(config).eval()
 
 
@@ -226,24 +228,31 @@ def test_generation(worlds, P):
 
 
 # -------------------------------------------------------------------------- outputs that differ in dtype or structure
-def check_other_layouts():
-    """func returns a different dtype, then a different structure, on group rank 1: the error names each rank's."""
+def _rank_dependent():
+    """A dtype, then a structure, that differ on group rank 1."""
     rank = dist.get_rank()
-    x = torch.zeros(4, 3)
-    messages = []
-    for f in (
+    return (
         lambda v: {"a": v, "b": v.double() if rank == 1 else v},
         lambda v: {"a": v, "b": v} if rank == 1 else {"a": v},
-    ):
-        try:
-            cm.cmap(f, mode="batched")(x)
-        except cm.CmapError as exc:
-            messages.append(str(exc))
+    )
+
+
+def check_other_layouts():
+    """func returns a different dtype, then a different structure, on group rank 1: cmap's error and shard_map's
+    name each rank's outputs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    x = torch.zeros(4, 3)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("x",))
+    messages = []
+    for f in _rank_dependent():
+        messages.append(str(_failure(cm.cmap(f, mode="batched"), x)))
+        messages.append(str(_failure(cm.shard_map(f, mesh, cm.P("x"), cm.P("x")), x)))
     return messages
 
 
 def test_other_layouts(worlds):
-    dtypes, structures = worlds(2).run(check_other_layouts, deadline=60)[0]
+    dtypes, dtypes_shard, structures, structures_shard = worlds(2).run(check_other_layouts, deadline=60)[0]
     assert "(output ['b']: group rank 0: float32 (2, 3), group rank 1: float64 (2, 3))" in dtypes, dtypes
     assert (
         "(group rank 0: output ['a'] float32 (2, 3); group rank 1: output ['a'] float32 (2, 3), output ['b'] "
@@ -252,3 +261,11 @@ def test_other_layouts(worlds):
     for message in (dtypes, structures):
         assert "Make every rank's output the same shape, dtype and structure" in message, message
         assert "model.generate" not in message, message  # the padding advice is for lengths only
+    assert (
+        "(output ['b']: group rank 0: float32 2-d, out_specs P('x'), group rank 1: float64 2-d, out_specs P('x'))"
+        in dtypes_shard
+    ), dtypes_shard
+    assert (
+        "(group rank 0: output ['a'] float32 2-d, out_specs P('x'); group rank 1: output ['a'] float32 2-d, "
+        "out_specs P('x'), output ['b'] float32 2-d, out_specs P('x'))" in structures_shard
+    ), structures_shard

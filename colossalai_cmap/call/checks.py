@@ -4,9 +4,9 @@ They read only the table, which every rank holds whole, so every rank reaches th
 error, before any data moves.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from ..errors import CmapError
+from ..errors import CmapError, by_rank, output_name
 from ..wire.rounds import Disagreement, Header
 from .layout import LeafSeen
 from .options import Options
@@ -51,9 +51,11 @@ def _layout_error(opts: Options, table: Sequence[Header], seen: Optional[Sequenc
     if seen:
         differ = _differing(seen)
         if differ is None:  # different structures: every rank's outputs
-            detail = _by_rank([", ".join(f"{_output(leaf.path)} {leaf.shown}" for leaf in m) for m in seen], "; ")
+            detail = by_rank([", ".join(f"{output_name(leaf.path)} {leaf.shown}" for leaf in m) for m in seen], "; ")
         else:
-            detail = "; ".join(f"{_output(seen[0][i].path)}: " + _by_rank([m[i].shown for m in seen]) for i in differ)
+            detail = "; ".join(
+                f"{output_name(seen[0][i].path)}: " + by_rank([m[i].shown for m in seen]) for i in differ
+            )
     if not detail:  # the same outputs, different views of the inputs (or nothing fetched): the digests
         detail = "layout digests " + ", ".join(f"group rank {r}: {h.digest:#x}" for r, h in enumerate(table))
     fix = "Make every rank's output the same shape, dtype and structure (apart from its rows, whose count may differ)."
@@ -77,23 +79,6 @@ def _differing(seen: Sequence[Tuple[LeafSeen, ...]]) -> Optional[List[int]]:
     if len({tuple(leaf.path for leaf in mine) for mine in seen}) > 1:
         return None
     return [i for i in range(len(seen[0])) if not all(mine[i].agrees(seen[0][i]) for mine in seen)]
-
-
-def _output(path: str) -> str:
-    return f"output {path}" if path else "the output"
-
-
-_LISTED = 8  # distinct values named in an error; the rest are counted
-
-
-def _by_rank(shown: Sequence[str], sep: str = ", ") -> str:
-    """``group rank 0: a, group ranks 1, 2: b``: each value once, with the ranks that returned it."""
-    ranks: Dict[str, List[int]] = {}
-    for r, value in enumerate(shown):
-        ranks.setdefault(value, []).append(r)
-    named = [f"group rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}" for v, rs in ranks.items()]
-    more = f", and {len(named) - _LISTED} more" if len(named) > _LISTED else ""
-    return sep.join(named[:_LISTED]) + more
 
 
 def _graph_error(opts: Options, table: Sequence[Header]) -> CmapError:
