@@ -86,6 +86,11 @@ def check_module_under_vmap():
             # a rank's rows are a smaller batch, whose matmuls may sum in another order: the dtype's tolerance
             torch.testing.assert_close(batched, main(model(x)))
         found[name] = (torch_says, str(got), [t.__name__ for t in type(got).__mro__], type(model).__name__)
+    # vmap's and cmap's own argument errors, for a module that works per example: no remedy
+    linear, x = torch.nn.Linear(3, 2), torch.zeros(4, 3)
+    for options in (dict(in_dims=2), dict(out_dims=3)):
+        message = str(_failure(cm.cmap(linear, **options), x))
+        assert "dimension" in message.lower() and "mode='batched'" not in message, message
     return found
 
 

@@ -35,6 +35,14 @@ _SHAPE_WORDS = re.compile(
     r"\b(dim|dims|dimension|dimensions|dimensionality|shape|shapes|size|sizes|index|indices|\d+D)\b|unpack", re.I
 )
 
+# How vmap's and cmap's own messages start (their argument checks, their refusals): not a model's shape error
+_OWN = ("vmap", "cmap(")
+
+
+def _shape_error(exc: Exception, text: str) -> bool:
+    return isinstance(exc, IndexError) or _SHAPE_WORDS.search(text) is not None
+
+
 # The plain exception types the remedies re-raise with their text added (torch's shape and vmap errors are these)
 _REWORDED = (RuntimeError, IndexError, ValueError)
 
@@ -53,7 +61,7 @@ def with_remedy(opts: Options, func: Callable, exc: Exception) -> Exception:
             f"torch.vmap cannot do per example. Use mode='loop' to call func once per example (per-example control "
             f"flow), or pass the value with in_dims=None if every example shares it (one loop bound for the batch)."
         )
-    elif isinstance(func, torch.nn.Module) and (isinstance(exc, IndexError) or _SHAPE_WORDS.search(text)):
+    elif isinstance(func, torch.nn.Module) and not text.startswith(_OWN) and _shape_error(exc, text):
         remedy = (
             f"{opts.call}: func is a module, and in mode='vmap' (the default) cmap calls it as torch.vmap does: once "
             f"per example, each example WITHOUT its batch dim (input_ids of shape (T,), an image of shape (C, H, W)). "
