@@ -68,9 +68,10 @@ def _explain(call: str, found: Disagreement, layouts: Optional[List[Tuple[Any, .
             f"{call}: the ranks' autograd graphs reach tensors made outside f in different ways; every rank must "
             f"run the same program on its blocks."
         )
+    detail = _differ(layouts) if layouts else f"digests {[h.digest for h in found.table]}"
     return (
-        f"{call}: f returned outputs of different structures, dtypes or ranks on different ranks ({_differ(layouts)});"
-        f" every rank must return the same structure."
+        f"{call}: f returned outputs of different structures, dtypes or ranks on different ranks ({detail}); every "
+        f"rank must return the same structure."
     )
 
 
