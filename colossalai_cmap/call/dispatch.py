@@ -147,7 +147,7 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
     """The whole batch here, as ``torch.vmap``: a group of one, no ``torch.distributed``, or nested on one group.
 
     With ``torch.distributed`` initialised and a group of one, an exception becomes ``CmapError`` as on any group;
-    otherwise it is ``torch.vmap``'s own.
+    otherwise it is ``torch.vmap``'s own, with the remedy a group would add to it (:func:`.execute.with_remedy`).
     """
     opts = site.options
     try:
@@ -167,7 +167,10 @@ def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict
         return out
     except Exception as exc:
         if group.pg is None or group.size > 1:
-            raise
+            remedied = with_remedy(opts, site.func, exc)
+            if remedied is exc:
+                raise
+            raise remedied from None  # the same type, torch's sentence and traceback, the remedy added
         _raise_alone(site, group, args, exc)
 
 
@@ -190,5 +193,5 @@ def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Excep
         flatten_args(site.func, args, site.options.in_dims, site.options.call)
     except Exception as arg_exc:
         exc = arg_exc
-    exc = with_remedy(site.options, exc)
+    exc = with_remedy(site.options, site.func, exc)
     raise CmapError.from_failures(site.options.call, [group.failure(exc)], group.rank) from exc

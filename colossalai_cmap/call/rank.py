@@ -86,7 +86,7 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         tag.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
             raise
-        exc = with_remedy(opts, exc)
+        exc = with_remedy(opts, site.func, exc)
         return Failed(group.failure(exc), exc)
 
 

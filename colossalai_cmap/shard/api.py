@@ -282,7 +282,8 @@ def _run_f(
             dtensor.check_outputs(site.call, flat, out_places, view)
         # assembled outputs and DTensors (their global shapes) need every rank's block lengths
         lengths = None if opts.local and out_mesh is None else block_lengths(flat, out_places)
-        outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
+        layout = _layout(flat, out_places)
+        outcome = Outcome(None, digest(layout), graph_sig, lengths=lengths, layout=layout)
         return outcome, out, _typed(out_places, typer), out_mesh
     except Exception as exc:  # every rank learns of it at the exit
         tag.running = False
@@ -432,10 +433,10 @@ def _axes(names: Any) -> str:
     return "{" + ", ".join(names) + "}"
 
 
-def _layout_sig(flat: Sequence[Any], places: Sequence[Placement]) -> int:
-    return digest(
-        [
-            (p.path, tuple(p.spec), (v.dtype, v.dim()) if isinstance(v, torch.Tensor) else type(v).__name__)
-            for v, p in zip(flat, places)
-        ]
+def _layout(flat: Sequence[Any], places: Sequence[Placement]) -> Tuple[Any, ...]:
+    """What every rank's outputs must agree on, leaf by leaf: the path, the spec, and a tensor's dtype and number of
+    dims (its shape may differ: blocks may be uneven), or another leaf's type."""
+    return tuple(
+        (p.path, tuple(p.spec), (v.dtype, v.dim()) if isinstance(v, torch.Tensor) else type(v).__name__)
+        for v, p in zip(flat, places)
     )
