@@ -20,6 +20,7 @@ Every rank builds the same graph (an empty share runs a stand-in example), so en
 order on every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
 """
 
+import contextlib
 from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
@@ -163,6 +164,23 @@ class Interceptor(TorchFunctionMode):
         self.tag, self.start, self.link = tag, start, link
         self.level = torch._C._functorch.maybe_current_level() or 0  # wrappers above it were made in the call
         self.aliases: Dict[int, Any] = {}
+        self.unrouted: Dict[int, Any] = {}  # read where no graph is made (a reentrant checkpoint's first run)
+        self.replay = False
+
+    def met(self) -> bool:
+        """Whether func read a tensor made before the call that requires grad."""
+        return bool(self.aliases or self.unrouted)
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Active again in func's backward, for a recomputation of part of func (reentrant checkpointing): it
+        routes only the tensors the call itself met, since the recomputation's inputs are new leaves."""
+        self.replay = True
+        try:
+            with self:
+                yield
+        finally:
+            self.replay = False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -192,6 +210,11 @@ class Interceptor(TorchFunctionMode):
             return v
         found = self.aliases.get(id(v))
         if found is None or found[0] is not v:
+            if self.replay and self.unrouted.get(id(v), (None,))[0] is not v:
+                return v
+            if not torch.is_grad_enabled() and torch._C._functorch.maybe_current_level() is None:
+                self.unrouted[id(v)] = (v,)  # no gradient here; a recomputation with one routes it
+                return v
             with torch._C.DisableTorchFunction():
                 alias = split(SplitSpec(self.link, (COPY,), self.tag), [v])[0]
             found = self.aliases[id(v)] = (v, alias)

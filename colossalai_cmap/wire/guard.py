@@ -25,7 +25,8 @@ other edge), at least one of them a Split (its Join ends the backward), all on t
 mesh for shard_map). Elsewhere the call's backward runs unguarded, as before.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -37,11 +38,13 @@ from .roles import split_transpose
 from .rounds import Header, Kind, Status
 
 WHAT = "the gradients of func's inputs"
+Replay = Callable[[], ContextManager[Any]]  # the context a recomputation of func (reentrant checkpointing) runs in
 
 
-def guard(flat: List[Any], tag: CallTag, link: Link) -> List[Any]:
+def guard(flat: List[Any], tag: CallTag, link: Link, replay: Optional[Replay] = None) -> List[Any]:
     """func's outputs ``flat``, with those that carry a gradient replaced by ``_Guard``'s stand-ins, where the
-    backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``."""
+    backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``.
+    ``replay`` is the context func ran in (its modules' aliases): a recomputation in that backward runs in it."""
     entries = tag.take_entries()
     rounds = [e for e in entries or () if e.spec is not None]
     if link.group.pg is None or not rounds or not _plain_autograd():  # a Split's Join: the round a failure rides
@@ -52,7 +55,8 @@ def guard(flat: List[Any], tag: CallTag, link: Link) -> List[Any]:
     inputs = _inputs(entries)
     if not picked or not inputs:
         return flat
-    outs = _Guard.apply(_Graph(link, tuple(flat[i] for i in picked), entries, inputs), *inputs)
+    graph = _Graph(link, tag, tuple(flat[i] for i in picked), entries, inputs, replay or contextlib.nullcontext)
+    outs = _Guard.apply(graph, *inputs)
     guarded = list(flat)
     for i, v in zip(picked, outs):
         guarded[i] = v
@@ -62,14 +66,18 @@ def guard(flat: List[Any], tag: CallTag, link: Link) -> List[Any]:
 class _Graph:
     """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs."""
 
-    def __init__(self, link: Link, outs: tuple, entries: List[Entry], inputs: List[torch.Tensor]) -> None:
-        self.link, self.outs, self.entries, self.inputs = link, outs, entries, inputs
-        self.boundary = [o for e in entries for o in e.outputs if o.requires_grad and not _fed(o, entries)]
-
-
-def _fed(t: torch.Tensor, entries: List[Entry]) -> bool:
-    """Whether ``t`` is the input of another tagged Split (a chain): its gradient comes from that Split's Join."""
-    return any(x is t for e in entries for x in e.inputs)
+    def __init__(
+        self, link: Link, tag: CallTag, outs: tuple, entries: List[Entry], inputs: List[torch.Tensor], replay: Replay
+    ) -> None:
+        self.link, self.tag, self.outs, self.entries, self.inputs, self.replay = (
+            link,
+            tag,
+            outs,
+            entries,
+            inputs,
+            replay,
+        )
+        self.boundary = any(o.requires_grad for e in entries for o in e.outputs)
 
 
 def _inputs(entries: List[Entry]) -> List[torch.Tensor]:
@@ -103,11 +111,13 @@ class _AsIs(torch.autograd.Function):
         tag = inputs[0]
         ctx._cmap_tag = tag
         if tag.running:
-            tag.note_entry(None, inputs[1:], (output,))
+            ctx._cmap_entry = tag.note_entry(None, inputs[1:], (output,))
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[torch.Tensor]) -> Tuple[None, Optional[torch.Tensor]]:
+        if ctx._cmap_tag.catches(ctx):
+            return ctx._cmap_tag.catch(ctx, (grad,))
         return None, grad
 
 
@@ -154,16 +164,14 @@ class _Guard(torch.autograd.Function):
                 )
             pairs = [(o, g) for o, g in zip(graph.outs, grads) if g is not None]
             if pairs and graph.boundary:
-                with rounds.guarding():
-                    found = torch.autograd.grad(
+                with rounds.guarding(), _catching(graph.tag) as caught, graph.replay():
+                    torch.autograd.backward(
                         [o for o, _ in pairs],
-                        graph.boundary,
                         [g for _, g in pairs],
                         retain_graph=True,  # the outer backward decides: let go at its end unless it retains
                         create_graph=torch.is_grad_enabled(),
-                        allow_unused=True,
                     )
-                at = {id(t): g for t, g in zip(graph.boundary, found) if g is not None}
+                at = {id(graph.entries[i].outputs[k]): g for (i, k), g in caught.items()}
         except Exception as exc:
             if rounds.was_told(exc, link):  # raised from a round: every rank raises it already
                 raise
@@ -174,6 +182,17 @@ class _Guard(torch.autograd.Function):
             rounds.raise_failures(rnd, failure, cause, link)
         _transposes(graph, at)
         return (None, *[at.get(id(x)) for x in graph.inputs])
+
+
+@contextlib.contextmanager
+def _catching(tag: CallTag) -> Iterator[Dict[Tuple[int, int], torch.Tensor]]:
+    """While func's graph runs backward: the call's entries hand their gradients over instead of running their
+    transposes (:meth:`CallTag.catch`)."""
+    tag.caught = caught = {}
+    try:
+        yield caught
+    finally:
+        tag.caught = None
 
 
 def _transposes(graph: _Graph, at: Dict[int, torch.Tensor]) -> None:
