@@ -6,7 +6,8 @@ each catching what the one before leaves:
 
 1. Modules func names directly are reparametrized with their parameters through the call's entry (:mod:`module_params`).
 2. :class:`Interceptor`, a ``TorchFunctionMode``, routes every other tensor that requires grad and was made before
-   the call through a ``Split`` at its first use. The local graph then saves the routed value, so double backward
+   the call through a ``Split`` at its first use with grad enabled (and again in a recomputation of part of func in
+   backward: :meth:`Interceptor.replaying`). The local graph then saves the routed value, so double backward
    through the cmap sees the sum too. It runs only where it can matter: when func's closures, globals or partial
    arguments hold such a tensor, or when an earlier call of this cmap found one by the walk below.
 3. :func:`watch` walks the outputs' local graph after the share has run, at every autograd level (an outer
@@ -48,6 +49,22 @@ def reaches_outside(outputs: Sequence[Any], tag: object, start: int) -> bool:
     """Whether the outputs' graph has an edge from a node made during this call into one made before it, other
     than through the call's tagged nodes (its entry)."""
     return bool(_foreign_edges(outputs, tag, start))
+
+
+def recomputes(outputs: Sequence[Any], tag: object, start: int) -> bool:
+    """Whether the outputs' graph, within this call, holds a reentrant ``torch.utils.checkpoint``, which runs part
+    of func again in backward on new leaves (the inputs detached)."""
+    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or _foreign(node, start, tag) or getattr(node, "_cmap_tag", None) is tag:
+            continue
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -9,8 +9,9 @@ backward round, and the rank's next collective (the user's own ``dist.all_reduce
 around a recomputed graph. Its inputs are what the call's tagged Splits took (the caller's tensors, through its
 entry, the closure interceptor's routes, shard_map's blocks), and with shard_map's varying-axis types what func
 used as it is (:func:`as_is`: a replicated block, a closure, a parameter; its transpose moves nothing); its outputs stand for func's outputs. Its backward runs
-this rank's backward through func's graph (``torch.autograd.grad`` down to those Splits' outputs) inside a ``try``,
-then the Splits' transposes itself, each a ``Join`` as their own backward would be, so the node that catches an
+this rank's backward through func's graph (``torch.autograd.backward`` from func's outputs, the tag's entries handing
+their gradients over and stopping there: :meth:`~.exchange.CallTag.catch`) inside a ``try``, then the Splits'
+transposes itself, each a ``Join`` as their own backward would be, so the node that catches an
 exception is the node that owns the next round. If func's graph raised, it posts the failure in a ``SYNC`` round
 instead: a peer is then in one of those Joins or in a backward round inside func's graph, meets the failure there,
 and every rank raises the same ``CmapError`` (:func:`~.rounds.raise_failures`), the failing rank with its
@@ -18,6 +19,11 @@ exception as ``__cause__``. Each rank has made the same rounds when ``.backward(
 are the rounds the Splits' backward made before, so the guard costs no round; only where none of them
 communicates (``src="local"`` with ``dst="local"`` and no closure) does it add one, so that a failure has a round to
 travel in.
+
+``backward`` rather than ``torch.autograd.grad`` down to the Splits' outputs: a reentrant ``torch.utils.checkpoint``
+inside func runs a backward of its own in its node, which torch refuses under ``.grad()``. Its recomputation runs
+in ``replay``, the context func ran in (the caller's: its modules' aliases, its closure interceptor), so that the
+recomputed graph reaches the call's entry too.
 
 It guards only where nothing else owns the graph's boundary: ordinary autograd (no ``torch.func`` transform or
 forward-mode level around the call), a graph whose only ways out are the tagged nodes (the closure walk found no
