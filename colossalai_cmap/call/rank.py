@@ -29,7 +29,7 @@ from ..wire.roles import first_row
 from ..wire.rounds import agree_rows
 from . import closures, module_params, views
 from .dims import flatten, flatten_out_dims, normalise_out_dim
-from .entry import enter, first_example
+from .entry import Entered, enter, first_example
 from .execute import ExampleSeeds, Share, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
@@ -91,7 +91,7 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         return Failed(group.failure(exc), exc)
 
 
-def _replay(entered: Any, intercept: Optional[closures.Interceptor]) -> Callable[[], ContextManager[Any]]:
+def _replay(entered: Entered, intercept: Optional[closures.Interceptor]) -> Callable[[], ContextManager[Any]]:
     """The context func ran in, for a recomputation of part of it in its backward (reentrant checkpointing): its
     modules' parameters replaced by their aliases again, and the tensors it read made before the call routed
     through theirs, so that their gradients reach the call's entry, as the first run's do, instead of accumulating
