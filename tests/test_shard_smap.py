@@ -307,11 +307,13 @@ def jax_grouped(name):
 class JaxNamesGrouped:
     def __init__(self):
         self.psum, self.pmean, self.all_gather, self.sin = lax.psum, lax.pmean, lax.all_gather, jnp.sin
+        self.pmax, self.pmin = lax.pmax, lax.pmin
 
 
 class CmNamesGrouped:
     def __init__(self):
         self.psum, self.pmean, self.all_gather, self.sin = cm.psum, cm.pmean, cm.all_gather, torch.sin
+        self.pmax, self.pmin = cm.pmax, cm.pmin
 
 
 def cm_grouped(cts):
@@ -426,20 +428,24 @@ def test_axis_index_groups_in_cmap_axes(worlds, mode):
 
 def grouped_bytes():
     """Bytes this rank sends for a psum of 4096 float32 over the whole 4-rank axis and within groups of 2."""
+    mesh = sc.mesh((4,), ("i",))
+    groupings = (("full", None), ("pairs", [[0, 1], [2, 3]]), ("strided pairs", [[0, 2], [1, 3]]))
+    return {label: psum_sent(mesh, "i", groups) for label, groups in groupings}
+
+
+def psum_sent(mesh, axes, groups):
+    """The bytes this rank sends, and the collectives, for one psum of 4096 float32 over ``axes`` within ``groups``
+    (this rank's block: local=True, so nothing but the psum and the exit's rounds travels)."""
     import wire_tap
 
-    mesh = sc.mesh((4,), ("i",))
-    x = torch.randn(4096)  # this rank's block: local=True, so nothing but the psum and the exit's round travels
-    out = {}
-    for label, groups in (("full", None), ("pairs", [[0, 1], [2, 3]]), ("strided pairs", [[0, 2], [1, 3]])):
-        f = shard_map(
-            lambda b: cm.psum(b, "i", axis_index_groups=groups), mesh, P("i"), P("i"), check_vma=False, local=True
-        )
-        f(x)  # the sub-groups are made on first use
-        with wire_tap.counting() as log:
-            f(x)
-        out[label] = (log.sent, log.names())
-    return out
+    x = torch.randn(4096)
+    f = shard_map(
+        lambda b: cm.psum(b, axes, axis_index_groups=groups), mesh, P(axes), P(axes), check_vma=False, local=True
+    )
+    f(x)  # the sub-groups are made on first use
+    with wire_tap.counting() as log:
+        f(x)
+    return log.sent, log.names()
 
 
 def test_axis_index_groups_bytes(worlds):
@@ -538,24 +544,8 @@ def test_axis_index_groups_over_a_tuple_of_cmap_axes(worlds):
 
 def tuple_grouped_bytes():
     """Bytes this rank sends for a psum of 4096 float32 over ("x", "y") of the 2x2 mesh, whole and within pairs."""
-    import wire_tap
-
-    x = torch.randn(4096)
-    out = {}
-    for label, groups in (("full", None), ("pairs along y", [[0, 1], [2, 3]]), ("diagonal pairs", [[0, 3], [1, 2]])):
-        f = shard_map(
-            lambda b: cm.psum(b, ("x", "y"), axis_index_groups=groups),
-            cm_mesh(),
-            P(("x", "y")),
-            P(("x", "y")),
-            check_vma=False,
-            local=True,
-        )
-        f(x)  # the sub-groups are made on first use
-        with wire_tap.counting() as log:
-            f(x)
-        out[label] = (log.sent, log.names())
-    return out
+    groupings = (("full", None), ("pairs along y", [[0, 1], [2, 3]]), ("diagonal pairs", [[0, 3], [1, 2]]))
+    return {label: psum_sent(cm_mesh(), ("x", "y"), groups) for label, groups in groupings}
 
 
 def test_axis_index_groups_over_a_tuple_bytes(worlds):
@@ -569,6 +559,64 @@ def test_axis_index_groups_over_a_tuple_bytes(worlds):
         assert abs((full - along) - (1.5 - 1.0) * n) < 1024, r
         assert along <= 1.0 * n + 16 * 1024 and diagonal <= 1.0 * n + 16 * 1024, r
         assert r["pairs along y"][1] == r["diagonal pairs"][1], r  # the same collectives, one all-reduce per pair
+
+
+# grouped pmax and pmin (jax takes axis_index_groups there too): values only, neither is differentiable
+def grouped_extreme_cases(m):
+    """name: (the mesh's axis names, the spec's axes, f)."""
+    return {
+        "pmax i [[0, 3], [1, 2]]": (("i",), "i", lambda b: m.pmax(m.sin(b), "i", axis_index_groups=[[0, 3], [1, 2]])),
+        "pmin i [[2, 0], [1, 3]]": (("i",), "i", lambda b: m.pmin(m.sin(b), "i", axis_index_groups=[[2, 0], [1, 3]])),
+        "pmax (x, y) [[0, 3], [1, 2]]": (
+            ("x", "y"),
+            ("x", "y"),
+            lambda b: m.pmax(m.sin(b), ("x", "y"), axis_index_groups=[[0, 3], [1, 2]]),
+        ),
+        "pmin (y, x) [[0, 1], [2, 3]]": (
+            ("x", "y"),
+            ("x", "y"),
+            lambda b: m.pmin(m.sin(b), ("y", "x"), axis_index_groups=[[0, 1], [2, 3]]),
+        ),
+    }
+
+
+def extreme_input():
+    return np.random.RandomState(5).randint(-3, 4, size=(4, 3)).astype(np.float32)
+
+
+def jax_grouped_extreme(name, check):
+    names, axes, f = grouped_extreme_cases(JaxNamesGrouped())[name]
+    mesh = jax.make_mesh((4,) if names == ("i",) else (2, 2), names, (jax.sharding.AxisType.Auto,) * len(names))
+    sm = jax.shard_map(f, mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(axes), check_vma=check)
+    return np.asarray(jax.jit(sm)(extreme_input()))
+
+
+def cm_grouped_extremes():
+    out = {}
+    for name, (names, axes, f) in grouped_extreme_cases(CmNamesGrouped()).items():
+        mesh = sc.mesh((4,), ("i",)) if names == ("i",) else cm_mesh()
+        for check in (True, False):
+            out[name, check] = shard_map(f, mesh, P(axes), P(axes), check_vma=check)(torch.from_numpy(extreme_input()))
+    x = sc.randn(8, 3, seed=4)
+    for mode in ("vmap", "batched"):  # in a cmap axis: the single-process reference
+        for op in ("pmax", "pmin"):
+            groups = CMAP_GROUPS["across ranks"]
+            f = cm.cmap(lambda v: getattr(cm, op)(v, "b", axis_index_groups=groups), axis_name="b", mode=mode)
+            want = grouped_reference(x, groups, "all_gather")
+            want = want.amax(1) if op == "pmax" else want.amin(1)
+            assert torch.equal(f(x), want), (mode, op)
+    return out
+
+
+def test_grouped_pmax_and_pmin_against_jax(worlds):
+    """pmax and pmin take axis_index_groups as jax's do, over one mesh axis and over a tuple of them, with
+    check_vma on and off (jax computes both), and in cmap's axes."""
+    got = worlds(4).run(cm_grouped_extremes)
+    for name in grouped_extreme_cases(JaxNamesGrouped()):
+        for check in (True, False):
+            want = jax_grouped_extreme(name, check)
+            for rank, values in enumerate(got):
+                np.testing.assert_allclose(values[name, check].numpy(), want, 1e-6, 1e-6, err_msg=f"{name} {rank}")
 
 
 def cm_untyped_outer(cts):

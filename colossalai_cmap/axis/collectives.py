@@ -111,11 +111,19 @@ def _grouping(op: str, axis_name: AxisName, groups: Any) -> grouped.Groups:
     return grouped.check_groups(op, axis_name, groups, axis_size(axis_name))
 
 
+# a grouped reduction over a tuple of cmap names: the group's gathered values reduced
+_WITHIN_GROUP = {
+    "psum_grouped": lowering.local_sum,
+    "pmax_grouped": lowering.local_max,
+    "pmin_grouped": lowering.local_min,
+}
+
+
 def _grouped(x: torch.Tensor, axis_name: AxisName, op: str, groups: grouped.Groups) -> torch.Tensor:
-    """A grouped op (``psum_grouped`` or ``all_gather_grouped``) over one axis name, or over a tuple of them: along
-    mesh axes of one ``shard_map`` the same sub-group collectives on the group of the axes taken together, each
-    index at its rank (``Joint.ranks``); elsewhere (cmap names, axes of different calls) the gather over the tuple
-    and each example's group picked from it."""
+    """A grouped op (``psum_grouped``, ``pmax_grouped``, ``pmin_grouped`` or ``all_gather_grouped``) over one axis
+    name, or over a tuple of them: along mesh axes of one ``shard_map`` the same sub-group collectives on the group
+    of the axes taken together, each index at its rank (``Joint.ranks``); elsewhere (cmap names, axes of different
+    calls) the gather over the tuple and each example's group picked from it."""
     names = names_of(axis_name)
     if len(names) == 1:
         return axes.apply(x, names[0], op, groups)
@@ -130,19 +138,28 @@ def _grouped(x: torch.Tensor, axis_name: AxisName, op: str, groups: grouped.Grou
 
     def pick(everyone: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         rows = everyone.index_select(0, members.index_select(0, i.reshape(1)).squeeze(0))
-        return rows.sum(0) if op == "psum_grouped" else rows
+        return _WITHIN_GROUP[op](rows) if op in _WITHIN_GROUP else rows
 
     return _per_example(axis_name, pick, _all_gather(x, axis_name, 0, False), axis_index(axis_name))
 
 
-def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise maximum over every example of the axis. Not differentiable."""
-    return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, "pmax"))
+def pmax(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
+    """Elementwise maximum over every example of the axis (with ``axis_index_groups``, over each member's group).
+    Not differentiable."""
+    return _extreme(x, axis_name, "pmax", axis_index_groups)
 
 
-def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise minimum over every example of the axis. Not differentiable."""
-    return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, "pmin"))
+def pmin(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
+    """Elementwise minimum over every example of the axis (with ``axis_index_groups``, over each member's group).
+    Not differentiable."""
+    return _extreme(x, axis_name, "pmin", axis_index_groups)
+
+
+def _extreme(x: torch.Tensor, axis_name: AxisName, op: str, axis_index_groups: Any) -> torch.Tensor:
+    if axis_index_groups is None:
+        return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, op))
+    groups = _grouping(op, axis_name, axis_index_groups)
+    return vma.typed(names_of(axis_name), x, True, lambda v: _grouped(v, axis_name, f"{op}_grouped", groups))
 
 
 def all_gather(
@@ -489,6 +506,21 @@ def _inverse(sources: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(inverse)
 
 
+def _grouped_extreme(name: str, collective: Any) -> AxisRule:
+    """A grouped max or min: each member its group's, not differentiable."""
+    return AxisRule(
+        name,
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.reduce_rows_grouped,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_in_front,
+        transpose=None,
+        collective=collective,
+    )
+
+
 # Each op's rules, by jax.lax's name: what AxisOp follows. A transpose names another op of this table; an op with
 # no traced rule is composed of psum and all_gather inside torch.compile (see native_over).
 RULES: Mapping[str, AxisRule] = register(
@@ -579,7 +611,7 @@ RULES: Mapping[str, AxisRule] = register(
     AxisRule(
         "psum_grouped",
         RuleKind.PER_EXAMPLE,
-        rows=grouped.sum_rows,
+        rows=grouped.reduce_rows_grouped,
         traced=None,
         traced_vmap=None,
         unbatched=_copied,
@@ -587,6 +619,8 @@ RULES: Mapping[str, AxisRule] = register(
         transpose=Transpose("psum_grouped"),
         collective=COPY,
     ),
+    _grouped_extreme("pmax_grouped", MAX),
+    _grouped_extreme("pmin_grouped", MIN),
     AxisRule(
         "all_gather_grouped",
         RuleKind.PER_EXAMPLE,

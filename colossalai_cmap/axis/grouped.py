@@ -1,5 +1,5 @@
-"""``axis_index_groups=``: ``psum``, ``pmean`` and ``all_gather`` within groups of an axis's members, as sub-group
-collectives.
+"""``axis_index_groups=``: ``psum``, ``pmean``, ``pmax``, ``pmin`` and ``all_gather`` within groups of an axis's
+members, as sub-group collectives.
 
 The groups partition the axis's indices (its examples, or its ranks along a mesh axis) into groups of one size;
 the order inside a group is the gather order. Each group's members live on some ranks of the axis's group: the
@@ -163,9 +163,17 @@ def _zeros_like_entries(rows: torch.Tensor, entry: Tuple[int, ...]) -> torch.Ten
     return zeros.unsqueeze(1).expand(rows.shape[0], entry[0], *rows.shape[1:]).clone()
 
 
-def sum_rows(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, groups: Groups) -> torch.Tensor:
-    """For each of this run's rows, the sum over its group: per bucket, this rank's partial sum of each group, one
-    all-reduce over the bucket's ranks (a Join and a Split, so backward is the same grouped sum)."""
+# the reduction within each group of a grouped op (a grouped scatter's is the sum), and its partial on one rank
+_WITHIN = {"pmax_grouped": ("pmax", "amax"), "pmin_grouped": ("pmin", "amin")}
+
+
+def reduce_rows_grouped(
+    frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, groups: Groups
+) -> torch.Tensor:
+    """For each of this run's rows, the sum (or max, min) over its group: per bucket, this rank's partial of each
+    group, one all-reduce over the bucket's ranks (for the sum a Join and a Split, so backward is the same grouped
+    sum). Every rank of a bucket holds a member of each of its groups, so no partial is empty."""
+    op, partial_op = _WITHIN.get(rule.name, ("psum", "sum"))
     real = _real(frame, rows)
     found, held, mine = _mine(frame, groups)
     per_group, numbers = [], []
@@ -175,10 +183,14 @@ def sum_rows(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, gr
         slots = tuple(where[found.group_of[held[j]]] for j in own)
         partial = real.new_zeros((len(bucket.groups), *real.shape[1:]))
         if own:
-            picked = real.index_select(0, index_table(own, real.device))
-            partial = partial.index_add(0, index_table(slots, real.device), picked)
+            picked, at = real.index_select(0, index_table(own, real.device)), index_table(slots, real.device)
+            if partial_op == "sum":
+                partial = partial.index_add(0, at, picked)
+            else:
+                at = at.reshape(-1, *([1] * (picked.dim() - 1))).expand_as(picked)
+                partial = partial.scatter_reduce(0, at, picked, partial_op, include_self=False)
         sizes = [1] * len(bucket.ranks)
-        per_group.append(reduce_rows(_sub_frame(frame, bucket, sizes), partial.unsqueeze(0), rule_of("psum"), name))
+        per_group.append(reduce_rows(_sub_frame(frame, bucket, sizes), partial.unsqueeze(0), rule_of(op), name))
         numbers.extend(bucket.groups)
     return _to_rows(frame, rows, found, held, per_group, numbers, entry=tuple(rows.shape[1:]))
 
@@ -212,7 +224,7 @@ def scatter_rows_grouped(
     """The transpose of :func:`gather_rows_grouped`: for each row, the sum over its group of every member's slice
     at this row's position along example dim ``d`` (a grouped sum, then each row's own slice)."""
     groups, d = arg
-    total = sum_rows(frame, rows, rule, name, groups).movedim(d + 1, 1)
+    total = reduce_rows_grouped(frame, rows, rule, name, groups).movedim(d + 1, 1)
     found, held, _ = _mine(frame, groups)
     if frame.dummy:
         return total[:, 0]
