@@ -228,13 +228,20 @@ def run_share(
 
 def _empty_loop(opts: Options, func: Callable, share: Share, kwargs: Dict[str, Any]) -> Any:
     """Loop mode on an empty batch, as vmap: func runs once on a zero example to learn the outputs' structure, and
-    every mapped output comes back with zero rows."""
-    example = [
-        v if d is None else v.new_zeros(v.shape[:d] + v.shape[d + 1 :]) for v, d in zip(share.leaves, share.dims)
-    ]
-    with torch.no_grad():
-        one = func(*tree_unflatten(example, share.spec), **kwargs)
+    every mapped output comes back with zero rows. It runs with the caller's grad mode, as vmap runs func on the
+    empty batch: an ``out_dims=None`` output keeps its graph (its gradient reaches the tensors it was computed from),
+    and the zero rows of a mapped output theirs, whose backward carries zeros (as a stand-in example's). The zero
+    example is joined to the empty input, so that its graph reaches the caller's tensor (an empty gradient)."""
+    example = [v if d is None else _zero_example(v, d) for v, d in zip(share.leaves, share.dims)]
+    one = func(*tree_unflatten(example, share.spec), **kwargs)
     return _combine([one], opts, lambda parts, dim: parts[0].unsqueeze(dim).narrow(dim, 0, 0))
+
+
+def _zero_example(empty: torch.Tensor, dim: int) -> torch.Tensor:
+    """One example of zeros, taken from ``empty`` (no rows along ``dim``) with a zero row after it."""
+    shape = list(empty.shape)
+    shape[dim] = 1
+    return torch.cat([empty, empty.new_zeros(shape)], dim).select(dim, 0)
 
 
 def _vmap(
