@@ -25,7 +25,6 @@ import argparse
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from benchmarks import world
 

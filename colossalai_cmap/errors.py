@@ -3,7 +3,7 @@
 import builtins
 import traceback
 from dataclasses import dataclass
-from typing import Dict, Sequence, Type
+from typing import Dict, List, Sequence, Type
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,24 @@ def _with_builtin(name: str) -> Type[CmapError]:
         except TypeError:  # an incompatible layout (e.g. OSError's): plain CmapError
             _DUAL[name] = CmapError
     return _DUAL[name]
+
+
+def output_name(path: str) -> str:
+    """An output leaf by its pytree path in func's output, for messages: ``output ['b']``, or ``the output``."""
+    return f"output {path}" if path else "the output"
+
+
+_LISTED = 8  # distinct values an error names; the rest are counted
+
+
+def by_rank(shown: Sequence[str], sep: str = ", ") -> str:
+    """``group rank 0: a, group ranks 1, 2: b``: each value once, with the ranks that returned it."""
+    ranks: Dict[str, List[int]] = {}
+    for r, value in enumerate(shown):
+        ranks.setdefault(value, []).append(r)
+    named = [f"group rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}" for v, rs in ranks.items()]
+    more = f", and {len(named) - _LISTED} more" if len(named) > _LISTED else ""
+    return sep.join(named[:_LISTED]) + more
 
 
 class CollectiveAborted(RuntimeError):

@@ -78,6 +78,8 @@ GROUPED_CASES = [
         lambda B: (2, 3),
         lambda B: {"axis_index_groups": [list(range(B))[::-1]], "axis": 1},
     ),
+    Case("pmax grouped", "pmax", lambda B: (3,), lambda B: {"axis_index_groups": [list(range(B))[::-1]]}, False),
+    Case("pmin grouped", "pmin", lambda B: (3,), lambda B: {"axis_index_groups": [list(range(B))[::-1]]}, False),
 ]
 
 
@@ -91,6 +93,14 @@ def _psum(X: torch.Tensor, axis_index_groups: Any = None) -> torch.Tensor:
         sums = {i: torch.stack([X[j] for j in g]).sum(0) for g in axis_index_groups for i in g}
         return _each(X.shape[0], lambda i: sums[i])
     return X.sum(0, keepdim=True).expand_as(X)
+
+
+def _extreme(X: torch.Tensor, reduce: Callable[..., torch.Tensor], axis_index_groups: Any = None) -> torch.Tensor:
+    """Each example, the max or min over every example (or over its group)."""
+    if axis_index_groups is None:
+        return reduce(X, 0, keepdim=True).expand_as(X)
+    found = {i: reduce(torch.stack([X[j] for j in g]), 0) for g in axis_index_groups for i in g}
+    return _each(X.shape[0], lambda i: found[i])
 
 
 def _all_gather(X: torch.Tensor, axis: int = 0, tiled: bool = False, axis_index_groups: Any = None) -> torch.Tensor:
@@ -126,8 +136,8 @@ def _ppermute(X: torch.Tensor, perm: List[Tuple[int, int]]) -> torch.Tensor:
 ORACLES: Dict[str, Callable[..., torch.Tensor]] = {
     "psum": _psum,
     "pmean": lambda X: X.mean(0, keepdim=True).expand_as(X),
-    "pmax": lambda X: X.amax(0, keepdim=True).expand_as(X),
-    "pmin": lambda X: X.amin(0, keepdim=True).expand_as(X),
+    "pmax": functools.partial(_extreme, reduce=torch.amax),
+    "pmin": functools.partial(_extreme, reduce=torch.amin),
     "all_gather": _all_gather,
     "psum_scatter": _psum_scatter,
     "all_to_all": _all_to_all,

@@ -32,13 +32,15 @@ PER_RULE = {
     "psum_grouped": "psum grouped",
     "all_gather_grouped": "all_gather grouped",
     "psum_scatter_grouped": "all_gather grouped",  # the grouped gather's transpose: its backward runs it
+    "pmax_grouped": "pmax grouped",
+    "pmin_grouped": "pmin grouped",
 }
 # the public names that are no collective of their own: a psum over the size, the axis's size and index, and the
 # varying-axis casts and their compositions (pcast/pvary move nothing; all_gather_invariant is a gather, pbroadcast a
 # masked psum)
 COMPOSED = {"pmean", "axis_index", "axis_size", "pcast", "pvary", "all_gather_invariant", "pbroadcast"}
-# the rules of axis_index_groups= (psum's and all_gather's, and the grouped gather's transpose)
-GROUPED = {"psum_grouped", "all_gather_grouped", "psum_scatter_grouped"}
+# the rules of axis_index_groups= (psum's, pmax's, pmin's and all_gather's, and the grouped gather's transpose)
+GROUPED = {"psum_grouped", "pmax_grouped", "pmin_grouped", "all_gather_grouped", "psum_scatter_grouped"}
 
 
 def test_the_table_covers_every_public_collective():
@@ -49,7 +51,7 @@ def test_the_table_covers_every_public_collective():
 
 def test_each_transpose_is_an_op_of_the_table():
     differentiable = {name for name, rule in RULES.items() if rule.transpose is not None}
-    assert differentiable == set(RULES) - {"pmax", "pmin"}
+    assert differentiable == set(RULES) - {"pmax", "pmin", "pmax_grouped", "pmin_grouped"}
     for name in differentiable:
         back = RULES[name].transpose.op
         assert back in RULES, f"{name}'s transpose {back!r} is not in the table"
@@ -72,6 +74,8 @@ def test_each_kind_has_its_result_shape():
         "psum_grouped": "per-example",  # each member gets its own group's result
         "all_gather_grouped": "per-example",
         "psum_scatter_grouped": "per-example",
+        "pmax_grouped": "per-example",
+        "pmin_grouped": "per-example",
     }
 
 

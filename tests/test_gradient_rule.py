@@ -275,3 +275,64 @@ def check_scattered_output_refuses_backward(src, dst):
 def test_scattered_output_refuses_backward(worlds, src, dst):
     got = worlds(2).run(check_scattered_output_refuses_backward, src, dst)
     assert got.count("refused") == (2 if dst == -1 else 1), got
+
+
+# ------------------------------------------------ an empty batch, and fewer rows than ranks, in every mode
+W_CLOSED = torch.tensor([[1.0, -2.0], [3.0, 0.5]], dtype=torch.float64)
+
+
+def closure_outputs(W):
+    """f of one example (or of a batch, in mode="batched"): a mapped output and an ``out_dims=None`` one computed
+    from the closure weight ``W``."""
+    return lambda x: (x @ W, W.t().relu() * 2)
+
+
+def decay(W):
+    """A weight-decay term of the loss, outside the map: a backward runs even where the map's outputs have no graph."""
+    return W.square().sum() / 2
+
+
+def short_batch(B, x_grad):
+    gen = torch.Generator().manual_seed(B)
+    x = torch.randn(B, 2, generator=gen, dtype=torch.float64).requires_grad_(x_grad)
+    ca, cb = torch.randn(B, 2, generator=gen, dtype=torch.float64), torch.randn(
+        2, 2, generator=gen, dtype=torch.float64
+    )
+    return x, ca, cb
+
+
+def check_replicated_output_of_a_short_batch(B, mode, x_grad):
+    """``dst="local"``: this rank's rows of the mapped output and the replicated one, backward of the global loss
+    (this rank's rows' part, the replicated output's counted once, and a weight decay); returns ``W.grad`` and
+    ``x.grad``, or the error of a backward that found no graph."""
+    W = W_CLOSED.clone().requires_grad_()
+    x, ca, cb = short_batch(B, x_grad)
+    a, b = cm.cmap(closure_outputs(W), out_dims=(0, None), mode=mode, dst="local")(x)
+    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        ((a * ca.tensor_split(size)[rank]).sum() + (b * cb).sum() + decay(W)).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return W.grad, x.grad
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_a_replicated_output_keeps_its_gradient_when_the_batch_is_short(worlds, P):
+    """B = 0 and B < P, in every mode, with the mapped input requiring grad or not: the out_dims=None output's
+    gradient reaches the closure weight, and every gradient is torch.vmap's in one process."""
+    wrong = {}
+    for B in sorted({0, max(P - 1, 1)}):
+        for x_grad in (False, True):
+            W = W_CLOSED.clone().requires_grad_()
+            x, ca, cb = short_batch(B, x_grad)
+            a, b = torch.vmap(closure_outputs(W), out_dims=(0, None))(x)
+            ((a * ca).sum() + (b * cb).sum() + decay(W)).backward()
+            for mode in ("vmap", "batched", "loop"):
+                run = check_replicated_output_of_a_short_batch
+                got = worlds(P).run(run, B, mode, x_grad, deadline=60) if P > 1 else [run(B, mode, x_grad)]
+                for rank, grads in enumerate(got):
+                    if isinstance(grads, str) or not torch.allclose(grads[0], W.grad, **F64):
+                        wrong[B, mode, x_grad, rank] = grads
+                    elif x_grad and (grads[1] is None or not torch.allclose(grads[1], x.grad, **F64)):
+                        wrong[B, mode, x_grad, rank] = grads
+    assert not wrong, f"want W.grad {W.grad.tolist()}, got {wrong}"

@@ -16,7 +16,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shard_cases import mesh as device_mesh

@@ -307,11 +307,13 @@ def jax_grouped(name):
 class JaxNamesGrouped:
     def __init__(self):
         self.psum, self.pmean, self.all_gather, self.sin = lax.psum, lax.pmean, lax.all_gather, jnp.sin
+        self.pmax, self.pmin = lax.pmax, lax.pmin
 
 
 class CmNamesGrouped:
     def __init__(self):
         self.psum, self.pmean, self.all_gather, self.sin = cm.psum, cm.pmean, cm.all_gather, torch.sin
+        self.pmax, self.pmin = cm.pmax, cm.pmin
 
 
 def cm_grouped(cts):
@@ -426,20 +428,24 @@ def test_axis_index_groups_in_cmap_axes(worlds, mode):
 
 def grouped_bytes():
     """Bytes this rank sends for a psum of 4096 float32 over the whole 4-rank axis and within groups of 2."""
+    mesh = sc.mesh((4,), ("i",))
+    groupings = (("full", None), ("pairs", [[0, 1], [2, 3]]), ("strided pairs", [[0, 2], [1, 3]]))
+    return {label: psum_sent(mesh, "i", groups) for label, groups in groupings}
+
+
+def psum_sent(mesh, axes, groups):
+    """The bytes this rank sends, and the collectives, for one psum of 4096 float32 over ``axes`` within ``groups``
+    (this rank's block: local=True, so nothing but the psum and the exit's rounds travels)."""
     import wire_tap
 
-    mesh = sc.mesh((4,), ("i",))
-    x = torch.randn(4096)  # this rank's block: local=True, so nothing but the psum and the exit's round travels
-    out = {}
-    for label, groups in (("full", None), ("pairs", [[0, 1], [2, 3]]), ("strided pairs", [[0, 2], [1, 3]])):
-        f = shard_map(
-            lambda b: cm.psum(b, "i", axis_index_groups=groups), mesh, P("i"), P("i"), check_vma=False, local=True
-        )
-        f(x)  # the sub-groups are made on first use
-        with wire_tap.counting() as log:
-            f(x)
-        out[label] = (log.sent, log.names())
-    return out
+    x = torch.randn(4096)
+    f = shard_map(
+        lambda b: cm.psum(b, axes, axis_index_groups=groups), mesh, P(axes), P(axes), check_vma=False, local=True
+    )
+    f(x)  # the sub-groups are made on first use
+    with wire_tap.counting() as log:
+        f(x)
+    return log.sent, log.names()
 
 
 def test_axis_index_groups_bytes(worlds):
@@ -452,6 +458,165 @@ def test_axis_index_groups_bytes(worlds):
         print("bytes per rank, full / pairs / strided pairs:", full, pairs, strided)
         assert abs((full - pairs) - (1.5 - 1.0) * n) < 1024, r  # the data's bytes differ by the ring's
         assert pairs <= 1.0 * n + 16 * 1024 and strided <= 1.0 * n + 16 * 1024, r
+
+
+# groups over a tuple of mesh axes: they index the axes taken together, the first name major (jax's meaning)
+def tuple_grouped_cases(m):
+    return {
+        "psum (x, y) [[0, 3], [1, 2]]": lambda b: m.psum(m.sin(b), ("x", "y"), axis_index_groups=[[0, 3], [1, 2]]),
+        "psum (x, y) along x": lambda b: m.psum(b * b, ("x", "y"), axis_index_groups=[[2, 0], [3, 1]]),
+        "psum (y, x) [[0, 1], [2, 3]]": lambda b: m.psum(m.sin(b), ("y", "x"), axis_index_groups=[[0, 1], [2, 3]]),
+        "pmean (x, y) [[1, 2], [3, 0]]": lambda b: m.pmean(b * 3, ("x", "y"), axis_index_groups=[[1, 2], [3, 0]]),
+        "all_gather (x, y)": lambda b: m.all_gather(m.sin(b), ("x", "y"), axis_index_groups=[[0, 2], [3, 1]]),
+        "all_gather (y, x) tiled axis 1": lambda b: m.all_gather(
+            b * b, ("y", "x"), axis_index_groups=[[2, 0], [1, 3]], axis=1, tiled=True
+        ),
+        "all_gather (x, y) of fours": lambda b: m.all_gather(b, ("x", "y"), axis_index_groups=[[3, 1, 0, 2]]),
+    }
+
+
+def jax_tuple_grouped(name):
+    f = tuple_grouped_cases(JaxNamesGrouped())[name]
+    spec = jax.P(("x", "y"))
+    sm = jax.shard_map(f, mesh=jax_mesh(), in_specs=spec, out_specs=spec, check_vma=False)
+    x = np.random.RandomState(3).randint(-3, 4, size=(4, 3)).astype(np.float32)
+    y, vjp = jax.vjp(jax.jit(sm), x)
+    ct = np.random.RandomState(7).randint(-3, 4, size=y.shape).astype(np.float32)
+    return x, ([np.asarray(y)], [np.asarray(vjp(ct)[0])]), ct
+
+
+def cm_tuple_grouped(xs, cts):
+    """Every case with check_vma on and off: values and the gradient for jax's cotangent, on the 2x2 mesh."""
+    out = {}
+    for name, ct in cts.items():
+        for check in (True, False):
+            f = tuple_grouped_cases(CmNamesGrouped())[name]
+            x = torch.from_numpy(xs[name]).requires_grad_()
+            y = shard_map(f, cm_mesh(), P(("x", "y")), P(("x", "y")), check_vma=check)(x)
+            y.backward(torch.from_numpy(ct))
+            out[name, check] = ([y.detach().numpy()], [x.grad.numpy()])
+    return out
+
+
+def test_axis_index_groups_over_a_tuple_of_mesh_axes_against_jax(worlds):
+    """Groups over ("x", "y") index the axes taken together, "x" major (over ("y", "x"), "y" major): grouped psum,
+    pmean and all_gather give jax's values and gradients on every rank, with check_vma on and off."""
+    names = list(tuple_grouped_cases(JaxNamesGrouped()))
+    xs, want, cts = {}, {}, {}
+    for name in names:
+        xs[name], want[name], cts[name] = jax_tuple_grouped(name)
+    got = worlds(4).run(cm_tuple_grouped, xs, cts)
+    for name in names:
+        for check in (True, False):
+            tol = lambda kind, k: (1e-5, 1e-5)  # noqa: E731 (sin's ulps, as above)
+            sc.compare_with_jax([rank[name, check] for rank in got], want[name], tol, f"{name} check_vma={check}")
+
+
+def cmap_tuple_grouped():
+    """Groups over the axes of two nested cmaps ("b" over the ranks, "c" inside it: 4 x 2 examples, the index
+    b * 2 + c), and over a mesh axis and a cmap inside the shard_map ("x" of 2 ranks, "c" of 4 examples: the index
+    x * 4 + c); values and gradients against the single-process reference."""
+    x = sc.randn(4, 2, 3, seed=4)
+    groups = [[0, 5], [4, 1], [2, 7], [6, 3]]
+    mesh = sc.mesh((2,), ("x",))
+    for op in ("psum", "all_gather"):
+        fn = getattr(cm, op)
+
+        def inner(v, names):
+            return fn(torch.sin(v), names, axis_index_groups=groups) * 2
+
+        def want(t):
+            return grouped_reference(torch.sin(t.flatten(0, -2)), groups, op).unflatten(0, t.shape[:-1]) * 2
+
+        nested = cm.cmap(cm.cmap(lambda v: inner(v, ("b", "c")), axis_name="c"), axis_name="b")
+        sc.compare(f"{op} over cmaps", sc.values_and_grads(nested, x), sc.values_and_grads(want, x))
+        y = x.reshape(8, 3)  # a block of 4 examples per rank
+        in_mesh = shard_map(cm.cmap(lambda v: inner(v, ("x", "c")), axis_name="c"), mesh, P("x"), P("x"))
+        sc.compare(f"{op} over x, c", sc.values_and_grads(in_mesh, y), sc.values_and_grads(want, y))
+    return True
+
+
+def test_axis_index_groups_over_a_tuple_of_cmap_axes(worlds):
+    """Groups over a tuple naming cmap axes index the axes taken together, the first name major, as over mesh
+    axes: each example gets its own group's sum or values."""
+    assert all(worlds(2).run(cmap_tuple_grouped))
+
+
+def tuple_grouped_bytes():
+    """Bytes this rank sends for a psum of 4096 float32 over ("x", "y") of the 2x2 mesh, whole and within pairs."""
+    groupings = (("full", None), ("pairs along y", [[0, 1], [2, 3]]), ("diagonal pairs", [[0, 3], [1, 2]]))
+    return {label: psum_sent(cm_mesh(), ("x", "y"), groups) for label, groups in groupings}
+
+
+def test_axis_index_groups_over_a_tuple_bytes(worlds):
+    """Groups over a tuple of mesh axes are all-reduces over each group's ranks, as over one axis: n per rank for
+    pairs, where the whole 4 ranks send 1.5 n."""
+    got = worlds(4).run(tuple_grouped_bytes)
+    n = 4096 * 4
+    for r in got:
+        full, along, diagonal = r["full"][0], r["pairs along y"][0], r["diagonal pairs"][0]
+        print("bytes per rank, full / pairs along y / diagonal pairs:", full, along, diagonal, r["diagonal pairs"][1])
+        assert abs((full - along) - (1.5 - 1.0) * n) < 1024, r
+        assert along <= 1.0 * n + 16 * 1024 and diagonal <= 1.0 * n + 16 * 1024, r
+        assert r["pairs along y"][1] == r["diagonal pairs"][1], r  # the same collectives, one all-reduce per pair
+
+
+# grouped pmax and pmin (jax takes axis_index_groups there too): values only, neither is differentiable
+def grouped_extreme_cases(m):
+    """name: (the mesh's axis names, the spec's axes, f)."""
+    return {
+        "pmax i [[0, 3], [1, 2]]": (("i",), "i", lambda b: m.pmax(m.sin(b), "i", axis_index_groups=[[0, 3], [1, 2]])),
+        "pmin i [[2, 0], [1, 3]]": (("i",), "i", lambda b: m.pmin(m.sin(b), "i", axis_index_groups=[[2, 0], [1, 3]])),
+        "pmax (x, y) [[0, 3], [1, 2]]": (
+            ("x", "y"),
+            ("x", "y"),
+            lambda b: m.pmax(m.sin(b), ("x", "y"), axis_index_groups=[[0, 3], [1, 2]]),
+        ),
+        "pmin (y, x) [[0, 1], [2, 3]]": (
+            ("x", "y"),
+            ("x", "y"),
+            lambda b: m.pmin(m.sin(b), ("y", "x"), axis_index_groups=[[0, 1], [2, 3]]),
+        ),
+    }
+
+
+def extreme_input():
+    return np.random.RandomState(5).randint(-3, 4, size=(4, 3)).astype(np.float32)
+
+
+def jax_grouped_extreme(name, check):
+    names, axes, f = grouped_extreme_cases(JaxNamesGrouped())[name]
+    mesh = jax.make_mesh((4,) if names == ("i",) else (2, 2), names, (jax.sharding.AxisType.Auto,) * len(names))
+    sm = jax.shard_map(f, mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(axes), check_vma=check)
+    return np.asarray(jax.jit(sm)(extreme_input()))
+
+
+def cm_grouped_extremes():
+    out = {}
+    for name, (names, axes, f) in grouped_extreme_cases(CmNamesGrouped()).items():
+        mesh = sc.mesh((4,), ("i",)) if names == ("i",) else cm_mesh()
+        for check in (True, False):
+            out[name, check] = shard_map(f, mesh, P(axes), P(axes), check_vma=check)(torch.from_numpy(extreme_input()))
+    x = sc.randn(8, 3, seed=4)
+    for mode in ("vmap", "batched"):  # in a cmap axis: the single-process reference
+        for op in ("pmax", "pmin"):
+            groups = CMAP_GROUPS["across ranks"]
+            f = cm.cmap(lambda v: getattr(cm, op)(v, "b", axis_index_groups=groups), axis_name="b", mode=mode)
+            want = grouped_reference(x, groups, "all_gather")
+            want = want.amax(1) if op == "pmax" else want.amin(1)
+            assert torch.equal(f(x), want), (mode, op)
+    return out
+
+
+def test_grouped_pmax_and_pmin_against_jax(worlds):
+    """pmax and pmin take axis_index_groups as jax's do, over one mesh axis and over a tuple of them, with
+    check_vma on and off (jax computes both), and in cmap's axes."""
+    got = worlds(4).run(cm_grouped_extremes)
+    for name in grouped_extreme_cases(JaxNamesGrouped()):
+        for check in (True, False):
+            want = jax_grouped_extreme(name, check)
+            for rank, values in enumerate(got):
+                np.testing.assert_allclose(values[name, check].numpy(), want, 1e-6, 1e-6, err_msg=f"{name} {rank}")
 
 
 def cm_untyped_outer(cts):

@@ -322,6 +322,77 @@ def check_dropout_recomputed(checkpointed):
     return grads
 
 
+def flat_mlp():
+    """A user's own flat MLP: the dropout sits between the colwise [0] and the rowwise [3] in one nn.Sequential."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.5), nn.Linear(32, 8)).double()
+
+
+def check_flat_dropout(checkpointed):
+    """Two steps of a flat MLP with dropout on its sharded activation, run plainly (``checkpointed`` None) or
+    through ``checkpoint_sequential`` in two segments with use_reentrant ``checkpointed`` (the boundary falls
+    inside the sharded region). Per step: the output, this rank's dropout mask (of the forward), a draw after the
+    step (the replicated stream), and every gradient with its parameter's slice."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    model = cm.shard_model(flat_mlp(), plan={"0": "colwise", "3": "rowwise"})
+    slices, masks, steps = cm.sharded_parameters(model), [], []
+    model[2].register_forward_hook(lambda module, args, out: masks.append(out != 0))
+    torch.manual_seed(11)
+    for step in range(2):
+        x = randn(4, 8, seed=step, dtype=torch.float64).requires_grad_()
+        del masks[:]
+        y = model(x) if checkpointed is None else checkpoint_sequential(model, 2, x, use_reentrant=checkpointed)
+        mask = masks[0]
+        (y * randn(4, 8, seed=9, dtype=torch.float64)).sum().backward()
+        grads = {name: (p.grad.clone(), slices.get(name)) for name, p in model.named_parameters()}
+        steps.append((y.detach(), mask, torch.rand(3), x.grad, grads))
+        model.zero_grad()
+    return steps
+
+
+def flat_oracle(x, mask, weight):
+    """The unsharded flat MLP with the dropout mask ``mask`` (every rank's columns, assembled): its output and its
+    gradients for the output weights ``weight``."""
+    ref = flat_mlp()
+    x = x.detach().clone().requires_grad_()
+    y = ref[3](ref[1](ref[0](x)) * mask / 0.5)
+    (y * weight).sum().backward()
+    return y.detach(), x.grad, dict(ref.named_parameters())
+
+
+def check_gptj_dropout():
+    """transformers' GPT-J, whose attention and MLP modules end with a dropout after their rowwise layer (on the
+    replicated hidden state): one training forward and backward; returns the logits, the loss and the gradient of
+    the input embedding, which are the same on every rank."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=24,
+        n_layer=2,
+        n_head=6,
+        rotary_dim=4,
+        resid_pdrop=0.5,
+        embd_pdrop=0.5,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = GPTJForCausalLM(config).double().train()
+    layer = "transformer.h.*."
+    plan = {f"{layer}attn.[qkv]_proj": "colwise", f"{layer}attn.out_proj": "rowwise"}
+    plan.update({f"{layer}mlp.fc_in": "colwise", f"{layer}mlp.fc_out": "rowwise"})
+    model = cm.shard_model(model, plan=plan)
+    ids, labels = batch(1)
+    torch.manual_seed(7)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), model.transformer.wte.weight.grad
+
+
 class Fused(nn.Module):
     """A hand-written block with a fused qkv and a fused gate_up (6 heads of 4; intermediate 10)."""
 
@@ -580,6 +651,45 @@ def test_dropout_replayed_under_activation_checkpointing(worlds, P):
         got = worlds(P).run(check_dropout_recomputed, use_reentrant, deadline=DEADLINE)
         for rank, (a, b) in enumerate(zip(got, plain)):
             assert all(torch.equal(g, want) for g, want in zip(a, b)), f"use_reentrant={use_reentrant} rank {rank}"
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_dropout_between_colwise_and_rowwise_of_a_flat_sequential(worlds, P):
+    """The sharded region is where the activation is sharded (after the colwise layer, before its rowwise one),
+    whatever the modules' nesting: each rank draws its own columns' mask; the result is the unsharded model's with
+    the ranks' masks assembled, gradients included; the stream after the region is the same on every rank and at
+    every group size; and checkpoint_sequential, whose boundary falls inside the region, replays the masks."""
+    alone = check_flat_dropout(None)
+    plain = worlds(P).run(check_flat_dropout, None, deadline=DEADLINE)
+    for step in range(2):
+        masks = [ranks[step][1] for ranks in plain]
+        width = min(m.shape[1] for m in masks)
+        assert all(not torch.equal(masks[i][:, :width], masks[j][:, :width]) for i in range(P) for j in range(i))
+        weight = randn(4, 8, seed=9, dtype=torch.float64)
+        y_ref, dx_ref, ref = flat_oracle(randn(4, 8, seed=step, dtype=torch.float64), torch.cat(masks, -1), weight)
+        for y, _, after, dx, grads in (ranks[step] for ranks in plain):
+            torch.testing.assert_close(y, y_ref, **TOL)
+            torch.testing.assert_close(dx, dx_ref, **TOL)
+            for name, (grad, piece) in grads.items():
+                want = ref[name].grad if piece is None else piece.take(ref[name].grad)
+                torch.testing.assert_close(grad, want, **TOL, msg=lambda m: f"grad of {name}: {m}")
+            assert torch.equal(after, alone[step][2])  # the replicated stream: alike on every rank, for any size
+    for use_reentrant in (False, True):
+        got = worlds(P).run(check_flat_dropout, use_reentrant, deadline=DEADLINE)
+        for rank, (a, b) in enumerate(zip(got, plain)):
+            for step in range(2):
+                assert torch.equal(a[step][0], b[step][0]) and torch.equal(a[step][3], b[step][3]), (rank, step)
+                assert all(torch.equal(a[step][4][n][0], b[step][4][n][0]) for n in b[step][4]), (rank, step)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_dropout_after_the_rowwise_layer_inside_the_region_module_is_replicated(worlds, P):
+    """GPT-J's resid_dropout follows out_proj inside the attention module (and fc_out inside the MLP): its input is
+    replicated, so its mask is the same on every rank and at every group size, and so are the logits."""
+    alone = check_gptj_dropout()
+    for got in worlds(P).run(check_gptj_dropout, deadline=DEADLINE):
+        for value, want in zip(got, alone):
+            torch.testing.assert_close(value, want, **TOL)
 
 
 def test_every_transformers_style_is_mapped_or_refused():

@@ -83,8 +83,8 @@ def psum(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Se
         >>> cmap(lambda x: x / psum(x.sum(), "i"), axis_name="i")(torch.rand(10, 3))  # normalise by the total
     """
     if axis_index_groups is not None:
-        name, groups = _grouping("psum", axis_name, axis_index_groups)
-        return vma.typed(names_of(axis_name), x, True, lambda v: axes.apply(v, name, "psum_grouped", groups))
+        groups = _grouping("psum", axis_name, axis_index_groups)
+        return vma.typed(names_of(axis_name), x, True, lambda v: _grouped(v, axis_name, "psum_grouped", groups))
     tracker = vma.typed_axes(names_of(axis_name))
     if tracker is None:
         return vma.untyped(names_of(axis_name), x, lambda v: _over(v, axis_name, "psum"))
@@ -95,34 +95,71 @@ def psum(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Se
 def pmean(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
     """Mean of ``x`` over every example of the axis (with ``axis_index_groups``, over each member's group)."""
     if axis_index_groups is not None:
-        size = len(_grouping("pmean", axis_name, axis_index_groups)[1][0])
+        size = len(_grouping("pmean", axis_name, axis_index_groups)[0])
         return psum(x, axis_name, axis_index_groups=axis_index_groups) / size
     return psum(x, axis_name) / axis_size(axis_name)
 
 
-def _grouping(op: str, axis_name: AxisName, groups: Any) -> Tuple[str, grouped.Groups]:
-    """The one axis name and the checked groups of an ``axis_index_groups`` call."""
+def _grouping(op: str, axis_name: AxisName, groups: Any) -> grouped.Groups:
+    """The checked groups of an ``axis_index_groups`` call: of the axis's indices, or for a tuple name of the
+    index in the axes taken together (the first name major), as jax's."""
+    for name in names_of(axis_name):
+        if lookup(name, op).mode == "loop":  # its examples meet at one stacked value: no per-example results
+            raise NotImplementedError(
+                f"{op}(x, {axis_name!r}, axis_index_groups=...): not in mode='loop'; use mode='vmap' or 'batched'."
+            )
+    return grouped.check_groups(op, axis_name, groups, axis_size(axis_name))
+
+
+# a grouped reduction over a tuple of cmap names: the group's gathered values reduced
+_WITHIN_GROUP = {
+    "psum_grouped": lowering.local_sum,
+    "pmax_grouped": lowering.local_max,
+    "pmin_grouped": lowering.local_min,
+}
+
+
+def _grouped(x: torch.Tensor, axis_name: AxisName, op: str, groups: grouped.Groups) -> torch.Tensor:
+    """A grouped op (``psum_grouped``, ``pmax_grouped``, ``pmin_grouped`` or ``all_gather_grouped``) over one axis
+    name, or over a tuple of them: along mesh axes of one ``shard_map`` the same sub-group collectives on the group
+    of the axes taken together, each index at its rank (``Joint.ranks``); elsewhere (cmap names, axes of different
+    calls) the gather over the tuple and each example's group picked from it."""
     names = names_of(axis_name)
-    if len(names) != 1:
-        raise ValueError(
-            f"{op}(x, {axis_name!r}, axis_index_groups=...): axis_index_groups takes one axis name; group the "
-            f"indices of one axis."
-        )
-    if lookup(names[0], op).mode == "loop":  # its examples meet at one stacked value: no per-example results
-        raise NotImplementedError(
-            f"{op}(x, {axis_name!r}, axis_index_groups=...): not in mode='loop'; use mode='vmap' or 'batched'."
-        )
-    return names[0], grouped.check_groups(op, names[0], groups, axis_size(names[0]))
+    if len(names) == 1:
+        return axes.apply(x, names[0], op, groups)
+    joint = joint_over(axis_name)
+    if joint is not None:
+        size = axis_size(axis_name)
+        frame = AxisFrame(joint.link, size, joint.index, (1,) * size, "rank", members=joint.ranks)
+        return lowering.exchange(frame, x.unsqueeze(0), RULES[op], names, groups).squeeze(0)
+    members = lowering.index_table(
+        tuple(next(g for g in groups if i in g) for i in range(axis_size(axis_name))), x.device
+    )
+
+    def pick(everyone: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        rows = everyone.index_select(0, members.index_select(0, i.reshape(1)).squeeze(0))
+        return _WITHIN_GROUP[op](rows) if op in _WITHIN_GROUP else rows
+
+    return _per_example(axis_name, pick, _all_gather(x, axis_name, 0, False), axis_index(axis_name))
 
 
-def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise maximum over every example of the axis. Not differentiable."""
-    return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, "pmax"))
+def pmax(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
+    """Elementwise maximum over every example of the axis (with ``axis_index_groups``, over each member's group).
+    Not differentiable."""
+    return _extreme(x, axis_name, "pmax", axis_index_groups)
 
 
-def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise minimum over every example of the axis. Not differentiable."""
-    return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, "pmin"))
+def pmin(x: torch.Tensor, axis_name: AxisName, *, axis_index_groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
+    """Elementwise minimum over every example of the axis (with ``axis_index_groups``, over each member's group).
+    Not differentiable."""
+    return _extreme(x, axis_name, "pmin", axis_index_groups)
+
+
+def _extreme(x: torch.Tensor, axis_name: AxisName, op: str, axis_index_groups: Any) -> torch.Tensor:
+    if axis_index_groups is None:
+        return vma.typed(names_of(axis_name), x, False, lambda v: _over(v, axis_name, op))
+    groups = _grouping(op, axis_name, axis_index_groups)
+    return vma.typed(names_of(axis_name), x, True, lambda v: _grouped(v, axis_name, f"{op}_grouped", groups))
 
 
 def all_gather(
@@ -146,8 +183,8 @@ def all_gather(
             raise NotImplementedError(
                 f"all_gather(x, {axis_name!r}, axis_index_groups=..., to={to!r}): grouped gathers vary (as in jax)."
             )
-        name, groups = _grouping("all_gather", axis_name, axis_index_groups)
-        return vma.typed(names_of(axis_name), x, True, lambda v: _all_gather(v, name, axis, tiled, groups))
+        groups = _grouping("all_gather", axis_name, axis_index_groups)
+        return vma.typed(names_of(axis_name), x, True, lambda v: _all_gather(v, axis_name, axis, tiled, groups))
     if to == "invarying":
         return all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
     if to != "varying":
@@ -174,11 +211,11 @@ def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0,
 def _all_gather(
     x: torch.Tensor, axis_name: AxisName, axis: int, tiled: bool, groups: Optional[grouped.Groups] = None
 ) -> torch.Tensor:
-    """The gather over the axis, or with ``groups`` over this example's group (one axis name), then arranged."""
+    """The gather over the axis, or with ``groups`` over this example's group, then arranged."""
     if groups is None:
         out, size = _over(x, axis_name, "all_gather"), axis_size(axis_name)
     else:
-        out, size = axes.apply(x, axis_name, "all_gather_grouped", groups), len(groups[0])
+        out, size = _grouped(x, axis_name, "all_gather_grouped", groups), len(groups[0])
     shape = _example_shape(axis_name, x)
     axis = _dim(axis, len(shape) + (0 if tiled else 1), "all_gather", "axis")
 
@@ -469,6 +506,21 @@ def _inverse(sources: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(inverse)
 
 
+def _grouped_extreme(name: str, collective: Any) -> AxisRule:
+    """A grouped max or min: each member its group's, not differentiable."""
+    return AxisRule(
+        name,
+        RuleKind.PER_EXAMPLE,
+        rows=grouped.reduce_rows_grouped,
+        traced=None,
+        traced_vmap=None,
+        unbatched=_copied,
+        batching=_lead_in_front,
+        transpose=None,
+        collective=collective,
+    )
+
+
 # Each op's rules, by jax.lax's name: what AxisOp follows. A transpose names another op of this table; an op with
 # no traced rule is composed of psum and all_gather inside torch.compile (see native_over).
 RULES: Mapping[str, AxisRule] = register(
@@ -559,7 +611,7 @@ RULES: Mapping[str, AxisRule] = register(
     AxisRule(
         "psum_grouped",
         RuleKind.PER_EXAMPLE,
-        rows=grouped.sum_rows,
+        rows=grouped.reduce_rows_grouped,
         traced=None,
         traced_vmap=None,
         unbatched=_copied,
@@ -567,6 +619,8 @@ RULES: Mapping[str, AxisRule] = register(
         transpose=Transpose("psum_grouped"),
         collective=COPY,
     ),
+    _grouped_extreme("pmax_grouped", MAX),
+    _grouped_extreme("pmin_grouped", MIN),
     AxisRule(
         "all_gather_grouped",
         RuleKind.PER_EXAMPLE,

@@ -60,6 +60,8 @@ class AxisFrame:
         level: the functorch level of this map's ``torch.vmap`` (mode "vmap"), set while func runs.
         loop: the barrier of loop-mode example threads.
         mesh: for a mesh axis, the mesh it belongs to, which gives the group of several of its axes together.
+        members: the group rank holding each index, where indices do not follow rank order (mesh axes of a tuple
+            name taken together: ``Joint.ranks``, each rank one index); None: consecutive, in rank order.
     """
 
     link: Optional[Link]
@@ -72,6 +74,7 @@ class AxisFrame:
     level: Optional[int] = None
     loop: Optional[ExampleLoop] = field(default=None, repr=False)
     mesh: Optional[MeshAxes] = field(default=None, repr=False)
+    members: Optional[Tuple[int, ...]] = None
 
     @property
     def device(self) -> torch.device:

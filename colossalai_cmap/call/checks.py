@@ -4,10 +4,11 @@ They read only the table, which every rank holds whole, so every rank reaches th
 error, before any data moves.
 """
 
-from typing import Any, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from ..errors import CmapError
+from ..errors import CmapError, by_rank, output_name
 from ..wire.rounds import Disagreement, Header
+from .layout import LeafSeen
 from .options import Options
 
 
@@ -18,16 +19,17 @@ def agreed_fields(opts: Options) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     return inputs + ("digest", "graph_sig"), ("values",) if opts.check_inputs else ()
 
 
-def explain(opts: Options, found: Disagreement, checksums: Any = None) -> CmapError:
-    """The error every rank raises for a disagreement found in the exit round. ``checksums``: for out_dims=None
-    outputs that differ (``check_inputs``, ``found.field == "values"``), every rank's checksums, which name the
-    output (the caller fetches them on this error path only)."""
+def explain(opts: Options, found: Disagreement, every: Any = None) -> CmapError:
+    """The error every rank raises for a disagreement found in the exit round. ``every``: what the caller fetched
+    from every rank on this error path, to name what differs: for out_dims=None outputs that differ (``check_inputs``,
+    ``found.field == "values"``) their checksums, for outputs of different layouts (``"digest"``) the outputs'
+    descriptions (:func:`~.layout.seen_outputs`)."""
     if found.field in ("input_sig", "batch"):
         return _inputs_error(opts, found.table)
     if found.field == "digest":
-        return _layout_error(opts, found.table)
+        return _layout_error(opts, found.table, every)
     if found.field == "values":
-        return _replicated_error(opts, checksums)
+        return _replicated_error(opts, every)
     return _graph_error(opts, found.table)
 
 
@@ -44,12 +46,39 @@ def _inputs_error(opts: Options, table: Sequence[Header]) -> CmapError:
     )
 
 
-def _layout_error(opts: Options, table: Sequence[Header]) -> CmapError:
-    digests = ", ".join(f"group rank {r}: {h.digest:#x}" for r, h in enumerate(table))
+def _layout_error(opts: Options, table: Sequence[Header], seen: Optional[Sequence[Tuple[LeafSeen, ...]]]) -> CmapError:
+    detail, differ = "", None
+    if seen:
+        differ = _differing(seen)
+        if differ is None:  # different structures: every rank's outputs
+            detail = by_rank([", ".join(f"{output_name(leaf.path)} {leaf.shown}" for leaf in m) for m in seen], "; ")
+        else:
+            detail = "; ".join(
+                f"{output_name(seen[0][i].path)}: " + by_rank([m[i].shown for m in seen]) for i in differ
+            )
+    if not detail:  # the same outputs, different views of the inputs (or nothing fetched): the digests
+        detail = "layout digests " + ", ".join(f"group rank {r}: {h.digest:#x}" for r, h in enumerate(table))
+    fix = "Make every rank's output the same shape, dtype and structure (apart from its rows, whose count may differ)."
+    if differ and all(m[i].agrees(seen[0][i], but="shape") for m in seen for i in differ):
+        fix = (
+            "Make every rank's output the same shape apart from its rows: pad it to a fixed length. model.generate, "
+            "for one, stops when every row of its batch has met eos_token_id, so each rank's output ends at its own "
+            "length: pad it to the prompt's length + max_new_tokens with the pad token "
+            "(torch.nn.functional.pad(out, (0, length - out.shape[-1]), value=pad_token_id)), or pass "
+            "min_new_tokens=max_new_tokens (no row stops at eos)."
+        )
     return CmapError(
-        f"{opts.call}: ranks returned outputs of different per-example shapes, dtypes or structures (layout digests "
-        f"{digests}). cmap needs the same output structure for every example."
+        f"{opts.call}: ranks returned outputs of different per-example shapes, dtypes or structures ({detail}). "
+        f"cmap joins every rank's rows into one result, so every example's output needs one shape, dtype and "
+        f"structure, as in one process. {fix}"
     )
+
+
+def _differing(seen: Sequence[Tuple[LeafSeen, ...]]) -> Optional[List[int]]:
+    """The output leaves whose ranks disagree; None where the ranks' output structures differ."""
+    if len({tuple(leaf.path for leaf in mine) for mine in seen}) > 1:
+        return None
+    return [i for i in range(len(seen[0])) if not all(mine[i].agrees(seen[0][i]) for mine in seen)]
 
 
 def _graph_error(opts: Options, table: Sequence[Header]) -> CmapError:

@@ -6,7 +6,8 @@ each catching what the one before leaves:
 
 1. Modules func names directly are reparametrized with their parameters through the call's entry (:mod:`module_params`).
 2. :class:`Interceptor`, a ``TorchFunctionMode``, routes every other tensor that requires grad and was made before
-   the call through a ``Split`` at its first use. The local graph then saves the routed value, so double backward
+   the call through a ``Split`` at its first use with grad enabled (and again in a recomputation of part of func in
+   backward: :meth:`Interceptor.replaying`). The local graph then saves the routed value, so double backward
    through the cmap sees the sum too. It runs only where it can matter: when func's closures, globals or partial
    arguments hold such a tensor, or when an earlier call of this cmap found one by the walk below.
 3. :func:`watch` walks the outputs' local graph after the share has run, at every autograd level (an outer
@@ -20,6 +21,7 @@ Every rank builds the same graph (an empty share runs a stand-in example), so en
 order on every rank; the walk's digest goes into the status round, and ranks whose graphs differ raise together.
 """
 
+import contextlib
 from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
@@ -47,6 +49,22 @@ def reaches_outside(outputs: Sequence[Any], tag: object, start: int) -> bool:
     """Whether the outputs' graph has an edge from a node made during this call into one made before it, other
     than through the call's tagged nodes (its entry)."""
     return bool(_foreign_edges(outputs, tag, start))
+
+
+def recomputes(outputs: Sequence[Any], tag: object, start: int) -> bool:
+    """Whether the outputs' graph, within this call, holds a reentrant ``torch.utils.checkpoint``, which runs part
+    of func again in backward on new leaves (the inputs detached)."""
+    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or _foreign(node, start, tag) or getattr(node, "_cmap_tag", None) is tag:
+            continue
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -163,6 +181,23 @@ class Interceptor(TorchFunctionMode):
         self.tag, self.start, self.link = tag, start, link
         self.level = torch._C._functorch.maybe_current_level() or 0  # wrappers above it were made in the call
         self.aliases: Dict[int, Any] = {}
+        self.unrouted: Dict[int, Any] = {}  # read where no graph is made (a reentrant checkpoint's first run)
+        self.replay = False
+
+    def met(self) -> bool:
+        """Whether func read a tensor made before the call that requires grad."""
+        return bool(self.aliases or self.unrouted)
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Active again in func's backward, for a recomputation of part of func (reentrant checkpointing): it
+        routes only the tensors the call itself met, since the recomputation's inputs are new leaves."""
+        self.replay = True
+        try:
+            with self:
+                yield
+        finally:
+            self.replay = False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -192,6 +227,11 @@ class Interceptor(TorchFunctionMode):
             return v
         found = self.aliases.get(id(v))
         if found is None or found[0] is not v:
+            if self.replay and self.unrouted.get(id(v), (None,))[0] is not v:
+                return v
+            if not torch.is_grad_enabled() and torch._C._functorch.maybe_current_level() is None:
+                self.unrouted[id(v)] = (v,)  # no gradient here; a recomputation with one routes it
+                return v
             with torch._C.DisableTorchFunction():
                 alias = split(SplitSpec(self.link, (COPY,), self.tag), [v])[0]
             found = self.aliases[id(v)] = (v, alias)

@@ -22,7 +22,7 @@ from ..wire.traced import traced_join
 from .checks import agreed_fields, explain
 from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .entry import needs_grad_traced
-from .layout import BATCHED, replicated_checksums
+from .layout import BATCHED, replicated_checksums, seen_outputs
 from .options import Options
 from .records import Failed, Inputs, Outputs, Shares
 from .views import place, signature
@@ -46,8 +46,12 @@ def conclude(opts: Options, shares: Shares, result: Any, inputs: Inputs, link: L
     try:
         got = join(spec, [out.flat[i] for i in tensors])
     except Disagreement as found:
-        # every rank read the same table, so every rank fetches the checksums (one collective) or none does
-        every = _all_checksums(out, link) if found.field == "values" else None
+        # every rank read the same table, so every rank fetches the details (one collective) or none does
+        every = None
+        if found.field == "values":
+            every = _all_checksums(out, link)
+        elif found.field == "digest":
+            every = gather_objects(link, seen_outputs(out.flat, out.layout))
         raise explain(opts, found, every) from None
     mask = 0
     for h in learned.table:

@@ -133,8 +133,9 @@ def _run_as_vmap(site: CallSite, link: Link, args: Tuple[Any, ...], kwargs: Dict
     except CONTROL_FLOW:
         raise
     except Exception as exc:
-        exc = with_remedy(site.options, exc)
-        _raise_failed(site.options, Failed(link.group.failure(exc), exc), link, raw)
+        remedied = with_remedy(site.options, site.func, exc)
+        failed = Failed(link.group.failure(remedied), remedied)
+    _raise_failed(site.options, failed, link, raw)  # out of the except: the remedied error alone, as run_rank's
 
 
 def _raise_failed(opts: Any, failed: Failed, link: Link, raw: bool) -> None:

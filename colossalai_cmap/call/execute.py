@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import re
 import threading
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -21,24 +22,57 @@ RANDOM_IN_ERROR_MODE = (
 )
 
 
-# torch.vmap's sentences for a mapped tensor used as a Python number or in Python control flow
+# torch.vmap's sentences for a mapped tensor used as a Python number or in Python control flow (functorch's three
+# wordings in torch 2.5.1: .item(), control flow, and either, which it gives under a transform such as grad)
 _VALUE_UNDER_VMAP = (
     "vmap: It looks like you're calling .item() on a Tensor",
     "vmap: It looks like you're attempting to use a Tensor in some data-dependent control flow",
+    "vmap: It looks like you're either (1) calling .item() on a Tensor or",
 )
 
+# What a model written for a batch raises when it gets one example: the words of torch's shape, dim and index errors
+_SHAPE_WORDS = re.compile(
+    r"\b(dim|dims|dimension|dimensions|dimensionality|shape|shapes|size|sizes|index|indices|\d+D)\b|unpack", re.I
+)
 
-def with_remedy(opts: Options, exc: Exception) -> Exception:
-    """``exc`` with cmap's way out added where it is vmap's refusal of a mapped tensor's Python value (``.item()``,
-    ``range(n)``, ``if x > 0``): vmap's sentence kept, then what to do. Any other exception as it is."""
-    if opts.mode != "vmap" or not isinstance(exc, RuntimeError) or not str(exc).startswith(_VALUE_UNDER_VMAP):
+# How vmap's and cmap's own messages start (their argument checks, their refusals): not a model's shape error
+_OWN = ("vmap", "cmap(")
+
+
+def _shape_error(exc: Exception, text: str) -> bool:
+    return isinstance(exc, IndexError) or _SHAPE_WORDS.search(text) is not None
+
+
+# The plain exception types the remedies re-raise with their text added (torch's shape and vmap errors are these)
+_REWORDED = (RuntimeError, IndexError, ValueError)
+
+
+def with_remedy(opts: Options, func: Callable, exc: Exception) -> Exception:
+    """``exc`` with cmap's way out added, torch's sentence kept first (users search for it), where cmap can tell what
+    went wrong in mode "vmap": vmap's refusal of a mapped tensor's Python value (``.item()``, ``range(n)``,
+    ``if x > 0``), or a shape, dim or index error from an ``nn.Module`` func, which vmap calls on one example without
+    its batch dim. Any other exception as it is."""
+    if opts.mode != "vmap" or getattr(exc, "_cmap_remedy", False) or type(exc) not in _REWORDED:
         return exc
-    remedy = (
-        f"{opts.call}: func reads a mapped tensor's value in Python (a loop bound, a branch, .item()), which "
-        f"torch.vmap cannot do per example. Use mode='loop' to call func once per example (per-example control "
-        f"flow), or pass the value with in_dims=None if every example shares it (one loop bound for the batch)."
-    )
-    return RuntimeError(f"{exc}\n{remedy}").with_traceback(exc.__traceback__)
+    text = str(exc)
+    if type(exc) is RuntimeError and text.startswith(_VALUE_UNDER_VMAP):
+        remedy = (
+            f"{opts.call}: func reads a mapped tensor's value in Python (a loop bound, a branch, .item()), which "
+            f"torch.vmap cannot do per example. Use mode='loop' to call func once per example (per-example control "
+            f"flow), or pass the value with in_dims=None if every example shares it (one loop bound for the batch)."
+        )
+    elif isinstance(func, torch.nn.Module) and not text.startswith(_OWN) and _shape_error(exc, text):
+        remedy = (
+            f"{opts.call}: func is a module, and in mode='vmap' (the default) cmap calls it as torch.vmap does: once "
+            f"per example, each example WITHOUT its batch dim (input_ids of shape (T,), an image of shape (C, H, W)). "
+            f"If the model expects a batch, use mode='batched': it runs the model on each rank's rows as they are, "
+            f"batch dim kept, as you would call it on the whole batch."
+        )
+    else:
+        return exc
+    remedied = type(exc)(f"{text}\n{remedy}")
+    remedied._cmap_remedy = True  # a nested cmap's remedy is not added again by the outer one
+    return remedied.with_traceback(exc.__traceback__)
 
 
 _MASK64 = (1 << 64) - 1
@@ -196,13 +230,20 @@ def run_share(
 
 def _empty_loop(opts: Options, func: Callable, share: Share, kwargs: Dict[str, Any]) -> Any:
     """Loop mode on an empty batch, as vmap: func runs once on a zero example to learn the outputs' structure, and
-    every mapped output comes back with zero rows."""
-    example = [
-        v if d is None else v.new_zeros(v.shape[:d] + v.shape[d + 1 :]) for v, d in zip(share.leaves, share.dims)
-    ]
-    with torch.no_grad():
-        one = func(*tree_unflatten(example, share.spec), **kwargs)
+    every mapped output comes back with zero rows. It runs with the caller's grad mode, as vmap runs func on the
+    empty batch: an ``out_dims=None`` output keeps its graph (its gradient reaches the tensors it was computed from),
+    and the zero rows of a mapped output theirs, whose backward carries zeros (as a stand-in example's). The zero
+    example is joined to the empty input, so that its graph reaches the caller's tensor (an empty gradient)."""
+    example = [v if d is None else _zero_example(v, d) for v, d in zip(share.leaves, share.dims)]
+    one = func(*tree_unflatten(example, share.spec), **kwargs)
     return _combine([one], opts, lambda parts, dim: parts[0].unsqueeze(dim).narrow(dim, 0, 0))
+
+
+def _zero_example(empty: torch.Tensor, dim: int) -> torch.Tensor:
+    """One example of zeros, taken from ``empty`` (no rows along ``dim``) with a zero row after it."""
+    shape = list(empty.shape)
+    shape[dim] = 1
+    return torch.cat([empty, empty.new_zeros(shape)], dim).select(dim, 0)
 
 
 def _vmap(

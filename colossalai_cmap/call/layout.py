@@ -6,13 +6,14 @@ the digests, so ranks whose outputs differ in structure, per-example shape or dt
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import TreeSpec
 
 from ..digests import digest
 from ..wire import comm
+from .dims import leaf_paths
 
 BATCHED, REPLICATED, CONSTANT = "batched", "replicated", "constant"
 
@@ -89,3 +90,38 @@ def infer_layout(flat_out: Sequence[Any], out_dims: Sequence[Optional[int]], spe
             del shape[dim]
             leaves.append(LeafLayout(BATCHED, tuple(shape), value.dtype, dim))
     return OutLayout(spec, tuple(leaves))
+
+
+class LeafSeen(NamedTuple):
+    """One output leaf as a rank returned it, for the error that says how ranks' outputs differ (the error path)."""
+
+    path: str  # its pytree path in func's output ("" for a lone tensor)
+    kind: str
+    shape: Tuple[int, ...]  # per example (batched), whole (replicated); () for a constant
+    dtype: str  # a constant: its type and value
+    out_dim: Optional[int]
+    shown: str  # what this rank returned: dtype and shape, its rows included
+
+    def agrees(self, other: "LeafSeen", but: str = "") -> bool:
+        """Whether every rank may return the two, but for field ``but``."""
+        return all(
+            getattr(self, f) == getattr(other, f) for f in ("path", "kind", "shape", "dtype", "out_dim") if f != but
+        )
+
+
+def seen_outputs(flat_out: Sequence[Any], layout: OutLayout) -> Tuple[LeafSeen, ...]:
+    """Each output leaf of this rank, described (:class:`LeafSeen`)."""
+    seen = []
+    for path, value, leaf in zip(leaf_paths(layout.spec), flat_out, layout.leaves):
+        if leaf.kind == CONSTANT:
+            shown = f"{type(value).__name__} {value!r}"[:80]
+            seen.append(LeafSeen(path, leaf.kind, (), shown, None, shown))
+            continue
+        dtype = str(leaf.dtype).replace("torch.", "")
+        shown = f"{dtype} {tuple(value.shape)}"
+        if leaf.kind == REPLICATED:
+            shown += " (out_dims=None)"
+        elif leaf.out_dim:
+            shown += f" (rows along dim {leaf.out_dim})"
+        seen.append(LeafSeen(path, leaf.kind, leaf.shape, dtype, leaf.out_dim, shown))
+    return tuple(seen)

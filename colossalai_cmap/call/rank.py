@@ -14,7 +14,7 @@ the status round, so every rank raises together. The steps:
 """
 
 import contextlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import TreeSpec
@@ -29,7 +29,7 @@ from ..wire.roles import first_row
 from ..wire.rounds import agree_rows
 from . import closures, module_params, views
 from .dims import flatten, flatten_out_dims, normalise_out_dim
-from .entry import enter, first_example
+from .entry import Entered, enter, first_example
 from .execute import ExampleSeeds, Share, check_rows, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
@@ -77,10 +77,11 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
                 for v, leaf in zip(flat, layout.leaves)
             ]
         graph_sig = _record(opts, flat, layout, tag, start, link)
-        flat = guard(flat, tag, link) if wired and not graph_sig else flat  # this rank's backward, guarded
+        if wired and not graph_sig:  # this rank's backward through func, guarded
+            flat = guard(flat, tag, link, _replay(entered, intercept))
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
-            captures = bool(graph_sig or (intercept is not None and intercept.aliases))
+            captures = bool(graph_sig or (intercept is not None and intercept.met()))
         if joined is not None:
             _keep_changes(shares, inputs.leaves, leaves, joined)
         mutated = _mutated(versions, inputs.leaves, shares)
@@ -89,8 +90,23 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         tag.running = False
         if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
             raise
-        exc = with_remedy(opts, exc)
+        exc = with_remedy(opts, site.func, exc)
         return Failed(group.failure(exc), exc)
+
+
+def _replay(entered: Entered, intercept: Optional[closures.Interceptor]) -> Callable[[], ContextManager[Any]]:
+    """The context func ran in, for a recomputation of part of it in its backward (reentrant checkpointing): its
+    modules' parameters replaced by their aliases again, and the tensors it read made before the call routed
+    through theirs, so that their gradients reach the call's entry, as the first run's do, instead of accumulating
+    this rank's share alone into ``.grad``."""
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        with module_params.substituted(entered.modules, entered.aliases):
+            with intercept.replaying() if intercept is not None else contextlib.nullcontext():
+                yield
+
+    return replay
 
 
 def _thread_modes(opts: Options, tag: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:

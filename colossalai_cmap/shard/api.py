@@ -21,7 +21,7 @@ from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
-from ..wire.guard import guard
+from ..wire.guard import Replay, guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from . import dtensor
@@ -275,14 +275,22 @@ def _run_f(
         flat, out_tree = tree_flatten(out)
         if typer is not None:
             _check_vma(site, typer, flat, out_places, view)
+            if tracking() and closures.recomputes(flat, tag, start):
+                raise ValueError(
+                    f"{site.call}: torch.utils.checkpoint(..., use_reentrant=True) inside f recomputes it in backward "
+                    f"on detached inputs, which carry no varying-axis types; use use_reentrant=False (as jax's "
+                    f"checkpoint does), or check_vma=False."
+                )
             flat = _varied(typer, flat, out_places)
-        flat, graph_sig = _guarded(flat, typer is not None, tag, start, whole)
+        replay = intercept.replaying if intercept is not None else None  # a recomputation in backward
+        flat, graph_sig = _guarded(flat, typer is not None, tag, start, whole, replay)
         out = tree_unflatten(flat, out_tree)
         if out_mesh is not None:
             dtensor.check_outputs(site.call, flat, out_places, view)
         # assembled outputs and DTensors (their global shapes) need every rank's block lengths
         lengths = None if opts.local and out_mesh is None else block_lengths(flat, out_places)
-        outcome = Outcome(None, _layout_sig(flat, out_places), graph_sig, lengths=lengths)
+        layout = _layout(flat, out_places)
+        outcome = Outcome(None, digest(layout), graph_sig, lengths=lengths, layout=layout)
         return outcome, out, _typed(out_places, typer), out_mesh
     except Exception as exc:  # every rank learns of it at the exit
         tag.running = False
@@ -323,7 +331,9 @@ def _placements(
     return out
 
 
-def _guarded(flat: List[Any], typed: bool, tag: CallTag, start: int, whole: Link) -> Tuple[List[Any], int]:
+def _guarded(
+    flat: List[Any], typed: bool, tag: CallTag, start: int, whole: Link, replay: Optional[Replay]
+) -> Tuple[List[Any], int]:
     """The outputs, through the guard of this rank's backward where the graph leaves ``f`` only through its entry,
     and the signature of the closure edges it holds otherwise (the ranks must agree on it)."""
     if not typed:
@@ -333,7 +343,7 @@ def _guarded(flat: List[Any], typed: bool, tag: CallTag, start: int, whole: Link
     if graph_sig:
         tag.take_entries()
         return flat, graph_sig
-    return guard(flat, tag, whole), graph_sig
+    return guard(flat, tag, whole, replay), graph_sig
 
 
 def _cut_blocks(
@@ -432,10 +442,10 @@ def _axes(names: Any) -> str:
     return "{" + ", ".join(names) + "}"
 
 
-def _layout_sig(flat: Sequence[Any], places: Sequence[Placement]) -> int:
-    return digest(
-        [
-            (p.path, tuple(p.spec), (v.dtype, v.dim()) if isinstance(v, torch.Tensor) else type(v).__name__)
-            for v, p in zip(flat, places)
-        ]
+def _layout(flat: Sequence[Any], places: Sequence[Placement]) -> Tuple[Any, ...]:
+    """What every rank's outputs must agree on, leaf by leaf: the path, the spec, and a tensor's dtype and number of
+    dims (its shape may differ: blocks may be uneven), or another leaf's type."""
+    return tuple(
+        (p.path, tuple(p.spec), (v.dtype, v.dim()) if isinstance(v, torch.Tensor) else type(v).__name__)
+        for v, p in zip(flat, places)
     )

@@ -10,12 +10,12 @@ may be uneven), so they cost no round of their own.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..call.records import Failed
-from ..errors import CmapError
+from ..errors import CmapError, by_rank, output_name
 from ..wire import rounds
 from ..wire.exchange import Exit, JoinSpec, join_values, report_failure
 from ..wire.link import Link
@@ -34,6 +34,7 @@ class Outcome:
     layout_sig: int = 0
     graph_sig: int = 0
     lengths: Optional[torch.Tensor] = None
+    layout: Tuple[Any, ...] = ()  # what layout_sig digests: each output leaf's path, spec, and dtype and dims or type
 
 
 def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, outcome: Outcome) -> List[List[int]]:
@@ -56,16 +57,36 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
             got = join_values(JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host=True), lengths)
             return got[0].tolist() if got else []
     except Disagreement as found:
-        raise CmapError(_explain(call, found)) from None
+        # every rank read the same table: on this error path, every rank sends its outputs' layout (one collective)
+        layouts = rounds.gather_objects(whole, outcome.layout) if found.field == "digest" else None
+        raise CmapError(_explain(call, found, layouts)) from None
 
 
-def _explain(call: str, found: Disagreement) -> str:
+def _explain(call: str, found: Disagreement, layouts: Optional[List[Tuple[Any, ...]]]) -> str:
     if found.field == "graph_sig":
         return (
             f"{call}: the ranks' autograd graphs reach tensors made outside f in different ways; every rank must "
             f"run the same program on its blocks."
         )
+    detail = _differ(layouts) if layouts else f"digests {[h.digest for h in found.table]}"
     return (
-        f"{call}: f returned outputs of different structures, dtypes or ranks on different ranks (digests "
-        f"{[h.digest for h in found.table]}); every rank must return the same structure."
+        f"{call}: f returned outputs of different structures, dtypes or ranks on different ranks ({detail}); every "
+        f"rank must return the same structure."
     )
+
+
+def _differ(layouts: List[Tuple[Any, ...]]) -> str:
+    """Each output leaf whose ranks disagree, with what each returned; every rank's outputs where the paths differ."""
+    if len({tuple(leaf[0] for leaf in mine) for mine in layouts}) > 1:
+        return by_rank(
+            [", ".join(f"{output_name(path)} {_leaf(*rest)}" for path, *rest in mine) for mine in layouts], "; "
+        )
+    differ = [i for i in range(len(layouts[0])) if len({mine[i] for mine in layouts}) > 1]
+    return "; ".join(
+        f"{output_name(layouts[0][i][0])}: " + by_rank([_leaf(*m[i][1:]) for m in layouts]) for i in differ
+    )
+
+
+def _leaf(spec: Tuple[Any, ...], kind: Any) -> str:
+    what = f"{str(kind[0]).replace('torch.', '')} {kind[1]}-d" if isinstance(kind, tuple) else kind
+    return f"{what}, out_specs P({', '.join(map(repr, spec))})"

@@ -238,16 +238,20 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], size: int) -> List[A
 
 
 def _fork_region_random(model: nn.Module, assignments: List[Assignment], group: Group) -> None:
-    """The modules holding column-parallel layers (attention, MLP; not the model itself) draw random numbers from
-    a state of their own per rank (:mod:`.rng`), so dropout there differs across ranks and leaves the replicated
-    region's draws alike on every rank and for any group size."""
-    modules = dict(model.named_modules())
-    parents = {a.path.rpartition(".")[0] for a in assignments if isinstance(a.style, Colwise)} - {""}
+    """Random ops where the activation is sharded (from a colwise layer whose output stays split to the rowwise
+    layer that takes it) draw from a state of their own per rank (:mod:`.rng`), so dropout there differs across
+    ranks and leaves the replicated region's draws alike on every rank and for any group size. The model's entry and
+    exit close a region left open (a vocabulary-split LM head's)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     region = RegionRandom(group, device)
-    for path in sorted(parents):
-        modules[path].register_forward_pre_hook(region.seed_region, with_kwargs=True)
-        modules[path].register_forward_hook(region.restore_outside, with_kwargs=True)
+    for a in assignments:
+        layer = model.get_submodule(a.path)
+        if isinstance(a.style, Colwise) and not a.style.gathers:
+            layer.register_forward_pre_hook(region.open)
+        elif isinstance(a.style, Rowwise) and not a.style.takes_replicated:
+            layer.register_forward_pre_hook(region.close)
+    model.register_forward_pre_hook(region.close)
+    model.register_forward_hook(region.close)
 
 
 def _check_sequence(model: nn.Module, assignments: List[Assignment]) -> List[nn.Module]:

@@ -16,7 +16,7 @@ transform needs them, else the plain ``join_values`` and ``split_values``, witho
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -99,13 +99,32 @@ class CallTag:
     communication. Only a backward after the call, into the caller's graph, sums over the group.
 
     While func runs, the tag also notes each tagged Split it meets (weakly: the call holds the tensors), so that
-    :mod:`.guard` can run this rank's backward through func's graph down to them, and their transposes after it."""
+    :mod:`.guard` can run this rank's backward through func's graph down to them, and their transposes after it.
+    While the guard runs that backward, ``caught`` is set: a noted Split's backward then hands the gradients of its
+    outputs to it (keyed by the entry's index and the output's) and stops there, so that the guard runs their
+    transposes itself."""
 
     running: bool = True
     entries: List["Entry"] = field(default_factory=list)
+    caught: Optional[Dict[Tuple[int, int], torch.Tensor]] = None
 
-    def note_entry(self, spec: Optional["SplitSpec"], inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    def note_entry(self, spec: Optional["SplitSpec"], inputs: Sequence[Any], outputs: Sequence[Any]) -> int:
+        """Notes a tagged Split; returns its index among the entries, which :meth:`catch` takes."""
         self.entries.append(Entry(spec, tuple(_weak(x) for x in inputs), tuple(_weak(o) for o in outputs)))
+        return len(self.entries) - 1
+
+    def catches(self, ctx: Any) -> bool:
+        """Whether the node ``ctx`` is a noted entry whose gradients the guard is taking now."""
+        return self.caught is not None and getattr(ctx, "_cmap_entry", None) is not None
+
+    def catch(self, ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> Tuple[None, ...]:
+        """Keeps the gradients of the entry's outputs (summed, where its node runs more than once: a reentrant
+        checkpoint's recomputation reaches it in a backward of its own); returns the node's empty gradients."""
+        for k, g in enumerate(grads):
+            if g is not None:
+                key = (ctx._cmap_entry, k)
+                self.caught[key] = g if key not in self.caught else self.caught[key] + g
+        return (None,) * (len(grads) + 1)
 
     def take_entries(self) -> Optional[List["Entry"]]:
         """The tagged Splits met, in order, with their tensors; None if one of those is gone. Cleared."""
@@ -413,13 +432,15 @@ class Split(torch.autograd.Function):
         if tag is not None:
             ctx._cmap_tag = tag
             if tag.running:
-                tag.note_entry(inputs[0], inputs[1:], output)
+                ctx._cmap_entry = tag.note_entry(inputs[0], inputs[1:], output)
         ctx.set_materialize_grads(False)  # an unused value gets no gradient (None), as without cmap
         _non_differentiable(ctx, inputs[1:], output)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         spec, picked = ctx.spec, _wanted(ctx, grads)
+        if spec.tag is not None and spec.tag.catches(ctx):  # the guard's backward: it runs the transpose
+            return spec.tag.catch(ctx, grads)
         if spec.tag is not None and spec.tag.running:  # a gradient taken inside func: per example, here
             return _spread(picked, [local_transpose(spec, spec.roles[i], grads[i]) for i in picked], len(grads))
         roles = tuple(split_transpose(spec.roles[i]) for i in picked)

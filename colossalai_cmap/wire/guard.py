@@ -9,8 +9,9 @@ backward round, and the rank's next collective (the user's own ``dist.all_reduce
 around a recomputed graph. Its inputs are what the call's tagged Splits took (the caller's tensors, through its
 entry, the closure interceptor's routes, shard_map's blocks), and with shard_map's varying-axis types what func
 used as it is (:func:`as_is`: a replicated block, a closure, a parameter; its transpose moves nothing); its outputs stand for func's outputs. Its backward runs
-this rank's backward through func's graph (``torch.autograd.grad`` down to those Splits' outputs) inside a ``try``,
-then the Splits' transposes itself, each a ``Join`` as their own backward would be, so the node that catches an
+this rank's backward through func's graph (``torch.autograd.backward`` from func's outputs, the tag's entries handing
+their gradients over and stopping there: :meth:`~.exchange.CallTag.catch`) inside a ``try``, then the Splits'
+transposes itself, each a ``Join`` as their own backward would be, so the node that catches an
 exception is the node that owns the next round. If func's graph raised, it posts the failure in a ``SYNC`` round
 instead: a peer is then in one of those Joins or in a backward round inside func's graph, meets the failure there,
 and every rank raises the same ``CmapError`` (:func:`~.rounds.raise_failures`), the failing rank with its
@@ -19,13 +20,19 @@ are the rounds the Splits' backward made before, so the guard costs no round; on
 communicates (``src="local"`` with ``dst="local"`` and no closure) does it add one, so that a failure has a round to
 travel in.
 
+``backward`` rather than ``torch.autograd.grad`` down to the Splits' outputs: a reentrant ``torch.utils.checkpoint``
+inside func runs a backward of its own in its node, which torch refuses under ``.grad()``. Its recomputation runs
+in ``replay``, the context func ran in (the caller's: its modules' aliases, its closure interceptor), so that the
+recomputed graph reaches the call's entry too.
+
 It guards only where nothing else owns the graph's boundary: ordinary autograd (no ``torch.func`` transform or
 forward-mode level around the call), a graph whose only ways out are the tagged nodes (the closure walk found no
 other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (a one-axis
 mesh for shard_map). Elsewhere the call's backward runs unguarded, as before.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -37,11 +44,13 @@ from .roles import split_transpose
 from .rounds import Header, Kind, Status
 
 WHAT = "the gradients of func's inputs"
+Replay = Callable[[], ContextManager[Any]]  # the context a recomputation of func (reentrant checkpointing) runs in
 
 
-def guard(flat: List[Any], tag: CallTag, link: Link) -> List[Any]:
+def guard(flat: List[Any], tag: CallTag, link: Link, replay: Optional[Replay] = None) -> List[Any]:
     """func's outputs ``flat``, with those that carry a gradient replaced by ``_Guard``'s stand-ins, where the
-    backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``."""
+    backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``.
+    ``replay`` is the context func ran in (its modules' aliases): a recomputation in that backward runs in it."""
     entries = tag.take_entries()
     rounds = [e for e in entries or () if e.spec is not None]
     if link.group.pg is None or not rounds or not _plain_autograd():  # a Split's Join: the round a failure rides
@@ -52,7 +61,8 @@ def guard(flat: List[Any], tag: CallTag, link: Link) -> List[Any]:
     inputs = _inputs(entries)
     if not picked or not inputs:
         return flat
-    outs = _Guard.apply(_Graph(link, tuple(flat[i] for i in picked), entries, inputs), *inputs)
+    graph = _Graph(link, tag, tuple(flat[i] for i in picked), entries, inputs, replay or contextlib.nullcontext)
+    outs = _Guard.apply(graph, *inputs)
     guarded = list(flat)
     for i, v in zip(picked, outs):
         guarded[i] = v
@@ -62,14 +72,18 @@ def guard(flat: List[Any], tag: CallTag, link: Link) -> List[Any]:
 class _Graph:
     """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs."""
 
-    def __init__(self, link: Link, outs: tuple, entries: List[Entry], inputs: List[torch.Tensor]) -> None:
-        self.link, self.outs, self.entries, self.inputs = link, outs, entries, inputs
-        self.boundary = [o for e in entries for o in e.outputs if o.requires_grad and not _fed(o, entries)]
-
-
-def _fed(t: torch.Tensor, entries: List[Entry]) -> bool:
-    """Whether ``t`` is the input of another tagged Split (a chain): its gradient comes from that Split's Join."""
-    return any(x is t for e in entries for x in e.inputs)
+    def __init__(
+        self, link: Link, tag: CallTag, outs: tuple, entries: List[Entry], inputs: List[torch.Tensor], replay: Replay
+    ) -> None:
+        self.link, self.tag, self.outs, self.entries, self.inputs, self.replay = (
+            link,
+            tag,
+            outs,
+            entries,
+            inputs,
+            replay,
+        )
+        self.boundary = any(o.requires_grad for e in entries for o in e.outputs)
 
 
 def _inputs(entries: List[Entry]) -> List[torch.Tensor]:
@@ -103,11 +117,13 @@ class _AsIs(torch.autograd.Function):
         tag = inputs[0]
         ctx._cmap_tag = tag
         if tag.running:
-            tag.note_entry(None, inputs[1:], (output,))
+            ctx._cmap_entry = tag.note_entry(None, inputs[1:], (output,))
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[torch.Tensor]) -> Tuple[None, Optional[torch.Tensor]]:
+        if ctx._cmap_tag.catches(ctx):
+            return ctx._cmap_tag.catch(ctx, (grad,))
         return None, grad
 
 
@@ -154,16 +170,14 @@ class _Guard(torch.autograd.Function):
                 )
             pairs = [(o, g) for o, g in zip(graph.outs, grads) if g is not None]
             if pairs and graph.boundary:
-                with rounds.guarding():
-                    found = torch.autograd.grad(
+                with rounds.guarding(), _catching(graph.tag) as caught, graph.replay():
+                    torch.autograd.backward(
                         [o for o, _ in pairs],
-                        graph.boundary,
                         [g for _, g in pairs],
                         retain_graph=True,  # the outer backward decides: let go at its end unless it retains
                         create_graph=torch.is_grad_enabled(),
-                        allow_unused=True,
                     )
-                at = {id(t): g for t, g in zip(graph.boundary, found) if g is not None}
+                at = {id(graph.entries[i].outputs[k]): g for (i, k), g in caught.items()}
         except Exception as exc:
             if rounds.was_told(exc, link):  # raised from a round: every rank raises it already
                 raise
@@ -174,6 +188,17 @@ class _Guard(torch.autograd.Function):
             rounds.raise_failures(rnd, failure, cause, link)
         _transposes(graph, at)
         return (None, *[at.get(id(x)) for x in graph.inputs])
+
+
+@contextlib.contextmanager
+def _catching(tag: CallTag) -> Iterator[Dict[Tuple[int, int], torch.Tensor]]:
+    """While func's graph runs backward: the call's entries hand their gradients over instead of running their
+    transposes (:meth:`CallTag.catch`)."""
+    tag.caught = caught = {}
+    try:
+        yield caught
+    finally:
+        tag.caught = None
 
 
 def _transposes(graph: _Graph, at: Dict[int, torch.Tensor]) -> None:
