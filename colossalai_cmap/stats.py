@@ -41,11 +41,11 @@ class CallStats:
 
     Attributes:
         group_size: P, the number of ranks the call ran on (1 when it ran in this process alone).
-        local: the call ran as plain ``torch.vmap`` here, with no communication: a group of one, no
-            ``torch.distributed``, or a cmap nested in a cmap over the same group.
+        local: the call ran alone, with no communication: a group of one, no ``torch.distributed``, a cmap
+            nested in a cmap over the same group, or meta inputs.
         fast_path: the call reused the checked shares of an earlier call with the same argument shapes.
         batch: the global batch size B (-1 when only the table knew it, with ``src="local"``).
-        sizes: rows per group rank, or None when the call ran locally.
+        sizes: rows per group rank (``(B,)`` when the call ran alone), or None when only the table knew them.
         collectives: the collectives of the forward call (in-func ones included), by this rank.
         bytes: the bytes this rank sent in them.
         ops: their names, in order.

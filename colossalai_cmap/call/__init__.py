@@ -1,4 +1,4 @@
-"""One cmap call: one pipeline of steps, and three drivers that run them.
+"""One cmap call: one pipeline of steps, and two drivers that run them.
 
 Imports go down, five levels at most:
 
@@ -8,8 +8,8 @@ Imports go down, five levels at most:
 2. steps: ``shares``, ``entry``, ``execute``, ``closures``, ``views``, ``checks``, and ``site`` (what one cmap keeps);
 3. ``from_src`` (the shares with ``src=r``), ``rank`` (this rank's part: entry, stand-in, run, outputs) and
    ``conclude`` (the exit: the status round, the gather, in-place write-back, views of the caller's inputs);
-4. the drivers: ``dispatch`` (eager across the group, and a world of one in ``_run_local``) and ``compiled``
-   (inside ``torch.compile``: each step's traced form, beside its eager form in the step's module);
+4. the drivers: ``dispatch`` (eager, on any group, and alone: a group of one with nothing to communicate) and
+   ``compiled`` (inside ``torch.compile``: each step's traced form, beside its eager form in the step's module);
 5. ``api`` (``cmap``, ``Cmapped``), which picks the driver and hands ``compiled`` the eager one.
 
 May import: ``axis``, ``integration``, ``wire`` and the leaf modules. Imported by the package's lazy public names

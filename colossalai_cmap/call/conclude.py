@@ -33,6 +33,8 @@ def conclude(opts: Options, shares: Shares, result: Any, inputs: Inputs, link: L
     if isinstance(result, Failed):
         report_failure(JoinSpec(link, (), kind=Kind.STATUS), result.failure, result.cause)
     out: Outputs = result
+    if not link.wired:  # alone: nothing to agree on, move or write back, and this rank is every dst
+        return unflatten(out.flat, out.spec)
     tensors, roles = out.layout.tensors, _roles(opts, shares, out, out.layout.tensors)
     if out.views:  # views of the caller's inputs: every rank holds them already
         viewed = {v.leaf for v in out.views}

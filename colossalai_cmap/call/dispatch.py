@@ -4,7 +4,8 @@
 The path (docs/design.md has the picture):
 
 1. Resolve the group. A group of one, no ``torch.distributed``, a cmap nested in a cmap over the same group, or meta
-   inputs: run as plain ``torch.vmap`` here (:func:`_run_local`), with no communication.
+   inputs: run alone, the same steps on :func:`alone`'s group of one, whose link is not wired, so nothing moves
+   (a repeated call whose steps around func are none calls the cmap's ``torch.vmap`` wrapper, :func:`_run_as_vmap`).
 2. Shares: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
    find the shares (:mod:`.shares`; with ``src=r`` the shares and this rank's rows come from rank r, :mod:`.from_src`).
    A rank whose sharing fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
@@ -12,23 +13,22 @@ The path (docs/design.md has the picture):
 4. Keep the shares and the outputs' layout for the next call with the same key, and what the call did.
 """
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import faults, stats
-from ..axis.frame import AxisFrame, axis_scope
 from ..errors import CmapError
 from ..integration.groups import collective_device, resolve_group
-from ..nesting import nested_in_split
+from ..nesting import CONTROL_FLOW, nested_in_split
 from ..wire import comm
 from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from .conclude import conclude
-from .dims import flatten, flatten_args, unflatten
-from .execute import Share, per_example_seeds, rng_scope, run_share, with_remedy
+from .dims import flatten, unflatten
+from .execute import with_remedy
 from .options import check_placement
 from .rank import run_rank
 from .records import Failed, FastPath, Inputs, LastCall, Outputs
@@ -43,19 +43,23 @@ def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> A
     local = group.size == 1 or nested_in_split(group.ranks) or _meta(args)
     log, fast, shares = stats.open_log(), None, None
     try:
-        if local:
-            return _run_local(site, group, args, kwargs)
-        comm.check_usable(group, opts.call)
+        if not local:
+            comm.check_usable(group, opts.call)
+        on = alone(group) if local else group
         leaves, spec = flatten(args)
-        key = None if isinstance(opts.src, int) else key_of(leaves, kwargs, group)
+        key = None if isinstance(opts.src, int) else key_of(leaves, kwargs, on)
         fast = site.fast_paths.get(key, spec) if key is not None else None
+        # alone with no process group (no torch.distributed), or nested in a call that reports it: raise as it is
+        raw = local and (group.pg is None or group.size > 1)
+        if fast is not None and fast.shares.rows and not fast.link.wired and opts.alone_as_vmap and not faults.ACTIVE:
+            return _run_as_vmap(site, fast.link, args, kwargs, raw)
         if fast is not None:
             link, inputs = fast.link, Inputs(fast.shares, leaves, kwargs)
         else:
-            link = link_for(group, collective_device(group, leaves), opts.call, opts.timeout)
+            link = link_for(on, collective_device(on, leaves), opts.call, opts.timeout)
             inputs = _make_inputs(site, group, args, kwargs, leaves, link)
         shares = None if isinstance(inputs, Failed) else inputs.shares
-        result, out = _run_and_conclude(site, inputs, link, fast.layout if fast is not None else None, leaves)
+        result, out = _run_and_conclude(site, inputs, link, fast.layout if fast is not None else None, leaves, raw)
         if result.captures is not None:  # what this call found decides whether the next one intercepts
             site.captures = result.captures
         if key is not None and (fast is None or fast.layout is not result.layout):
@@ -66,19 +70,37 @@ def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> A
         site.last = LastCall(log, group.size, local, fast is not None, shares)
 
 
+_ALONE: Dict[int, Group] = {}
+
+
+def alone(group: Group) -> Group:
+    """This rank of ``group`` as a group of one with no process group. A call runs alone on a group of one, without
+    ``torch.distributed``, nested in a call over the same ranks, or on meta inputs: every step as on any group, with
+    nothing to communicate (its link is not wired)."""
+    found = _ALONE.get(group.global_rank)
+    if found is None:
+        found = _ALONE[group.global_rank] = Group(None, 0, 1, (group.global_rank,))
+    return found
+
+
 def _make_inputs(
     site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any], leaves: Sequence[Any], link: Link
 ) -> Union[Inputs, Failed]:
-    """Check the arguments and find this rank's share; a failure here travels to the exit's status round."""
+    """Check the arguments and find this rank's share; a failure here travels to the exit's status round. ``dst`` and
+    ``src`` are checked against ``group``; the shares are made on the link's group (this rank, where it runs alone)."""
     opts = site.options
     try:
         check_placement(opts.call, "dst", opts.dst, group.size, (-1, "local"))
         if isinstance(opts.src, int):
             check_placement(opts.call, "src", opts.src, group.size, ())
-            from .from_src import shares_from_src  # only src=r calls pay for its imports
+            if link.wired:
+                from .from_src import shares_from_src  # only src=r calls pay for its imports
 
-            return shares_from_src(opts, site.func, args, kwargs, link)
-        return Inputs(make_shares(opts, site.func, group, args, kwargs), list(leaves), kwargs)
+                return shares_from_src(opts, site.func, args, kwargs, link)
+        shares = make_shares(opts, site.func, group if link.wired else link.group, args, kwargs)
+        if isinstance(opts.src, int):  # alone, as the scatter gives every rank (the source too): copies of the rows
+            leaves = [v if d is None else v.clone() for v, d in zip(leaves, shares.dims)]
+        return Inputs(shares, list(leaves), kwargs)
     except CmapError:  # a wait failed (the source's broadcast or scatter): the group is out of step, no more rounds
         raise
     except Exception as exc:
@@ -86,20 +108,41 @@ def _make_inputs(
 
 
 def _run_and_conclude(
-    site: CallSite, inputs: Union[Inputs, Failed], link: Link, hint: Any, leaves: Sequence[Any]
+    site: CallSite, inputs: Union[Inputs, Failed], link: Link, hint: Any, leaves: Sequence[Any], raw: bool = False
 ) -> Tuple[Union[Outputs, Failed], Any]:
-    """This rank's part and the exit. With ``dst=r`` or ``src=r`` the output is not differentiable: every output
-    that depends on a tensor that requires grad (an argument, a keyword, a parameter or a closure: however func
-    reached it) is cut from its graph and raises a clear error in backward, where no collective is involved, so
-    nothing hangs and no rank writes a ``.grad`` alone."""
+    """This rank's part and the exit; with ``raw``, a failure is raised as it is. With ``dst=r`` or ``src=r`` the
+    output is not differentiable: every output that depends on a tensor that requires grad (an argument, a keyword,
+    a parameter or a closure: however func reached it) is cut from its graph and raises a clear error in backward,
+    where no collective is involved, so nothing hangs and no rank writes a ``.grad`` alone."""
     opts = site.options
-    if isinstance(inputs, Failed):
-        return inputs, conclude(opts, None, inputs, None, link)
-    result = run_rank(site, inputs, link, hint)
+    result = inputs if isinstance(inputs, Failed) else run_rank(site, inputs, link, hint)
+    if isinstance(result, Failed):
+        _raise_failed(opts, result, link, raw)
     out = conclude(opts, inputs.shares, result, inputs, link)
     if out is None or not opts.refuses_grad or not torch.is_grad_enabled():
         return result, out
     return result, _refuse_grad(site, out, result.flat, leaves, inputs.kwargs, inputs.source_needs_grad)
+
+
+def _run_as_vmap(site: CallSite, link: Link, args: Tuple[Any, ...], kwargs: Dict[str, Any], raw: bool) -> Any:
+    """A repeated call that runs alone, where the general path's steps around func are none (``opts.alone_as_vmap``)
+    and this rank has rows: func under the cmap's own ``torch.vmap``, whose checks of the outputs are the layout's;
+    a failure is raised as the exit raises it."""
+    try:
+        return site.vmapped()(*args, **kwargs)
+    except CONTROL_FLOW:
+        raise
+    except Exception as exc:
+        remedied = with_remedy(site.options, site.func, exc)
+        failed = Failed(link.group.failure(remedied), remedied)
+    _raise_failed(site.options, failed, link, raw)  # out of the except: the remedied error alone, as run_rank's
+
+
+def _raise_failed(opts: Any, failed: Failed, link: Link, raw: bool) -> None:
+    """This rank's failure, raised by the exit on every rank; with ``raw`` (alone, with no group to name) as it is."""
+    if raw:
+        raise failed.cause
+    conclude(opts, None, failed, None, link)
 
 
 def _refuse_grad(
@@ -140,58 +183,3 @@ def _meta(args: Tuple[Any, ...]) -> bool:
     communication (the shapes are vmap's)."""
     first = next((v for v in args if isinstance(v, torch.Tensor)), None)
     return first is not None and first.is_meta
-
-
-# ---------------------------------------------------------------------------------------------------- local run
-def _run_local(site: CallSite, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """The whole batch here, as ``torch.vmap``: a group of one, no ``torch.distributed``, or nested on one group.
-
-    With ``torch.distributed`` initialised and a group of one, an exception becomes ``CmapError`` as on any group;
-    otherwise it is ``torch.vmap``'s own, with the remedy a group would add to it (:func:`.execute.with_remedy`).
-    """
-    opts = site.options
-    try:
-        check_placement(opts.call, "dst", opts.dst, group.size, (-1, "local"))  # as at every P
-        if isinstance(opts.src, int):
-            check_placement(opts.call, "src", opts.src, group.size, ())
-        if faults.ACTIVE:
-            faults.check("args", group)
-            faults.check("func", group)
-        plain = opts.axis_name is None and opts.chunk_size is None and opts.randomness != "per_example"
-        if opts.mode == "vmap" and plain and not opts.places_outputs:
-            out = site.vmapped()(*args, **kwargs)
-        else:
-            out = _local_share(site, args, kwargs)
-        if opts.refuses_grad and torch.is_grad_enabled():  # as on a group of any size
-            return _refuse_grad(site, out, flatten(out)[0], tree_flatten(args)[0], kwargs)
-        return out
-    except Exception as exc:
-        if group.pg is None or group.size > 1:
-            remedied = with_remedy(opts, site.func, exc)
-            if remedied is exc:
-                raise
-            raise remedied from None  # the same type, torch's sentence and traceback, the remedy added
-        _raise_alone(site, group, args, exc)
-
-
-def _local_share(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    opts = site.options
-    flat = flatten_args(site.func, args, opts.in_dims, opts.call)
-    share = Share(flat.leaves, tuple(flat.dims), flat.spec, flat.batch_size)
-    frame: Optional[AxisFrame] = None
-    seeds = per_example_seeds(0) if opts.randomness == "per_example" else None
-    if opts.axis_name is not None:
-        B = flat.batch_size
-        frame = AxisFrame(None, B, 0, (B,), "loop" if seeds is not None else opts.mode)
-    with axis_scope(opts.axis_name, frame), rng_scope(None if seeds is None else seeds.base, [share.device()]):
-        return run_share(opts, site.body, share, kwargs, frame, seeds=seeds)
-
-
-def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Exception) -> None:
-    """A group of one: the error every rank of a larger group would raise (an argument error names the argument)."""
-    try:
-        flatten_args(site.func, args, site.options.in_dims, site.options.call)
-    except Exception as arg_exc:
-        exc = arg_exc
-    exc = with_remedy(site.options, site.func, exc)
-    raise CmapError.from_failures(site.options.call, [group.failure(exc)], group.rank) from exc

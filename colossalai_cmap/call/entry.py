@@ -36,7 +36,7 @@ def enter(
     opts: Options, refs: module_params.References, shares: Shares, inputs: Inputs, link: Link, tag: object
 ) -> Entered:
     leaves, kwargs, modules, aliases = list(inputs.leaves), inputs.kwargs, [], {}
-    if opts.differentiable and tracking():
+    if link.wired and opts.differentiable and tracking():  # alone, gradients cross no rank: func's graph is vmap's
         kw_leaves, kw_spec = tree_flatten(kwargs) if kwargs else ([], None)
         modules = module_params.modules_of(refs) if refs else []
         params = module_params.trainable(modules) if modules else []
@@ -50,7 +50,7 @@ def enter(
             aliases = {id(p): t for p, t in zip(params, entered[len(picked) :])}
             if kw_spec is not None:
                 kwargs = tree_unflatten(kw_leaves, kw_spec)
-    if opts.src is None:
+    if opts.src is None and link.wired:  # alone, this rank's rows are the caller's tensors
         for i in shares.mapped:
             if leaves[i] is inputs.leaves[i]:  # not cut by the entry
                 leaves[i] = leaves[i].narrow(shares.dims[i], shares.offset, shares.rows)

@@ -205,7 +205,9 @@ def run_share(
             frame.index = indices
         if opts.chunk_size is None or share.rows <= opts.chunk_size:
             return func(*share.args(), **kwargs)
-        chunks = [func(*part.args(), **kwargs) for part in _chunks(share, opts.chunk_size)]
+        chunks = [
+            _rows_checked(opts, func(*part.args(), **kwargs), part.rows) for part in _chunks(share, opts.chunk_size)
+        ]
         return _combine(chunks, opts, torch.cat)
     before = torch.random.get_rng_state() if opts.randomness != "different" else None
     if share.rows == 0:
@@ -336,7 +338,7 @@ def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], sha
             placed.append(t.select(0, 0))
             continue
         dim = normalise_out_dim(opts.call, dim, t.dim() - 1, i)
-        itself = source is not None and share.dims[source] == dim
+        itself = source is not None and share.dims[source] == dim and opts.chunk_size is None  # chunks: vmap copies
         placed.append(share.leaves[source] if itself else t.movedim(0, dim))
     return tree_unflatten(placed, seen["spec"])
 
@@ -369,6 +371,26 @@ def _place_traced(opts: Options, out: Any, level: int, rows: int) -> Any:
 def _name(opts: Options) -> str:
     """func's name as the call's name shows it."""
     return opts.call.split("(", 1)[-1].split(",", 1)[0]
+
+
+def check_rows(opts: Options, i: int, v: torch.Tensor, out_dim: int, rows: int) -> None:
+    """In batched mode func must return one row per example it was given, along each mapped output's out_dim."""
+    if v.shape[out_dim] != rows:
+        raise ValueError(
+            f"{opts.call}: mode='batched': output {i} has {v.shape[out_dim]} rows along its out_dim {out_dim} (shape "
+            f"{tuple(v.shape)}), but func was given {rows} examples; it must return one row per example (or use "
+            f"out_dims=None for an output that is not per example)."
+        )
+
+
+def _rows_checked(opts: Options, out: Any, rows: int) -> Any:
+    """A chunk's outputs, checked as the share's are (:func:`check_rows`) before the chunks are joined, so that the
+    error does not depend on how the rows fell into chunks."""
+    flat, spec = tree_flatten(out)
+    for i, (v, d) in enumerate(zip(flat, flatten_out_dims(opts.call, opts.out_dims, spec, len(flat)))):
+        if isinstance(v, torch.Tensor) and d is not None:
+            check_rows(opts, i, v, normalise_out_dim(opts.call, d, v.dim() - 1, i), rows)
+    return out
 
 
 def _chunks(share: Share, size: int) -> Iterator[Share]:

@@ -36,6 +36,18 @@ class Options:
         """Whether ``out_dims`` holds a None or an int other than 0 (then cmap places vmap's outputs itself)."""
         return _places(self.out_dims)
 
+    @cached_property
+    def alone_as_vmap(self) -> bool:
+        """Whether a call that runs alone (no rank to exchange with) takes no step around func but its ``torch.vmap``:
+        no axis frame, forked generator, placed outputs, refused gradient or per-call checks of the mode."""
+        return (
+            self.mode == "vmap"
+            and self.axis_name is None
+            and self.randomness in ("error", "same")
+            and not self.places_outputs
+            and not self.refuses_grad
+        )
+
     @property
     def refuses_grad(self) -> bool:
         """Whether the output is not differentiable: with ``dst=r`` only one rank holds it (no backward could meet on

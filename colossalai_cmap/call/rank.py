@@ -30,7 +30,7 @@ from ..wire.rounds import agree_rows
 from . import closures, module_params, views
 from .dims import flatten, flatten_out_dims, normalise_out_dim
 from .entry import Entered, enter, first_example
-from .execute import ExampleSeeds, Share, per_example_seeds, rng_scope, run_share, with_remedy
+from .execute import ExampleSeeds, Share, check_rows, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
 from .records import Failed, Inputs, Outputs, Shares
@@ -40,7 +40,7 @@ from .site import CallSite
 def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
     """This rank's part of the call shared out in ``inputs``, for the cmap ``site``; never raises."""
     opts, shares = site.options, inputs.shares
-    group, tag = link.group, CallTag()
+    group, tag, wired = link.group, CallTag(), link.wired  # not wired: alone, where nothing crosses ranks
     try:
         if faults.ACTIVE:
             faults.check("args", group)
@@ -50,7 +50,8 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         empty, extra = shares.rows == 0 and shares.batch != 0, _extra_rows(opts, shares)
         if extra:
             leaves = _stand_in(opts, shares, inputs, leaves, extra)
-        versions = _versions(opts, shares, inputs.leaves)
+        versions = _versions(opts, shares, inputs.leaves) if wired else None
+        joined = _versions(opts, shares, leaves) if extra and versions is not None else None
         frame, seed, seeds = _frame_and_seed(opts, shares, link, empty)
         share = Share(leaves, shares.dims, shares.spec, shares.rows + extra)
         if faults.ACTIVE:
@@ -69,18 +70,20 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         layout = layout_of(opts, flat, spec, hint)
         if opts.mode == "batched":
             _check_rows(opts, flat, layout, share.rows)
-        found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if views.applies(opts) else ()
+        found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if wired and views.applies(opts) else ()
         if extra:
             flat = [
                 v.narrow(leaf.out_dim, 0, shares.rows) if leaf.kind == BATCHED else v
                 for v, leaf in zip(flat, layout.leaves)
             ]
         graph_sig = _record(opts, flat, layout, tag, start, link)
-        if not graph_sig:  # this rank's backward through func, guarded
+        if wired and not graph_sig:  # this rank's backward through func, guarded
             flat = guard(flat, tag, link, _replay(entered, intercept))
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.met()))
+        if joined is not None:
+            _keep_changes(shares, inputs.leaves, leaves, joined)
         mutated = _mutated(versions, inputs.leaves, shares)
         return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
     except Exception as exc:  # every rank learns of it in the status round
@@ -117,7 +120,7 @@ def _thread_modes(opts: Options, tag: CallTag, intercept: Optional[closures.Inte
 def _interceptor(site: CallSite, tag: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
     """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
     no closure-captured tensor at all, and func's closures hold none now."""
-    if not (site.options.differentiable and tracking()):
+    if not (link.wired and site.options.differentiable and tracking()):
         return None
     if site.captures is False and not closures.may_capture(site.refs):
         return None
@@ -217,27 +220,23 @@ def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional
     if hint is not None and hint.matches(flat, spec):
         return hint
     dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
-    dims = [
-        d if not isinstance(v, torch.Tensor) else normalise_out_dim(opts.call, d, v.dim() - 1, i)
-        for i, (v, d) in enumerate(zip(flat, dims))
-    ]
+    for i, (v, d) in enumerate(zip(flat, dims)):
+        if isinstance(v, torch.Tensor):
+            dims[i] = normalise_out_dim(opts.call, d, v.dim() - 1, i)
+        elif d is not None:  # as vmap and loop mode refuse it, in every mode (batched too)
+            raise ValueError(f"{opts.call}: output {i} must be a Tensor to be mapped, got {type(v).__name__}.")
     return infer_layout(flat, dims, spec)
 
 
 def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int) -> None:
-    """In batched mode func must return one row per example it was given, along each mapped output's out_dim."""
     for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
-        if leaf.kind == BATCHED and v.shape[leaf.out_dim] != rows:
-            raise ValueError(
-                f"{opts.call}: mode='batched': output {i} has {v.shape[leaf.out_dim]} rows along its out_dim "
-                f"{leaf.out_dim} (shape {tuple(v.shape)}), but func was given {rows} examples; it must return one row "
-                f"per example (or use out_dims=None for an output that is not per example)."
-            )
+        if leaf.kind == BATCHED:
+            check_rows(opts, i, v, leaf.out_dim, rows)
 
 
 def _record(opts: Options, flat: List[Any], layout: OutLayout, tag: CallTag, start: int, link: Link) -> int:
     """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
-    if not (opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
+    if not (link.wired and opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
         return 0
     if faults.ACTIVE:
         faults.check("record", link.group)
@@ -252,6 +251,15 @@ def _versions(opts: Options, shares: Shares, leaves: Sequence[Any]) -> Optional[
     if opts.src is not None:
         return None
     return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in shares.mapped]
+
+
+def _keep_changes(shares: Shares, leaves: Sequence[Any], given: Sequence[Any], versions: List[int]) -> None:
+    """func changed in place the rows it was given joined to stand-ins (a copy): into the caller's rows with them."""
+    for i, before in zip(shares.mapped, versions):
+        if before >= 0 and given[i]._version != before:
+            d = shares.dims[i]
+            with torch.no_grad():
+                leaves[i].narrow(d, shares.offset, shares.rows).copy_(given[i].narrow(d, 0, shares.rows))
 
 
 def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], shares: Shares) -> int:

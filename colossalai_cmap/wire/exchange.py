@@ -22,7 +22,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .. import faults
-from ..errors import RankFailure
+from ..errors import CmapError, RankFailure
 from . import rounds
 from .link import Link, pack_payload, unpack_payload
 from .roles import (
@@ -190,6 +190,8 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
 
 def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
     """Per-rank values to global ones: one round, and a data phase for what does not fit its payload."""
+    if not spec.link.wired:  # alone: every value is already global, and a round would agree with itself
+        return tuple(tensors)
     if spec.host:
         spec = spec._replace(link=spec.link.host_side())
     link = spec.link
@@ -274,6 +276,8 @@ def _output(role: Role, mine: torch.Tensor, found: Optional[torch.Tensor]) -> Op
 def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -> None:
     """This rank's side of a call's exit when func raised here: the same round, then every rank raises."""
     link = spec.link
+    if not link.wired:  # alone: this rank's failure is the whole table
+        raise rounds.told(CmapError.from_failures(link.call, [failure], link.group.rank), link) from cause
     header = Header(Kind.STATUS, Status.FAILED, inline=1)
     rnd = rounds.status_round(link, header)
     rounds.meet_early(rnd, link.channel(), link)
@@ -338,14 +342,14 @@ def needs_function(tensors: Sequence[torch.Tensor]) -> bool:
 def join(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
     """Per-rank values to global ones: :class:`Join` where a derivative or a function transform needs it (never
     with a ``dst``: only that rank gets the result, so no backward could meet), else the plain exchange."""
-    if spec.dst == -1 and needs_function(tensors):
+    if spec.dst == -1 and spec.link.wired and needs_function(tensors):
         return Join.apply(spec, *tensors)
     return join_values(spec, tensors)
 
 
 def split(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """Global values to per-rank ones: :class:`Split` where a derivative or a function transform needs it."""
-    return Split.apply(spec, *tensors) if needs_function(tensors) else split_values(spec, tensors)
+    return Split.apply(spec, *tensors) if spec.link.wired and needs_function(tensors) else split_values(spec, tensors)
 
 
 def _non_differentiable(ctx: Any, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:

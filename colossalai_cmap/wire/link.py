@@ -144,6 +144,12 @@ class Link(NamedTuple):
     host: Optional[Group] = None  # the group's host group (GroupState.host), where the rounds take one
 
     @property
+    def wired(self) -> bool:
+        """Whether the link reaches other ranks; an unwired link (a group of one, with no process group) is where a
+        call runs alone: its exchanges move nothing and its rounds agree with themselves."""
+        return self.group.pg is not None
+
+    @property
     def round_group(self) -> Group:
         return self.group if self.host is None else self.host
 
