@@ -26,6 +26,7 @@ from ..wire import comm
 from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
+from .batchnorm import batch_scope, whole_batch
 from .conclude import conclude
 from .dims import flatten, flatten_args, unflatten
 from .execute import Share, per_example_seeds, rng_scope, run_share, with_remedy
@@ -183,8 +184,10 @@ def _local_share(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     if opts.axis_name is not None:
         B = flat.batch_size
         frame = AxisFrame(None, B, 0, (B,), "loop" if seeds is not None else opts.mode)
+    coupled = whole_batch(opts, None, False)  # the refusals of a batch that is not one call, as at every P
     with axis_scope(opts.axis_name, frame), rng_scope(None if seeds is None else seeds.base, [share.device()]):
-        return run_share(opts, site.body, share, kwargs, frame, seeds=seeds)
+        with batch_scope(opts, coupled):
+            return run_share(opts, site.body, share, kwargs, frame, seeds=seeds)
 
 
 def _raise_alone(site: CallSite, group: Group, args: Tuple[Any, ...], exc: Exception) -> None:
