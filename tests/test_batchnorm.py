@@ -265,3 +265,23 @@ def test_refusals_are_the_same_at_every_P(worlds):
     assert "mode='batched'" in first["loop"][1], first["loop"]
     assert "chunk_size=None" in first["chunks"][1] and "another randomness" in first["per_example"][1], first
     assert "SyncBatchNorm" in first["sync"] and "BatchNorm1d/2d/3d" in first["sync"], first["sync"]
+
+
+# -------------------------------------------------------------------------------------------------- torch.compile
+def check_compiled(B):
+    """``torch.compile(cmap(model, mode="batched"))``: a training BatchNorm runs eagerly (a graph break), over the
+    whole batch, here where nothing else sends the call out of the graph (no gradient is taken)."""
+    bn = _affine(nn.BatchNorm1d(3).double(), 9)
+    ref = copy.deepcopy(bn)
+    x = _randn(B, 3, seed=11) * 2 - 1
+    with torch.no_grad():
+        got = torch.compile(cm.cmap(bn, mode="batched"), backend="aot_eager")(x)
+        want = ref(x)
+    torch.testing.assert_close(got, want, **TIGHT)
+    _same_state(bn, ref, "compiled")
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_compiled_batchnorm_sees_the_whole_batch(worlds, P):
+    assert worlds(P).run(check_compiled, 5) == [True] * P
