@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import wire_tap
 from cases import assert_same
@@ -71,6 +72,20 @@ def check_batchnorm1d(B):
             torch.testing.assert_close(got, want, **TIGHT)
             torch.testing.assert_close(xs.grad, xr.grad, **TIGHT)
             _same_state(bn, ref, f"case {k} step {step}")
+
+    # dst="local": each rank keeps its rows; the gradient is the one global loss's, the ranks' losses summed
+    bn = _affine(nn.BatchNorm1d(3).double(), 12)
+    ref = copy.deepcopy(bn)
+    x, cotangent = _randn(B, 3, seed=13), _randn(B, 3, seed=14)
+    rows = torch.arange(B).tensor_split(dist.get_world_size())[dist.get_rank()]
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = cm.cmap(bn, mode="batched", dst="local")(xs)
+    (got * cotangent[rows]).sum().backward()
+    want = ref(xr)
+    (want * cotangent).sum().backward()
+    torch.testing.assert_close(got, want[rows], **TIGHT)
+    torch.testing.assert_close(xs.grad, xr.grad, **TIGHT)
+    _same_state(bn, ref, "dst='local'")
 
     mean, var = _randn(3, seed=5), _randn(3, seed=6).abs() + 0.5
     mean_ref, var_ref = mean.clone(), var.clone()
