@@ -142,14 +142,22 @@ def check_cnn_training(B):
     the outputs, weights and running statistics of the model trained alone."""
     torch.manual_seed(0)
     model = SmallCNN().double().train()
-    ref = copy.deepcopy(model)
-    mapped = cm.cmap(model, mode="batched")
-    got = _train(model, mapped, B)
+    ref, held = copy.deepcopy(model), copy.deepcopy(model)
     want = _train(ref, ref, B)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **TIGHT)
+    got = _train(model, cm.cmap(model, mode="batched"), B)
+    holder = _Holder(held)  # reached through an attribute: its parameters' gradients found by the closure machinery
+    got_held = _train(held, cm.cmap(lambda v: holder.net(v), mode="batched"), B)
+    for a, b, c in zip(got, got_held, want):
+        torch.testing.assert_close(a, c, **TIGHT)
+        torch.testing.assert_close(b, c, **TIGHT)
     _same_state(model, ref, "after training")
+    _same_state(held, ref, "after training, reached through an attribute")
     return True
+
+
+class _Holder:
+    def __init__(self, net):
+        self.net = net
 
 
 @pytest.mark.parametrize("P", [1, 2, 3])
@@ -234,6 +242,31 @@ def test_eval_mode_adds_no_collective(worlds, P):
         assert counts["eval"] == counts["plain"], counts
         assert counts["train forward"] == counts["plain forward"] + 1, counts
         assert counts["train backward"] == counts["plain backward"] + 1, counts
+
+
+# -------------------------------------------------------------------------------------------- a failure on one rank
+def check_failure_before_the_statistics():
+    """A rank that fails before its BatchNorm leaves no peer waiting in the statistics' collective: every rank
+    raises the failure, and the next call runs."""
+    bn = nn.BatchNorm1d(3).double().train()
+
+    def f(v):
+        if dist.get_rank() == 1:
+            raise KeyError("no such layer")
+        return bn(v)
+
+    with pytest.raises(CmapError) as caught:
+        cm.cmap(f, mode="batched")(_randn(6, 3, seed=15))
+    assert "group rank 1" in str(caught.value) and "no such layer" in str(caught.value), caught.value
+    ref = copy.deepcopy(bn)
+    x = _randn(6, 3, seed=16)
+    torch.testing.assert_close(cm.cmap(bn, mode="batched")(x), ref(x), **TIGHT)
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_failure_before_the_statistics_reaches_every_rank(worlds, P):
+    assert worlds(P).run(check_failure_before_the_statistics) == [True] * P
 
 
 # --------------------------------------------------------------------------------------- what is refused, alike at P
