@@ -13,8 +13,9 @@ channel's mean is large against its spread.
 
 Where a function's rows cannot be one batch, training BatchNorm is refused alike at every P: in ``mode="loop"``
 (func is called per example, and the running statistics would be updated per example, by each rank with its own:
-vmap refuses it too) and when func may run on part of the rows (``chunk_size``, or ``randomness="per_example"``). A world of one with neither needs no mode: func sees the whole batch. A
-``torch.nn.SyncBatchNorm`` in training mode is refused at every P (:func:`batch_scope`).
+vmap refuses it too) and when func may run on part of the rows (``chunk_size``, or ``randomness="per_example"``).
+A world of one with neither needs no mode: func sees the whole batch. A ``torch.nn.SyncBatchNorm`` in training mode
+is refused at every P (:func:`batch_scope`).
 """
 
 import contextlib
