@@ -166,6 +166,38 @@ def test_cnn_trained_through_cmap_matches_the_model_alone(worlds, P):
     assert worlds(P).run(check_cnn_training, 2) == [True] * P  # B < P at 3: an empty share
 
 
+class CheckpointedCNN(SmallCNN):
+    """SmallCNN with its bn-relu recomputed in backward (``torch.utils.checkpoint``): the recomputed BatchNorm
+    sees the whole batch again, and updates the running statistics a second time, as it does in one process."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        block = lambda v: F.relu(self.bn(v))  # noqa: E731
+        h = torch.utils.checkpoint.checkpoint(block, self.conv(x), use_reentrant=self.reentrant)
+        return self.fc(F.max_pool2d(h, 2).flatten(1))
+
+
+def check_checkpointed(B, reentrant):
+    torch.manual_seed(0)
+    model = CheckpointedCNN(reentrant).double().train()
+    ref = copy.deepcopy(model)
+    want = _train(ref, ref, B, steps=2)
+    got = _train(model, cm.cmap(model, mode="batched"), B, steps=2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TIGHT)
+    _same_state(model, ref, f"checkpointed, use_reentrant={reentrant}")
+    return True
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("P", [1, 3])
+def test_checkpointed_batchnorm(worlds, P, reentrant):
+    assert worlds(P).run(check_checkpointed, 5, reentrant) == [True] * P
+
+
 def check_resnet(B):
     """transformers' ResNet (BatchNorm2d after every convolution), called as its users call it, two SGD steps."""
     from transformers import ResNetConfig, ResNetForImageClassification
