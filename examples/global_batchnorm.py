@@ -5,6 +5,10 @@ equal single-process ``nn.BatchNorm1d`` in training mode, however unevenly the b
 statistics add the examples in another order (per rank, then over the ranks), which moves a float32 sum of n terms
 by up to about n * eps * sum|terms|, more than float32's default tolerance; a float64 one stays far under float64's.
 
+This writes the statistic by hand, per example, as one writes any batch-coupled statistic; for the module itself,
+``cmap(bn, mode="batched")(x)`` takes its statistics over the whole batch across the group with no code of one's own
+(docs/guide.md, "BatchNorm and other batch-coupled modules").
+
 Run: ``colossalai run --nproc_per_node 2 examples/global_batchnorm.py``
 """
 

@@ -4,7 +4,8 @@
 The pipeline (:func:`run_compiled`), with the eager path's split and roles but no round of its own:
 
 1. Refuse what needs the eager orchestration (:func:`unsupported`): ``src``, ``dst=r``, loop mode, random draws,
-   ``check_inputs``, a cmap nested in another's func, and closure-captured tensors that need a gradient.
+   ``check_inputs``, a cmap nested in another's func, closure-captured tensors that need a gradient, and in batched
+   mode across ranks a BatchNorm in training mode (its statistics over the whole batch, ``batchnorm.py``).
 2. Share from static shapes: the eager call's shares (:func:`~.shares.share_sizes`), so each rank maps the same rows.
 3. Enter: mapped inputs cut with ``narrow``; tensors that need a gradient go through a traced ``Split``
    (:mod:`~colossalai_cmap.wire.traced`): rows all-gathered in backward, other tensors' gradients summed.
@@ -98,7 +99,14 @@ def unsupported(site: CallSite) -> Optional[str]:
         return "nested"
     if torch.is_grad_enabled() and site.captures_trainable():
         return "captured"
+    if opts.mode == "batched" and _across(opts) and site.runs_training_batchnorm():
+        return "batchnorm"
     return None
+
+
+def _across(opts: Options) -> bool:
+    pg = process_group(opts)
+    return pg is not None and dist.get_world_size(pg) > 1
 
 
 _REASONS = {
@@ -112,6 +120,7 @@ _REASONS = {
         "a closure-captured tensor or module parameter requires grad and its gradient is summed over the ranks; "
         "pass it as an argument with in_dims=None"
     ),
+    "batchnorm": "a BatchNorm in training mode takes its statistics over the whole batch, across the group",
 }
 
 

@@ -11,6 +11,7 @@ from torch._functorch import vmap as functorch_vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
+from .batchnorm import VMAP_REFUSAL, vmap_remedy
 from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .loop import LoopBarrier
 from .options import Options
@@ -50,12 +51,14 @@ _REWORDED = (RuntimeError, IndexError, ValueError)
 def with_remedy(opts: Options, func: Callable, exc: Exception) -> Exception:
     """``exc`` with cmap's way out added, torch's sentence kept first (users search for it), where cmap can tell what
     went wrong in mode "vmap": vmap's refusal of a mapped tensor's Python value (``.item()``, ``range(n)``,
-    ``if x > 0``), or a shape, dim or index error from an ``nn.Module`` func, which vmap calls on one example without
+    ``if x > 0``) or of a BatchNorm in training mode, or a shape, dim or index error from an ``nn.Module`` func, which vmap calls on one example without
     its batch dim. Any other exception as it is."""
     if opts.mode != "vmap" or getattr(exc, "_cmap_remedy", False) or type(exc) not in _REWORDED:
         return exc
     text = str(exc)
-    if type(exc) is RuntimeError and text.startswith(_VALUE_UNDER_VMAP):
+    if type(exc) is RuntimeError and text.startswith(VMAP_REFUSAL):
+        remedy = vmap_remedy(opts.call)
+    elif type(exc) is RuntimeError and text.startswith(_VALUE_UNDER_VMAP):
         remedy = (
             f"{opts.call}: func reads a mapped tensor's value in Python (a loop bound, a branch, .item()), which "
             f"torch.vmap cannot do per example. Use mode='loop' to call func once per example (per-example control "

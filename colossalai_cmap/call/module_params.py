@@ -71,6 +71,23 @@ def reaches_trainable(func: Callable, depth: int = 3) -> bool:
     cells, partial arguments, bound instance, the globals its code names (and the attributes it names of a Python
     module among them), the functions it names in turn (``depth`` levels), and the attributes of other objects. On
     doubt (a level too deep) it says yes: a compiled call refuses what it cannot see."""
+    return _reaches(func, depth, lambda t: t.requires_grad, lambda m: any(p.requires_grad for p in m.parameters()))
+
+
+def reaches_training_batchnorm(func: Callable, depth: int = 3) -> bool:
+    """Whether func may run a BatchNorm in training mode (func itself, or a module found as
+    :func:`reaches_trainable` finds tensors), whose statistics couple the rows; says yes on doubt."""
+    return _reaches(
+        func,
+        depth,
+        lambda t: False,
+        lambda m: any(isinstance(x, nn.modules.batchnorm._BatchNorm) and x.training for x in m.modules()),
+    )
+
+
+def _reaches(
+    func: Callable, depth: int, tensor_hit: Callable[[torch.Tensor], bool], module_hit: Callable[[nn.Module], bool]
+) -> bool:
     seen: set = set()
 
     def of_value(v: Any, names: Sequence[str], level: int) -> bool:
@@ -78,9 +95,9 @@ def reaches_trainable(func: Callable, depth: int = 3) -> bool:
             return False
         seen.add(id(v))
         if isinstance(v, torch.Tensor):
-            return v.requires_grad
+            return tensor_hit(v)
         if isinstance(v, nn.Module):
-            return any(p.requires_grad for p in v.parameters())
+            return module_hit(v)
         if isinstance(v, (list, tuple, dict, set, frozenset)):
             return any(of_value(x, names, level) for x in (v.values() if isinstance(v, dict) else v))
         if isinstance(v, (functools.partial, types.MethodType)):  # their parts are the caller's, whoever made them

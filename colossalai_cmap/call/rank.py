@@ -28,6 +28,7 @@ from ..wire.link import Link
 from ..wire.roles import first_row
 from ..wire.rounds import agree_rows
 from . import closures, module_params, views
+from .batchnorm import WholeBatch, batch_scope, whole_batch
 from .dims import flatten, flatten_out_dims, normalise_out_dim
 from .entry import Entered, enter, first_example
 from .execute import ExampleSeeds, Share, check_rows, per_example_seeds, rng_scope, run_share, with_remedy
@@ -57,12 +58,14 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         if faults.ACTIVE:
             faults.check("func", group)
         intercept = _interceptor(site, tag, start, link)
-        modes = _thread_modes(opts, tag, intercept)
+        coupled = whole_batch(opts, link, empty)
+        modes = _thread_modes(opts, tag, intercept, coupled)
+        run = dict(thread_modes=modes, seeds=seeds, coupled=coupled)
         if entered.aliases or intercept is not None:
             with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
+                out = _call_func(site, share, entered.kwargs, frame, seed, link, **run)
         else:
-            out = _call_func(site, share, entered.kwargs, frame, seed, link, thread_modes=modes, seeds=seeds)
+            out = _call_func(site, share, entered.kwargs, frame, seed, link, **run)
         tag.running = False
         if faults.ACTIVE:
             faults.check("layout", group)
@@ -78,7 +81,7 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
             ]
         graph_sig = _record(opts, flat, layout, tag, start, link)
         if wired and not graph_sig:  # this rank's backward through func, guarded
-            flat = guard(flat, tag, link, _replay(entered, intercept))
+            flat = guard(flat, tag, link, _replay(entered, intercept, coupled))
         captures = None  # what this call found decides whether the next one intercepts
         if intercept is not None or graph_sig:
             captures = bool(graph_sig or (intercept is not None and intercept.met()))
@@ -94,27 +97,32 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         return Failed(group.failure(exc), exc)
 
 
-def _replay(entered: Entered, intercept: Optional[closures.Interceptor]) -> Callable[[], ContextManager[Any]]:
+def _replay(
+    entered: Entered, intercept: Optional[closures.Interceptor], coupled: Optional[WholeBatch]
+) -> Callable[[], ContextManager[Any]]:
     """The context func ran in, for a recomputation of part of it in its backward (reentrant checkpointing): its
     modules' parameters replaced by their aliases again, and the tensors it read made before the call routed
     through theirs, so that their gradients reach the call's entry, as the first run's do, instead of accumulating
-    this rank's share alone into ``.grad``."""
+    this rank's share alone into ``.grad``; and a BatchNorm recomputed over the whole batch again."""
 
     @contextlib.contextmanager
     def replay() -> Iterator[None]:
-        with module_params.substituted(entered.modules, entered.aliases):
+        with module_params.substituted(entered.modules, entered.aliases), coupled or contextlib.nullcontext():
             with intercept.replaying() if intercept is not None else contextlib.nullcontext():
                 yield
 
     return replay
 
 
-def _thread_modes(opts: Options, tag: CallTag, intercept: Optional[closures.Interceptor]) -> Tuple[Any, ...]:
+def _thread_modes(
+    opts: Options, tag: CallTag, intercept: Optional[closures.Interceptor], coupled: Optional[WholeBatch]
+) -> Tuple[Any, ...]:
     """What loop mode's example threads (a loop with collectives) run under, since modes are per thread: the
-    interceptor, and the marker of the autograd nodes they make."""
-    if opts.mode != "loop" or opts.axis_name is None or not tracking():
+    interceptor, the marker of the autograd nodes they make, and the BatchNorm mode (its refusal)."""
+    if opts.mode != "loop" or opts.axis_name is None:
         return ()
-    return (closures.MadeHere(tag),) + ((intercept,) if intercept is not None else ())
+    found = (closures.MadeHere(tag),) + ((intercept,) if intercept is not None else ()) if tracking() else ()
+    return found + ((coupled,) if coupled is not None else ())
 
 
 def _interceptor(site: CallSite, tag: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
@@ -137,9 +145,11 @@ def _call_func(
     *,
     thread_modes: Tuple[Any, ...],
     seeds: Optional[ExampleSeeds] = None,
+    coupled: Optional[WholeBatch] = None,
 ) -> Any:
     opts = site.options
-    with splitting(link.group.ranks):  # a cmap nested in func on these ranks runs locally
+    # a cmap nested in func on these ranks runs locally; BatchNorm sees the whole batch (batchnorm.py)
+    with splitting(link.group.ranks), batch_scope(opts, coupled):
         if frame is None and seed is None:
             return run_share(opts, site.body, share, kwargs, None, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):

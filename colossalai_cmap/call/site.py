@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch.utils._pytree import TreeSpec
 
-from .module_params import References, reaches_trainable
+from .module_params import References, reaches_trainable, reaches_training_batchnorm
 from .options import Options
 from .records import FastPath, LastCall
 
@@ -51,6 +51,8 @@ class CallSite:
         refs: where func's closures, globals and partial arguments live (modules found there enter with the args).
         captures_trainable: whether func may read a tensor that requires grad without being given it
             (:func:`~.module_params.reaches_trainable`), read once per compiled graph.
+        runs_training_batchnorm: whether func may run a BatchNorm in training mode
+            (:func:`~.module_params.reaches_training_batchnorm`), read once per compiled graph.
         captures: whether the last call that tracked gradients met closure-captured tensors (None: no such call).
         last: what the last call did.
     """
@@ -63,6 +65,7 @@ class CallSite:
     captures: Optional[bool] = None
     last: Optional[LastCall] = None
     captures_trainable: Callable[[], bool] = None  # type: ignore[assignment]
+    runs_training_batchnorm: Callable[[], bool] = None  # type: ignore[assignment]
     _vmapped: Optional[Callable] = None
 
     def __post_init__(self) -> None:
@@ -76,6 +79,11 @@ class CallSite:
 
         # Read when dynamo traces a call (it cannot read closure cells itself), as a constant of that graph.
         self.captures_trainable = torch.compiler.assume_constant_result(captures_trainable)
+
+        def runs_training_batchnorm() -> bool:
+            return reaches_training_batchnorm(original)
+
+        self.runs_training_batchnorm = torch.compiler.assume_constant_result(runs_training_batchnorm)
 
     def vmapped(self) -> Callable:
         """``torch.vmap(func, ...)`` with this cmap's options, built once (it costs a few microseconds)."""

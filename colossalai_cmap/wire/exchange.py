@@ -80,8 +80,10 @@ class JoinSpec(NamedTuple):
     dst: int = -1  # -1: every rank gets the result; r: only group rank r (the others get None)
     exit: Optional[Exit] = None
     sync: bool = False  # a round even when nothing travels on this rank (its peers may have something)
-    learned: Optional[Learned] = None  # with an exit: filled in by its round
+    learned: Optional[Learned] = None  # filled in by its round (with an exit, or to read ``count``)
     host: bool = False  # the tensors are host-side metadata (on the CPU): they may ride in a host group's round
+    count: int = 0  # a host-side number this rank reports in its header's rows (a Join with no Rows role): every
+    # rank's comes back in ``learned``, with no read of the tensors (the count of values a sum is over)
 
     def sized_roles(self) -> Tuple[Role, ...]:
         """The roles with the row counts an exit learned from its round (``src="local"``) filled in."""
@@ -223,9 +225,9 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.meet_early(rnd, ch, link)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
+    if spec.learned is not None:
+        spec.learned.table = rnd.table
     if spec.exit is not None:
-        if spec.learned is not None:
-            spec.learned.table = rnd.table
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results = _deliver(spec, rt, rnd, tensors, prep)
@@ -289,7 +291,8 @@ def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Heade
     status = Status.FAILED if failure is not None else Status.OK
     ex = spec.exit
     if ex is None:
-        return Header(spec.kind, status, rt.rows, digest=rt.digest, block=rt.block, inline=int(rt.fits))
+        rows = rt.rows or spec.count
+        return Header(spec.kind, status, rows, digest=rt.digest, block=rt.block, inline=int(rt.fits))
     status = status if status == Status.FAILED else ex.status
     return Header(
         Kind.STATUS,

@@ -1,0 +1,188 @@
+"""BatchNorm in training mode sees the whole batch: in ``mode="batched"`` its statistics are taken over every
+rank's rows, as ``model(x)`` takes them over the whole batch in one process.
+
+func runs under :class:`WholeBatch`, a ``TorchFunctionMode`` that catches ``torch.nn.functional.batch_norm`` with
+``training=True`` (``nn.BatchNorm1d/2d/3d`` call it, and so does any func that calls it itself). Each rank sums its
+values and their squares per channel; one ``Join(COPY)`` sums them over the group, its round carrying each rank's
+count of values on the host (no read of device data); a ``Split(COPY)`` makes the sums this rank's own, so backward
+sums their cotangents over the group (one collective), as ``SyncBatchNorm``'s backward does. Every rank then
+normalises its rows and updates the running statistics alike, with the unbiased variance over the global count, so
+they equal the single-process model's. An empty share's stand-in contributes nothing. The variance is the mean of
+squares less the squared mean (flax's ``use_fast_variance``): one collective, at the cost of cancellation where a
+channel's mean is large against its spread.
+
+Where a function's rows cannot be one batch, training BatchNorm is refused alike at every P: in ``mode="loop"``
+(func is called per example, and the running statistics would be updated per example, by each rank with its own:
+vmap refuses it too) and when func may run on part of the rows (``chunk_size``, or ``randomness="per_example"``).
+A world of one with neither needs no mode: func sees the whole batch. A ``torch.nn.SyncBatchNorm`` in training mode
+is refused at every P (:func:`batch_scope`).
+"""
+
+import contextlib
+import functools
+import inspect
+import math
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
+
+from ..wire.exchange import JoinSpec, Learned, SplitSpec, join, split
+from ..wire.link import Link
+from ..wire.roles import COPY
+from ..wire.rounds import Kind
+from .options import Options
+
+WHAT = "BatchNorm's statistics over the whole batch"
+_SIGNATURE = inspect.signature(F.batch_norm)
+
+# torch.vmap's refusal of a BatchNorm that updates its running statistics (functorch's batch rule)
+VMAP_REFUSAL = "Batch norm got a batched tensor as input while the running_mean or running_var"
+
+
+def vmap_remedy(call: str) -> str:
+    """What to do where torch.vmap refuses a training BatchNorm (the sentence after vmap's own)."""
+    return (
+        f"{call}: func runs a BatchNorm in training mode, which torch.vmap cannot map per example. Use "
+        f"mode='batched' to call func on the batch as it is written (cmap then takes the statistics over the whole "
+        f"batch across the group, as the model in one process), or torch.func.replace_all_batch_norm_modules_(model) "
+        f"to stop tracking running statistics (each example is then normalised alone, as vmap does)."
+    )
+
+
+def whole_batch(opts: Options, link: Optional[Link], empty: bool) -> Optional["WholeBatch"]:
+    """The mode func runs under, where it changes anything: ``mode="batched"`` across ranks, and the refusals of
+    ``mode="loop"`` and of a batch split into parts, at every P (``link``: None in a world of one)."""
+    if opts.mode == "vmap":
+        return None
+    across = link if link is not None and link.group.size > 1 else None
+    parted = opts.randomness == "per_example" or opts.chunk_size is not None
+    if opts.mode == "batched" and across is None and not parted:
+        return None
+    return WholeBatch(opts, across, empty, parted)
+
+
+@contextlib.contextmanager
+def batch_scope(opts: Options, coupled: Optional["WholeBatch"]) -> Iterator[None]:
+    """Where func runs in ``mode="batched"`` or ``"loop"``, at every P: under ``coupled`` (:func:`whole_batch`), and
+    refusing ``torch.nn.SyncBatchNorm`` in training mode, which would synchronise over its own process group,
+    outside cmap (a global forward pre-hook, while func runs: the module may be anywhere func reaches)."""
+    if opts.mode == "vmap":
+        yield
+        return
+    hook = register_module_forward_pre_hook(functools.partial(_refuse_sync, opts.call))
+    try:
+        with coupled or contextlib.nullcontext():
+            yield
+    finally:
+        hook.remove()
+
+
+def _refuse_sync(call: str, module: nn.Module, args: Any) -> None:
+    if isinstance(module, nn.SyncBatchNorm) and module.training:
+        raise ValueError(
+            f"{call}: func runs torch.nn.SyncBatchNorm in training mode, which synchronises over its own process "
+            f"group, outside cmap (an empty share's stand-in example would count, and its collectives would pair "
+            f"with nothing on the other ranks). Use torch.nn.BatchNorm1d/2d/3d: with mode='batched', cmap takes "
+            f"their statistics over the whole batch across its group."
+        )
+
+
+class WholeBatch(TorchFunctionMode):
+    """While func runs: ``F.batch_norm(training=True)`` over the whole batch across the group (see the module).
+
+    Attributes:
+        opts: the call's options (its name and mode, for the refusals).
+        link: where the statistics are summed; None in a world of one.
+        empty: this rank's share is empty: its stand-in example contributes nothing.
+        parted: func runs on part of the rows at a time (``chunk_size``, ``randomness="per_example"``).
+    """
+
+    def __init__(self, opts: Options, link: Optional[Link], empty: bool, parted: bool) -> None:
+        super().__init__()
+        self.opts, self.link, self.empty, self.parted = opts, link, empty, parted
+        self.level = torch._C._functorch.maybe_current_level()  # a transform func opens itself keeps torch's rules
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.batch_norm:
+            return func(*args, **kwargs)
+        bound = _SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        x = a["input"]
+        if not a["training"] or torch._C._functorch.maybe_current_level() != self.level:
+            return func(*args, **kwargs)
+        tracked = a["running_mean"] is not None or a["running_var"] is not None
+        if self.opts.mode == "loop":
+            if tracked:
+                raise RuntimeError(_loop_refusal(self.opts.call))
+            return func(*args, **kwargs)  # a per-example call's own statistics, as in one process
+        if self.parted:
+            raise ValueError(_parted_refusal(self.opts))
+        if self.link is None or x.dim() < 2 or not x.is_floating_point():
+            return func(*args, **kwargs)
+        return self._normalise(func, args, kwargs, a)
+
+    def _normalise(self, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any], a: Dict[str, Any]) -> Any:
+        x, eps, momentum = a["input"], a["eps"], a["momentum"]
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        shape = (1, channels) + (1,) * (x.dim() - 2)
+        acc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        mine = acc.narrow(0, 0, 0) if self.empty else acc  # a stand-in's rows: through the graph, no values
+        count = mine.numel() // channels if channels else 0
+        local = torch.cat([mine.sum(dims), mine.square().sum(dims)])
+        learned = Learned()
+        spec = JoinSpec(self.link, (COPY,), WHAT, Kind.OP, count=count, learned=learned)
+        (total,) = join(spec, [local])
+        (total,) = split(SplitSpec(self.link, (COPY,)), [total])  # backward: the cotangents summed over the group
+        n = sum(h.rows for h in learned.table)
+        if n == 0:  # every rank's input is empty: what one process does with it
+            return func(*args, **kwargs)
+        if n == 1:
+            size = torch.Size([n // (math.prod(x.shape[2:]) or 1), channels, *x.shape[2:]])  # the whole input's
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+        mean = total[:channels] / n
+        var = (total[channels:] / n - mean.square()).clamp_min(0)
+        out = (acc - mean.view(shape)) * torch.rsqrt(var + eps).view(shape)
+        if a["weight"] is not None:
+            out = out * a["weight"].view(shape)
+        if a["bias"] is not None:
+            out = out + a["bias"].view(shape)
+        _update(a["running_mean"], mean, momentum)
+        _update(a["running_var"], var * (n / (n - 1)), momentum)  # unbiased over the global count, as torch's
+        return out.to(x.dtype)
+
+
+def _update(running: Optional[torch.Tensor], value: torch.Tensor, momentum: float) -> None:
+    """The running statistic moved towards ``value`` by ``momentum`` (the module gives 1/n for a cumulative one)."""
+    if running is None:
+        return
+    with torch.no_grad():
+        running.mul_(1 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+
+
+def _loop_refusal(call: str) -> str:
+    return (
+        f"{call}: mode='loop' calls func once per example, and a BatchNorm in training mode there would update its "
+        f"running statistics once per example, each rank with its own examples (torch.vmap refuses it too). Use "
+        f"mode='batched' to call func on the batch (cmap takes the statistics over the whole batch across the "
+        f"group), or stop tracking running statistics (track_running_stats=False, or "
+        f"torch.func.replace_all_batch_norm_modules_(model)) to normalise each call alone."
+    )
+
+
+def _parted_refusal(opts: Options) -> str:
+    if opts.randomness == "per_example":
+        part, fix = "randomness='per_example' calls func on each example alone", "another randomness"
+    else:
+        part, fix = f"chunk_size={opts.chunk_size} calls func on chunks of the batch", "chunk_size=None"
+    return (
+        f"{opts.call}: mode='batched' with a BatchNorm in training mode: {part}, but BatchNorm's statistics are "
+        f"over the whole batch. Use {fix} (the rows are then one call of func, as at any group size), or put the "
+        f"BatchNorm in eval mode."
+    )
