@@ -18,7 +18,8 @@ from ..wire import comm
 from ..wire.link import Link
 from ..wire.roles import first_row
 from ..wire.rounds import scatter_rows
-from .dims import describe_arg, flatten_args, leaf_paths
+from .dims import describe_arg, leaf_paths
+from .keywords import flatten_call
 from .options import Options
 from .records import Failed, Inputs, Shares
 from .shares import share_sizes
@@ -48,7 +49,7 @@ def shares_from_src(
     if is_src:
         try:
             faults.check("args", group)
-            local = flatten_args(func, args, opts.in_dims, opts.call)
+            local = flatten_call(opts, func, args, kwargs)
             meta = _meta_of(local)
         except Exception as exc:  # sent to every rank in the broadcast; each one's exit reports it
             meta, failure = SourceMeta(failure=group.failure(exc)), Failed(group.failure(exc), exc)
