@@ -286,6 +286,12 @@ def check_transforms_and_compile():
     torch.testing.assert_close(got, want, **CLOSE)
     jac = torch.func.jacrev(lambda w_: cm.cmap(f, kwarg_dims={"w": 0})(x, w=w_))(w)
     torch.testing.assert_close(jac, torch.func.jacrev(lambda w_: torch.vmap(g)(x, w_))(w), **CLOSE)
+    # src=r in vmap mode: the other ranks pass None for the mapped positional and keyword tensors
+    rank, size = _rank_size()
+    src = size - 1
+    for kwarg_dims in (0, {"w": 0}):
+        got = cm.cmap(f, kwarg_dims=kwarg_dims, src=src)(x if rank == src else None, w=w if rank == src else None)
+        assert_same(got, torch.vmap(g)(x, w), CLOSE, f"src={src} kwarg_dims={kwarg_dims}")
     mapped = cm.cmap(f, kwarg_dims=0)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(mapped, backend="aot_eager")(x, w=w), torch.vmap(g)(x, w), **CLOSE)

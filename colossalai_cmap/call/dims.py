@@ -118,7 +118,7 @@ class KeywordCall:
         self.func = func
         self.__name__ = getattr(func, "__name__", type(func).__name__)
 
-    def __call__(self, args: Tuple[Any, ...], mapped: Optional[Dict[str, Any]], **whole: Any) -> Any:
+    def __call__(self, args: Tuple[Any, ...], mapped: Dict[str, Any], **whole: Any) -> Any:
         args = restore_mappings(args)
         if mapped:
             whole.update(restore_mappings(mapped))
@@ -223,7 +223,7 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
             f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has length "
             f"{len(positional_dims)} but the function was called with {len(positional)} positional argument(s)."
         )
-    if not positional and not (keywords and args[1]):
+    if not positional and not (keywords and any(v is not None for v in args[1].values())):
         raise ValueError(
             f"{call}: got no inputs. Maybe you forgot to add inputs, or you are trying to vmap over a function with "
             f"no inputs. The latter is unsupported. (cmap, like vmap, maps over at least one positional Tensor; "
@@ -232,7 +232,9 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
     leaves, spec = flatten(args)
     if keywords:
         dims = _leaf_dims(call, in_dims[0], spec.children_specs[0].num_leaves, spec.children_specs[0])
-        dims += _keyword_dims(call, in_dims[1], spec.children_specs[1])
+        kw_dims = _keyword_dims(call, in_dims[1], spec.children_specs[1])
+        # a None keyword (with src=r, a rank's placeholder for the source's tensor) is not mapped
+        dims += [None if v is None else d for v, d in zip(leaves[len(dims) :], kw_dims)]
     else:
         dims = _leaf_dims(call, in_dims, len(leaves), spec)
     normalised: List[Dim] = []

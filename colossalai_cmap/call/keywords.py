@@ -15,7 +15,7 @@ certainly a batch the caller meant to split: :func:`check_whole_keywords` refuse
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from .dims import FlatArgs, flatten_args, wrap_mappings
 from .options import Options
@@ -40,18 +40,20 @@ def as_positional(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     maps = opts.kwarg_dims is not None and (kwargs or isinstance(opts.src, int))
     if not maps and wrapped is args:
         return None
+    # with src=r a None stands for the source's tensor (other ranks pass None for mapped inputs): kept in place
+    placeholders = isinstance(opts.src, int)
     mapped: Dict[str, Any] = {}
     whole: Dict[str, Any] = {}
     dims: Dict[str, Any] = {}
     for name, value in kwargs.items():
-        dim = _kwarg_dim(opts.kwarg_dims, name, value)
+        dim = _kwarg_dim(opts.kwarg_dims, name, value, placeholders)
         if dim is None:
             whole[name] = value
         else:
             mapped[name], dims[name] = wrap_mappings(value), dim
-    given = set(dims.values()) if all(isinstance(d, int) for d in dims.values()) else ()
-    prefix = next(iter(given)) if len(given) == 1 else (dims or None)  # one int: the site every such call shares
-    return KeywordBatch(site.with_keywords(prefix), (wrapped, mapped or None), whole)
+    # an int: one site for every such call, whichever keywords it maps
+    prefix = opts.kwarg_dims if isinstance(opts.kwarg_dims, int) else dims
+    return KeywordBatch(site.with_keywords(prefix), (wrapped, mapped), whole)
 
 
 def keyword_batch(opts: Options, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
@@ -62,21 +64,16 @@ def keyword_batch(opts: Options, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
     return any(type(a) is not torch.Tensor and wrap_mappings(a) is not a for a in args)
 
 
-def _kwarg_dim(kwarg_dims: Any, name: str, value: Any) -> Any:
-    """The dims prefix of one keyword's value, or None to pass it whole: with an int, its tensors at that dim (its
-    other leaves whole; a value that holds no tensor, a flag or None, whole); with a dict, the entry for its name."""
-    if value is None or kwarg_dims is None:
+def _kwarg_dim(kwarg_dims: Any, name: str, value: Any, placeholders: bool) -> Any:
+    """The dims prefix of one keyword's value, or None to pass it whole: with an int, that dim if it holds a tensor
+    (a flag, or None, is passed whole); with a dict, the entry for its name."""
+    if kwarg_dims is None or (value is None and not placeholders):
         return None
     if isinstance(kwarg_dims, dict):
         return kwarg_dims.get(name)
-    if type(value) is torch.Tensor:
+    if value is None or type(value) is torch.Tensor:
         return kwarg_dims
-    leaves, spec = tree_flatten(wrap_mappings(value))
-    if not any(isinstance(v, torch.Tensor) for v in leaves):
-        return None
-    if all(isinstance(v, torch.Tensor) for v in leaves):
-        return kwarg_dims
-    return tree_unflatten([kwarg_dims if isinstance(v, torch.Tensor) else None for v in leaves], spec)
+    return kwarg_dims if any(isinstance(v, torch.Tensor) for v in tree_flatten(wrap_mappings(value))[0]) else None
 
 
 def flatten_call(opts: Options, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> FlatArgs:
