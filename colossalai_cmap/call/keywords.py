@@ -36,9 +36,7 @@ def as_positional(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     there are none: a plain call costs a type check per argument."""
     opts = site.options
     wrapped = args if all(type(a) is torch.Tensor for a in args) else wrap_mappings(args)
-    # with src=r every rank takes the keyword form, also one that passes no keywords (the source's come to it)
-    maps = opts.kwarg_dims is not None and (kwargs or isinstance(opts.src, int))
-    if not maps and wrapped is args:
+    if not _maps_keywords(opts, kwargs) and wrapped is args:
         return None
     # with src=r a None stands for the source's tensor (other ranks pass None for mapped inputs): kept in place
     placeholders = isinstance(opts.src, int)
@@ -59,9 +57,14 @@ def as_positional(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any])
 def keyword_batch(opts: Options, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
     """Whether the call maps keywords or splits a mapping torch's pytree does not know (then it runs eagerly under
     ``torch.compile``: a graph break)."""
-    if opts.kwarg_dims is not None and (kwargs or isinstance(opts.src, int)):
+    if _maps_keywords(opts, kwargs):
         return True
     return any(type(a) is not torch.Tensor and wrap_mappings(a) is not a for a in args)
+
+
+def _maps_keywords(opts: Options, kwargs: Dict[str, Any]) -> bool:
+    # with src=r every rank takes the keyword form, also one that passes no keywords (the source's come to it)
+    return opts.kwarg_dims is not None and bool(kwargs or isinstance(opts.src, int))
 
 
 def _kwarg_dim(kwarg_dims: Any, name: str, value: Any, placeholders: bool) -> Any:
