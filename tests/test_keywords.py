@@ -10,12 +10,13 @@ import torch.distributed as dist
 from cases import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_real_models import VOCAB, tiny  # BERT, GPT-2, Llama, Qwen2 from configs: float64, eager attention
 from torch.utils._pytree import tree_map
 
 import colossalai_cmap as cm
 
 CLOSE = {"rtol": 1e-10, "atol": 1e-10}  # float64: rows computed in another blocking, a few roundings apart
-B, T, VOCAB = 5, 7, 100
+B, T = 5, 7
 
 
 def _rank_size():
@@ -23,48 +24,8 @@ def _rank_size():
 
 
 def bert():
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertModel(config).double().eval()
-
-
-def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(1)
-    # eager attention: sdpa's mask in transformers 4.51 overflows in float64
-    config = GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0, attn_implementation="eager"
-    )
-    config.embd_pdrop = config.attn_pdrop = 0.0
-    return GPT2LMHeadModel(config).double().eval()
-
-
-def decoder(kind):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(2)
-    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    config = config_class(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-    )
-    return model_class(config).double().eval()
+    """A tiny ``BertModel`` (BertForMaskedLM's encoder, no pooler): float64, eager attention, dropout off."""
+    return tiny("bert").bert
 
 
 def padded_batch(rows=B, seed=3):
@@ -137,9 +98,9 @@ def check_models_every_placement():
     ids, mask = padded_batch()
     cases = [
         ("bert", bert(), dict(input_ids=ids, attention_mask=mask)),
-        ("gpt2", gpt2(), dict(input_ids=ids, attention_mask=mask, use_cache=False)),
-        ("llama", decoder("llama"), dict(input_ids=ids, attention_mask=mask, use_cache=False)),
-        ("qwen2", decoder("qwen2"), dict(input_ids=ids, attention_mask=mask, use_cache=False)),
+        ("gpt2", tiny("gpt2"), dict(input_ids=ids, attention_mask=mask, use_cache=False)),
+        ("llama", tiny("llama"), dict(input_ids=ids, attention_mask=mask, use_cache=False)),
+        ("qwen2", tiny("qwen2"), dict(input_ids=ids, attention_mask=mask, use_cache=False)),
     ]
     done = 0
     for name, model, kwargs in cases:
@@ -167,15 +128,13 @@ def check_gradients():
     embeds = want_model.embeddings.word_embeddings(ids).detach()
     e_got, e_want = embeds.clone().requires_grad_(), embeds.clone().requires_grad_()
     out = cm.cmap(got_model, mode="batched", kwarg_dims=0)(inputs_embeds=e_got, attention_mask=mask)
-    loss = (out.last_hidden_state * weights).sum() + out.pooler_output.sum()  # every parameter used
-    loss.backward()
-    want = want_model(inputs_embeds=e_want, attention_mask=mask)
-    ((want.last_hidden_state * weights).sum() + want.pooler_output.sum()).backward()
+    (out.last_hidden_state * weights).sum().backward()
+    (want_model(inputs_embeds=e_want, attention_mask=mask).last_hidden_state * weights).sum().backward()
     torch.testing.assert_close(e_got.grad, e_want.grad, **CLOSE)
     for (n, p), q in zip(got_model.named_parameters(), want_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **CLOSE, msg=lambda m: f"bert {n}: {m}")
     # GPT-2: the logits through cmap, the loss after the call (a scalar loss is not per example)
-    got_model, want_model = gpt2(), gpt2()
+    got_model, want_model = tiny("gpt2"), tiny("gpt2")
     labels = ids.masked_fill(mask == 0, -100)
     logits = cm.cmap(got_model, mode="batched", kwarg_dims=0)(input_ids=ids, attention_mask=mask, use_cache=False)
     loss = got_model.loss_function(logits.logits, labels, vocab_size=got_model.config.vocab_size)
@@ -192,7 +151,7 @@ def check_labels_loss_refused():
     """``labels=`` makes the model return its loss averaged over the rows it was given: not per example, and not
     the whole batch's; refused alike at every P, saying what to do. The message, for comparing across P."""
     ids, mask = padded_batch()
-    model = gpt2()
+    model = tiny("gpt2")
     with pytest.raises(cm.CmapError, match=r"output 0 is a scalar") as info:
         cm.cmap(model, mode="batched", kwarg_dims=0)(input_ids=ids, attention_mask=mask, labels=ids)
     assert "model.loss_function(logits, labels" in str(info.value)

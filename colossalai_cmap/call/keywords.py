@@ -64,7 +64,7 @@ def keyword_batch(opts: Options, args: Tuple[Any, ...], kwargs: Dict[str, Any]) 
 
 def _maps_keywords(opts: Options, kwargs: Dict[str, Any]) -> bool:
     # with src=r every rank takes the keyword form, also one that passes no keywords (the source's come to it)
-    return opts.kwarg_dims is not None and bool(kwargs or isinstance(opts.src, int))
+    return opts.kwarg_dims is not None and (len(kwargs) > 0 or isinstance(opts.src, int))  # dynamo: no bool(dict)
 
 
 def _kwarg_dim(kwarg_dims: Any, name: str, value: Any, placeholders: bool) -> Any:
