@@ -251,6 +251,9 @@ def check_transforms_and_compile():
     for kwarg_dims in (0, {"w": 0}):
         got = cm.cmap(f, kwarg_dims=kwarg_dims, src=src)(x if rank == src else None, w=w if rank == src else None)
         assert_same(got, torch.vmap(g)(x, w), CLOSE, f"src={src} kwarg_dims={kwarg_dims}")
+    # with an int, the other ranks may leave the mapped keywords out
+    got = cm.cmap(f, kwarg_dims=0, src=src)(x if rank == src else None, **({"w": w} if rank == src else {}))
+    assert_same(got, torch.vmap(g)(x, w), CLOSE, f"src={src}, w left out on the other ranks")
     mapped = cm.cmap(f, kwarg_dims=0)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(mapped, backend="aot_eager")(x, w=w), torch.vmap(g)(x, w), **CLOSE)
