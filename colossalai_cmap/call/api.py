@@ -2,7 +2,7 @@
 ``dispatch``, or ``compiled`` inside ``torch.compile``."""
 
 import functools
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -12,13 +12,26 @@ from ..stats import CallStats, describe
 from ..wire.comm import default_timeout
 from .compiled import eager_fallbacks, run_compiled
 from .dispatch import dispatch
+from .keywords import as_positional, keyword_batch
 from .options import Options, make_options
 from .site import CallSite
 
 __all__ = ["cmap", "Cmapped"]
 
+
+def _eager(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The eager call: mapped keywords made positional (:mod:`.keywords`), then the eager driver."""
+    batch = as_positional(site, args, kwargs)
+    if batch is None:
+        return dispatch(site, args, kwargs)
+    try:
+        return dispatch(*batch)
+    finally:
+        site.last = batch.site.last
+
+
 # The eager driver, out of the graph, for what only it does (made once, outside any graph: dynamo only calls it).
-_EAGER = eager_fallbacks(dispatch)
+_EAGER = eager_fallbacks(_eager)
 
 
 def cmap(
@@ -35,6 +48,7 @@ def cmap(
     axis_name: Optional[str] = None,
     timeout: Optional[float] = None,
     check_inputs: bool = False,
+    kwarg_dims: Any = None,
 ) -> Any:
     """``torch.vmap`` across the processes of a ``torch.distributed`` group, like ``jax.pmap``.
 
@@ -75,6 +89,12 @@ def cmap(
             ``COLOSSALAI_CMAP_TIMEOUT`` environment variable, else the process group's own timeout.
         check_inputs: with ``src=None``, also check that every rank passed the same input *values* (a checksum in
             the status exchange). Shapes, dtypes and batch sizes are always checked.
+        kwarg_dims: how keyword arguments are mapped. None (default): passed whole, as in ``torch.vmap``. An int:
+            every keyword's tensors mapped at that dim, as ``jax.vmap`` maps keyword arguments at 0 (keywords that
+            hold no tensor, such as flags or None, are passed whole). A dict from keyword names to an
+            ``in_dims``-like prefix of that keyword's value, or None to pass it whole; keywords it does not name are
+            passed whole. So ``cmap(model, mode="batched", kwarg_dims=0)(**tokenizer(texts, return_tensors="pt"))``
+            splits the batch. Without it, ``mode="batched"`` refuses a keyword tensor as long as the batch.
 
     Returns:
         A function with the same call signature as ``func`` that runs the batch across the group.
@@ -108,6 +128,7 @@ def cmap(
         axis_name=axis_name,
         timeout=timeout,
         check_inputs=check_inputs,
+        kwarg_dims=kwarg_dims,
     )
     if torch.compiler.is_compiling():  # dynamo cannot see func's closures (nor make a cmap): made out of the graph
         return MADE_INSIDE_COMPILE(func, **options)
@@ -158,8 +179,10 @@ class Cmapped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
+            if keyword_batch(self.options, args, kwargs):
+                return _EAGER["keywords"](self._site, args, kwargs)
             return run_compiled(self._site, args, kwargs, _EAGER)
-        return dispatch(self._site, args, kwargs)
+        return _eager(self._site, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<{self.options.call}, dst={self.options.dst!r}, src={self.options.src!r}, mode={self.options.mode!r}>"

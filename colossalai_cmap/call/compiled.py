@@ -33,9 +33,9 @@ from ..wire.group import Group
 from ..wire.link import Link
 from ..wire.roles import first_row
 from .conclude import conclude_traced
-from .dims import flatten_args
 from .entry import enter_kwargs_traced, enter_traced, first_example
 from .execute import Share, run_share_traced
+from .keywords import flatten_call
 from .options import Options
 from .shares import share_sizes
 from .site import CallSite
@@ -52,7 +52,7 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
         return eager[reason](site, args, kwargs)
     pg = process_group(opts)
     rank, size = (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))
-    flat = flatten_args(site.func, args, opts.in_dims, opts.call)
+    flat = flatten_call(opts, site.func, args, kwargs)
     sizes = share_sizes(flat.batch_size, size, opts.gathers)
     offset, rows = first_row(sizes, rank), sizes[rank]
     grads = size > 1 and torch.is_grad_enabled()
@@ -115,6 +115,7 @@ _REASONS = {
     "loop": "mode='loop' runs its examples in threads",
     "randomness": "randomness other than 'error' sets up the generators per rank or per example",
     "check_inputs": "check_inputs=True compares checksums in the status round",
+    "keywords": "kwarg_dims maps keyword arguments, and a Mapping argument is split, in the eager call only",
     "nested": "a cmap inside the func of another cmap or shard_map maps over that call's examples",
     "captured": (
         "a closure-captured tensor or module parameter requires grad and its gradient is summed over the ranks; "

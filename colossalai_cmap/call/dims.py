@@ -4,14 +4,18 @@ Every check here is local and deterministic, so every rank raises the same error
 """
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    MappingKey,
     TreeSpec,
     _broadcast_to_and_flatten,
     keystr,
+    register_pytree_node,
     tree_flatten,
     tree_flatten_with_path,
     tree_unflatten,
@@ -45,6 +49,82 @@ def unflatten(leaves: Sequence[Any], spec: TreeSpec) -> Any:
     return tree_unflatten(list(leaves), spec)
 
 
+class MappingArg:
+    """A mapping that is no pytree node of torch's (a ``UserDict`` such as transformers' ``BatchEncoding``, any other
+    ``collections.abc.Mapping``), seen by cmap as a dict of its values, so that its tensors can be split; func gets
+    it back as its own type (:func:`restore_mappings`). Registering the caller's types with torch's pytree would
+    change them for every other library; this one type is cmap's own."""
+
+    __slots__ = ("kind", "data")
+
+    def __init__(self, kind: type, data: Dict[Any, Any]) -> None:
+        self.kind, self.data = kind, data
+
+    def rebuilt(self) -> Any:
+        """The caller's type holding this (restored) data: ``kind(dict)`` where the type takes one, else a dict."""
+        data = {k: restore_mappings(v) for k, v in self.data.items()}
+        try:
+            return self.kind(data)
+        except Exception:  # a Mapping whose constructor takes no dict: func reads it as a dict
+            return data
+
+
+register_pytree_node(
+    MappingArg,
+    lambda m: (list(m.data.values()), (m.kind, tuple(m.data))),
+    lambda values, context: MappingArg(context[0], dict(zip(context[1], values))),
+    flatten_with_keys_fn=lambda m: ([(MappingKey(k), v) for k, v in m.data.items()], (m.kind, tuple(m.data))),
+)
+
+
+def wrap_mappings(value: Any) -> Any:
+    """``value`` with every mapping torch's pytree would take as a leaf turned into a :class:`MappingArg`, through
+    tuples, lists and dicts; ``value`` itself when there is none (a tensor costs one type check)."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        return value
+    if kind in (tuple, list):
+        items = [wrap_mappings(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else kind(items)
+    if isinstance(value, Mapping):
+        items = {k: wrap_mappings(v) for k, v in value.items()}
+        if kind in SUPPORTED_NODES:
+            return value if all(items[k] is v for k, v in value.items()) else kind(items)
+        return MappingArg(kind, items)
+    return value
+
+
+def restore_mappings(value: Any) -> Any:
+    """:func:`wrap_mappings` undone: each :class:`MappingArg` rebuilt as the caller's type, with the values func is
+    given (this rank's rows, or vmap's per-example tensors)."""
+    kind = type(value)
+    if kind is MappingArg:
+        return value.rebuilt()
+    if kind in (tuple, list):
+        return kind(restore_mappings(v) for v in value)
+    if kind is dict:
+        return {k: restore_mappings(v) for k, v in value.items()}
+    return value
+
+
+class KeywordCall:
+    """func called with its mapped keyword arguments as one more positional argument, as jax flattens
+    ``(args, kwargs)`` together: ``KeywordCall(func)(args, mapped, **whole)`` is ``func(*args, **mapped, **whole)``.
+    So mapped keywords take the one path of the positional arguments (shares, entry, vmap, gather), with the in-dims
+    ``(in_dims, kwarg dims)``. A mapped value wins over a whole one of the same name (with ``src=r``, other ranks
+    may pass None for it)."""
+
+    def __init__(self, func: Callable) -> None:
+        self.func = func
+        self.__name__ = getattr(func, "__name__", type(func).__name__)
+
+    def __call__(self, args: Tuple[Any, ...], mapped: Dict[str, Any], **whole: Any) -> Any:
+        args = restore_mappings(args)
+        if mapped:
+            whole.update(restore_mappings(mapped))
+        return self.func(*args, **whole)
+
+
 def _param_names(func: Callable) -> List[str]:
     try:
         target = func.forward if isinstance(func, torch.nn.Module) else func
@@ -55,9 +135,15 @@ def _param_names(func: Callable) -> List[str]:
 
 
 def describe_arg(func: Callable, path: str) -> str:
-    """``argument 1 ('y')`` or ``argument 0 ('x')['a'][2]`` for a leaf path under the args tuple."""
+    """``argument 1 ('y')`` or ``argument 0 ('x')['a'][2]`` for a leaf path under the args tuple; ``keyword
+    argument 'attention_mask'`` for a mapped keyword's."""
     # Paths under the args tuple start with "[i]".
     index_str, _, rest = path[1:].partition("]")
+    if isinstance(func, KeywordCall):
+        if index_str == "1":  # the mapped keywords: "[1]['name']..."
+            name, _, rest = rest[1:].partition("]")
+            return f"keyword argument {name}{rest}"
+        return describe_arg(func.func, rest)
     try:
         index = int(index_str)
     except ValueError:
@@ -100,20 +186,57 @@ def _leaf_dims(call: str, in_dims: Any, count: int, spec: TreeSpec) -> List[Any]
     return dims
 
 
+def _keyword_dims(call: str, kwarg_dims: Any, spec: TreeSpec) -> List[Any]:
+    """The mapped keywords' dims: ``kwarg_dims`` (one dims prefix per keyword) against their values."""
+    if not isinstance(kwarg_dims, dict):
+        return [kwarg_dims] * spec.num_leaves
+    dims: List[Any] = []
+    for name, child in zip(spec.context, spec.children_specs):
+        found = _broadcast_to_and_flatten(kwarg_dims[name], child)
+        if found is None:
+            raise ValueError(
+                f"{call}: kwarg_dims[{name!r}] is not compatible with the structure of keyword argument {name!r}. "
+                f"kwarg_dims[{name!r}] has structure {tree_flatten(kwarg_dims[name])[1]} but the keyword has "
+                f"structure {child}."
+            )
+        dims += found
+    return dims
+
+
+def _unsplit_hint(leaf: Any) -> str:
+    """For an object that may hold tensors: how to have them split instead of passing it whole."""
+    if isinstance(leaf, (int, float, complex, bool, str, bytes, type(None))):
+        return ""
+    return (
+        f" (to pass it whole); to split the tensors it holds, pass them in a tuple, list, dict or other Mapping, "
+        f"which cmap splits, or register {type(leaf).__name__} with torch.utils._pytree.register_pytree_node"
+    )
+
+
 def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str) -> FlatArgs:
-    """Flatten ``args`` and match ``in_dims`` to its leaves, raising vmap's errors with pytree paths."""
-    if isinstance(in_dims, tuple) and len(in_dims) != len(args):
+    """Flatten ``args`` and match ``in_dims`` to its leaves, raising vmap's errors with pytree paths. For a
+    :class:`KeywordCall`, ``args`` is ``(positional args, mapped keywords)`` and ``in_dims`` their dims."""
+    keywords = isinstance(func, KeywordCall)
+    positional, positional_dims = (args[0], in_dims[0]) if keywords else (args, in_dims)
+    if isinstance(positional_dims, tuple) and len(positional_dims) != len(positional):
         raise ValueError(
-            f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has length {len(in_dims)} "
-            f"but the function was called with {len(args)} positional argument(s)."
+            f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has length "
+            f"{len(positional_dims)} but the function was called with {len(positional)} positional argument(s)."
         )
-    if not args:
+    if not positional and not (keywords and any(v is not None for v in args[1].values())):
         raise ValueError(
             f"{call}: got no inputs. Maybe you forgot to add inputs, or you are trying to vmap over a function with "
-            f"no inputs. The latter is unsupported. (cmap, like vmap, maps over at least one positional Tensor.)"
+            f"no inputs. The latter is unsupported. (cmap, like vmap, maps over at least one positional Tensor; "
+            f"keyword arguments are passed whole unless kwarg_dims maps them.)"
         )
     leaves, spec = flatten(args)
-    dims = _leaf_dims(call, in_dims, len(leaves), spec)
+    if keywords:
+        dims = _leaf_dims(call, in_dims[0], spec.children_specs[0].num_leaves, spec.children_specs[0])
+        kw_dims = _keyword_dims(call, in_dims[1], spec.children_specs[1])
+        # a None keyword (with src=r, a rank's placeholder for the source's tensor) is not mapped
+        dims += [None if v is None else d for v, d in zip(leaves[len(dims) :], kw_dims)]
+    else:
+        dims = _leaf_dims(call, in_dims, len(leaves), spec)
     normalised: List[Dim] = []
     sizes: List[Tuple[int, int]] = []
     paths: List[str] = []
@@ -132,7 +255,7 @@ def flatten_args(func: Callable, args: Tuple[Any, ...], in_dims: Any, call: str)
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(
                 f"{call}: {where(i)}: Got in_dim={dim} for an input but the input is of type {type(leaf)}. We cannot "
-                f"vmap over non-Tensor arguments, please use None as the respective in_dim"
+                f"vmap over non-Tensor arguments, please use None as the respective in_dim{_unsplit_hint(leaf)}"
             )
         ndim = leaf.dim()
         if not -ndim <= dim < ndim:

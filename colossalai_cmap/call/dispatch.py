@@ -27,7 +27,7 @@ from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
 from .conclude import conclude
-from .dims import flatten, unflatten
+from .dims import KeywordCall, flatten, unflatten
 from .execute import with_remedy
 from .options import check_placement
 from .rank import run_rank
@@ -175,6 +175,7 @@ def _not_differentiable(opts: Any) -> str:
 def _any_requires_grad(leaves: Sequence[Any], kwargs: Dict[str, Any], func: Callable) -> bool:
     if any(requires_grad(v) for v in list(leaves) + (tree_flatten(kwargs)[0] if kwargs else [])):
         return True
+    func = func.func if isinstance(func, KeywordCall) else func
     return isinstance(func, torch.nn.Module) and any(p.requires_grad for p in func.parameters())
 
 
@@ -182,4 +183,6 @@ def _meta(args: Tuple[Any, ...]) -> bool:
     """Meta inputs carry shapes only: every rank computes the same shapes, so the call runs here, with no
     communication (the shapes are vmap's)."""
     first = next((v for v in args if isinstance(v, torch.Tensor)), None)
+    if first is None and args:  # tensors inside containers (mapped keywords come as a dict)
+        first = next((v for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor)), None)
     return first is not None and first.is_meta

@@ -12,7 +12,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
 from .batchnorm import VMAP_REFUSAL, vmap_remedy
-from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
+from .dims import KeywordCall, flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .loop import LoopBarrier
 from .options import Options
 
@@ -56,6 +56,7 @@ def with_remedy(opts: Options, func: Callable, exc: Exception) -> Exception:
     if opts.mode != "vmap" or getattr(exc, "_cmap_remedy", False) or type(exc) not in _REWORDED:
         return exc
     text = str(exc)
+    func = func.func if isinstance(func, KeywordCall) else func  # the caller's func, its keywords mapped
     if type(exc) is RuntimeError and text.startswith(VMAP_REFUSAL):
         remedy = vmap_remedy(opts.call)
     elif type(exc) is RuntimeError and text.startswith(_VALUE_UNDER_VMAP):

@@ -18,7 +18,8 @@ from ..wire import comm
 from ..wire.link import Link
 from ..wire.roles import first_row
 from ..wire.rounds import scatter_rows
-from .dims import describe_arg, flatten_args, leaf_paths
+from .dims import KeywordCall, describe_arg, leaf_paths
+from .keywords import flatten_call
 from .options import Options
 from .records import Failed, Inputs, Shares
 from .shares import share_sizes
@@ -48,7 +49,7 @@ def shares_from_src(
     if is_src:
         try:
             faults.check("args", group)
-            local = flatten_args(func, args, opts.in_dims, opts.call)
+            local = flatten_call(opts, func, args, kwargs)
             meta = _meta_of(local)
         except Exception as exc:  # sent to every rank in the broadcast; each one's exit reports it
             meta, failure = SourceMeta(failure=group.failure(exc)), Failed(group.failure(exc), exc)
@@ -91,15 +92,22 @@ def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...
     """This rank's leaves under the source's structure: its own unmapped leaves, placeholders for mapped ones."""
     spec, kinds = meta.spec, meta.kinds
     paths = leaf_paths(spec)
-    if len(args) > len(spec.children_specs):
+    positional, children = args, spec.children_specs
+    if isinstance(func, KeywordCall):  # the positional arguments, then the mapped keywords ({} or None: the source's)
+        positional, children = args[0], spec.children_specs[0].children_specs
+    if len(positional) > len(children):
         raise ValueError(
-            f"{opts.call}, src={opts.src}: {len(args)} positional arguments here but "
-            f"{len(spec.children_specs)} on the source rank."
+            f"{opts.call}, src={opts.src}: {len(positional)} positional arguments here but {len(children)} on the "
+            f"source rank."
         )
+    slots = list(positional) + [None] * (len(children) - len(positional))
+    if isinstance(func, KeywordCall):
+        slots.append(args[1] or None)
+        children = children + [spec.children_specs[1]]
     leaves: List[Any] = []
     start = 0
-    for i, child in enumerate(spec.children_specs):
-        count, mine = child.num_leaves, args[i] if i < len(args) else None
+    for i, (child, mine) in enumerate(zip(children, slots)):
+        count = child.num_leaves
         span = range(start, start + count)
         if mine is None:
             for k in span:
@@ -113,12 +121,16 @@ def _merge(opts: Options, func: Callable, meta: SourceMeta, args: Tuple[Any, ...
             own, own_spec = tree_flatten(mine)
             if own_spec != child:
                 raise ValueError(
-                    f"{opts.call}, src={opts.src}: argument {i} has structure {own_spec} here but {child} on the "
-                    f"source rank; pass None or the same structure."
+                    f"{opts.call}, src={opts.src}: {_slot_name(func, i, len(slots))} has structure {own_spec} here "
+                    f"but {child} on the source rank; pass None or the same structure."
                 )
             leaves += [None if kinds[k][0] == _MAPPED else v for k, v in zip(span, own)]
         start += count
     return leaves
+
+
+def _slot_name(func: Callable, i: int, count: int) -> str:
+    return "the mapped keyword arguments" if isinstance(func, KeywordCall) and i == count - 1 else f"argument {i}"
 
 
 def _send_shares(

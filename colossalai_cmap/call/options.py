@@ -24,6 +24,7 @@ class Options:
     axis_name: Optional[str]
     timeout: Optional[float]
     check_inputs: bool
+    kwarg_dims: Any
     call: str
 
     @property
@@ -75,6 +76,7 @@ def make_options(func: Callable, **kwargs: Any) -> Options:
     opts = Options(call=call_name(func, kwargs["in_dims"]), **kwargs)
     call = opts.call
     check_in_dims_type(call, opts.in_dims)
+    check_kwarg_dims(call, opts.kwarg_dims)
     if opts.mode not in MODES:
         raise ValueError(f"{call}: unknown mode={opts.mode!r}; expected one of {', '.join(map(repr, MODES))}.")
     if opts.randomness not in RANDOMNESS:
@@ -109,6 +111,19 @@ def check_in_dims_type(call: str, in_dims: Any) -> None:
         return
     raise ValueError(
         f"{call}: expected `in_dims` to be int or a (potentially nested) tuple matching the structure of inputs, got: {type(in_dims)}."
+    )
+
+
+def check_kwarg_dims(call: str, kwarg_dims: Any) -> None:
+    """``kwarg_dims``: None (keywords passed whole, as vmap), an int, or a dict from keyword names to dims."""
+    if kwarg_dims is None or (isinstance(kwarg_dims, int) and not isinstance(kwarg_dims, bool)):
+        return
+    if isinstance(kwarg_dims, dict) and all(isinstance(k, str) for k in kwarg_dims):
+        return
+    raise ValueError(
+        f"{call}: expected `kwarg_dims` to be None (keyword arguments passed whole, as in torch.vmap), an int (every "
+        f"keyword's tensors mapped at that dim, as jax.vmap maps keyword arguments at 0) or a dict from keyword "
+        f"names to an in_dims-like prefix of the keyword's value, or None; got {kwarg_dims!r}."
     )
 
 

@@ -230,12 +230,28 @@ def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional
     if hint is not None and hint.matches(flat, spec):
         return hint
     dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
+    if opts.mode == "batched":
+        _check_scalars(opts, flat, dims)
     for i, (v, d) in enumerate(zip(flat, dims)):
         if isinstance(v, torch.Tensor):
             dims[i] = normalise_out_dim(opts.call, d, v.dim() - 1, i)
         elif d is not None:  # as vmap and loop mode refuse it, in every mode (batched too)
             raise ValueError(f"{opts.call}: output {i} must be a Tensor to be mapped, got {type(v).__name__}.")
     return infer_layout(flat, dims, spec)
+
+
+def _check_scalars(opts: Options, flat: Sequence[Any], dims: Sequence[Any]) -> None:
+    """In batched mode a 0-dim output with an int out_dim was computed over the share's rows (a loss averaged over
+    them): not one row per example, and not what func gives on the whole batch. vmap's IndexError, saying so."""
+    for i, (v, d) in enumerate(zip(flat, dims)):
+        if d is not None and isinstance(v, torch.Tensor) and v.dim() == 0:
+            raise IndexError(
+                f"{opts.call}: mode='batched': output {i} is a scalar (out_dim={d}): Dimension out of range for a "
+                f"per-example output. func computed it over its share's rows (a loss averaged over them?), which is "
+                f"not what it gives on the whole batch, at any group size. Return per-example values and reduce "
+                f"them after the call: e.g. the logits, then model.loss_function(logits, labels, ...) or "
+                f"cross_entropy on the gathered logits."
+            )
 
 
 def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int) -> None:

@@ -15,7 +15,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from ..digests import digest
 from ..wire.group import Group
 from ..wire.roles import first_row, tensor_split_sizes
-from .dims import flatten_args
+from .keywords import flatten_call
 from .options import Options
 from .records import Shares
 
@@ -32,7 +32,7 @@ def share_sizes(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
 
 def make_shares(opts: Options, func: Callable, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Shares:
     """Check ``in_dims`` against the arguments and find the shares; raises ValueError naming the argument."""
-    flat = flatten_args(func, args, opts.in_dims, opts.call)
+    flat = flatten_call(opts, func, args, kwargs)
     local = opts.src == "local"
     if local:
         sizes, rows, offset, batch = None, flat.batch_size, 0, -1

@@ -2,13 +2,15 @@
 and what the last call did. ``Cmapped`` (the public callable) owns one; the call path reads it and
 :func:`~colossalai_cmap.call.dispatch.dispatch` is the only writer of what a call learned."""
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch.utils._pytree import TreeSpec
 
+from .dims import KeywordCall
 from .module_params import References, reaches_trainable, reaches_training_batchnorm
 from .options import Options
 from .records import FastPath, LastCall
@@ -68,7 +70,11 @@ class CallSite:
     runs_training_batchnorm: Callable[[], bool] = None  # type: ignore[assignment]
     _vmapped: Optional[Callable] = None
 
+    _keyword_sites: Dict[str, "CallSite"] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
+        if self.refs is not None:  # made by with_keywords: its parent's body, references and cache
+            return
         original = uncompiled(self.func)
         # torch.vmap cannot run a compiled function (dynamo refuses it): vmap mode maps the original
         self.body = original if self.options.mode == "vmap" else self.func
@@ -84,6 +90,26 @@ class CallSite:
             return reaches_training_batchnorm(original)
 
         self.runs_training_batchnorm = torch.compiler.assume_constant_result(runs_training_batchnorm)
+
+    def with_keywords(self, kwarg_dims: Any) -> "CallSite":
+        """This cmap with its mapped keywords as one more positional argument (:class:`~.dims.KeywordCall`), the
+        keywords' dims being ``kwarg_dims``: made once per ``kwarg_dims``, sharing this site's fast-path cache (its
+        keys hold the keywords' structure) and func's references."""
+        key = repr(kwarg_dims)
+        site = self._keyword_sites.get(key)
+        if site is None:
+            options = dataclasses.replace(self.options, in_dims=(self.options.in_dims, kwarg_dims))
+            site = CallSite(
+                KeywordCall(self.func),
+                options,
+                body=KeywordCall(self.body),
+                fast_paths=self.fast_paths,
+                refs=self.refs,
+                captures_trainable=self.captures_trainable,
+                runs_training_batchnorm=self.runs_training_batchnorm,
+            )
+            self._keyword_sites[key] = site
+        return site
 
     def vmapped(self) -> Callable:
         """``torch.vmap(func, ...)`` with this cmap's options, built once (it costs a few microseconds)."""
