@@ -66,19 +66,22 @@ def whole_batch(opts: Options, link: Optional[Link], empty: bool) -> Optional["W
 
 
 @contextlib.contextmanager
-def batch_scope(opts: Options, coupled: Optional["WholeBatch"]) -> Iterator[None]:
-    """Where func runs in ``mode="batched"`` or ``"loop"``, at every P: under ``coupled`` (:func:`whole_batch`), and
-    refusing ``torch.nn.SyncBatchNorm`` in training mode, which would synchronise over its own process group,
-    outside cmap (a global forward pre-hook, while func runs: the module may be anywhere func reaches)."""
-    if opts.mode == "vmap":
+def batch_scope(opts: Options, coupled: Optional["WholeBatch"], sync_reachable: bool) -> Iterator[None]:
+    """Where func runs in ``mode="batched"`` or ``"loop"``, at every P: under ``coupled`` (:func:`whole_batch`), and,
+    where func may reach a ``torch.nn.SyncBatchNorm`` (``sync_reachable``), refusing it in training mode: it would
+    synchronise over its own process group, outside cmap. The refusal is a global forward pre-hook while func runs
+    (the module may be anywhere func reaches), which puts every module call on torch's slower hook path, so it is
+    registered only where such a module was found."""
+    if opts.mode == "vmap" or not (coupled or sync_reachable):
         yield
         return
-    hook = register_module_forward_pre_hook(functools.partial(_refuse_sync, opts.call))
+    hook = register_module_forward_pre_hook(functools.partial(_refuse_sync, opts.call)) if sync_reachable else None
     try:
         with coupled or contextlib.nullcontext():
             yield
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
 
 
 def _refuse_sync(call: str, module: nn.Module, args: Any) -> None:

@@ -85,6 +85,12 @@ def reaches_training_batchnorm(func: Callable, depth: int = 3) -> bool:
     )
 
 
+def reaches_sync_batchnorm(func: Callable, depth: int = 3) -> bool:
+    """Whether func may run a ``torch.nn.SyncBatchNorm`` (found as :func:`reaches_trainable` finds modules), in any
+    mode; says yes on doubt."""
+    return _reaches(func, depth, lambda t: False, lambda m: any(isinstance(x, nn.SyncBatchNorm) for x in m.modules()))
+
+
 def _reaches(
     func: Callable, depth: int, tensor_hit: Callable[[torch.Tensor], bool], module_hit: Callable[[nn.Module], bool]
 ) -> bool:

@@ -149,7 +149,9 @@ def _call_func(
 ) -> Any:
     opts = site.options
     # a cmap nested in func on these ranks runs locally; BatchNorm sees the whole batch (batchnorm.py)
-    with splitting(link.group.ranks), batch_scope(opts, coupled):
+    with splitting(link.group.ranks), batch_scope(
+        opts, coupled, opts.mode != "vmap" and site.may_reach_sync_batchnorm()
+    ):
         if frame is None and seed is None:
             return run_share(opts, site.body, share, kwargs, None, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):

@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import TreeSpec
 
 from .dims import KeywordCall
-from .module_params import References, reaches_trainable, reaches_training_batchnorm
+from .module_params import References, reaches_sync_batchnorm, reaches_trainable, reaches_training_batchnorm
 from .options import Options
 from .records import FastPath, LastCall
 
@@ -55,6 +55,8 @@ class CallSite:
             (:func:`~.module_params.reaches_trainable`), read once per compiled graph.
         runs_training_batchnorm: whether func may run a BatchNorm in training mode
             (:func:`~.module_params.reaches_training_batchnorm`), read once per compiled graph.
+        sync_batchnorm: whether func may reach a ``torch.nn.SyncBatchNorm``
+            (:func:`~.module_params.reaches_sync_batchnorm`), found at the first call that asks (None before).
         captures: whether the last call that tracked gradients met closure-captured tensors (None: no such call).
         last: what the last call did.
     """
@@ -68,6 +70,7 @@ class CallSite:
     last: Optional[LastCall] = None
     captures_trainable: Callable[[], bool] = None  # type: ignore[assignment]
     runs_training_batchnorm: Callable[[], bool] = None  # type: ignore[assignment]
+    sync_batchnorm: Optional[bool] = None
     _vmapped: Optional[Callable] = None
 
     _keyword_sites: Dict[str, "CallSite"] = field(default_factory=dict)
@@ -107,9 +110,17 @@ class CallSite:
                 refs=self.refs,
                 captures_trainable=self.captures_trainable,
                 runs_training_batchnorm=self.runs_training_batchnorm,
+                sync_batchnorm=self.may_reach_sync_batchnorm(),
             )
             self._keyword_sites[key] = site
         return site
+
+    def may_reach_sync_batchnorm(self) -> bool:
+        """Whether func may reach a ``torch.nn.SyncBatchNorm``: walked once, at the first call that asks (a model
+        converted with ``convert_sync_batchnorm`` after that call is not seen)."""
+        if self.sync_batchnorm is None:
+            self.sync_batchnorm = reaches_sync_batchnorm(uncompiled(self.func))
+        return self.sync_batchnorm
 
     def vmapped(self) -> Callable:
         """``torch.vmap(func, ...)`` with this cmap's options, built once (it costs a few microseconds)."""
