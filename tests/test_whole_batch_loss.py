@@ -93,13 +93,14 @@ def _loss_cases():
 
 
 def check_plain_losses(B):
-    """Each loss inside a batched func, with the gradients of its input and of a module's parameters."""
+    """Each loss inside a batched func, with the gradients of its input and of a module's parameters; with
+    dst="local" too, where every rank's loss counts 1/P of the one global loss."""
     lin, cases = _loss_cases()
     x = torch.randn(B, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    for name, func, targets in cases:
+    for (name, func, targets), dst in [(c, -1) for c in cases] + [(cases[1], "local")]:
         y = targets(B)
         xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-        got = cm.cmap(func, mode="batched")(xs, y)
+        got = cm.cmap(func, mode="batched", dst=dst)(xs, y)
         grads = torch.autograd.grad(got, [xs, lin.weight])
         want = func(xr, y)
         torch.testing.assert_close(got, want, **CLOSE, msg=lambda m: f"{name}: {m}")
