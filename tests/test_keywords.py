@@ -133,7 +133,7 @@ def check_gradients():
     torch.testing.assert_close(e_got.grad, e_want.grad, **CLOSE)
     for (n, p), q in zip(got_model.named_parameters(), want_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **CLOSE, msg=lambda m: f"bert {n}: {m}")
-    # GPT-2: the logits through cmap, the loss after the call (a scalar loss is not per example)
+    # GPT-2: the logits through cmap, the loss after the call (or labels=: test_whole_batch_loss.py)
     got_model, want_model = tiny("gpt2"), tiny("gpt2")
     labels = ids.masked_fill(mask == 0, -100)
     logits = cm.cmap(got_model, mode="batched", kwarg_dims=0)(input_ids=ids, attention_mask=mask, use_cache=False)
@@ -147,13 +147,16 @@ def check_gradients():
     return True
 
 
-def check_labels_loss_refused():
-    """``labels=`` makes the model return its loss averaged over the rows it was given: not per example, and not
-    the whole batch's; refused alike at every P, saying what to do. The message, for comparing across P."""
+def check_scaled_loss_refused():
+    """A scalar func computed from the model's loss (``labels=``) after the model: not per example, and not known to
+    be the whole batch's; refused alike at every P, saying what to do. The message, for comparing across P. (The
+    model's loss itself is the whole batch's: test_whole_batch_loss.py.)"""
     ids, mask = padded_batch()
     model = tiny("gpt2")
     with pytest.raises(cm.CmapError, match=r"output 0 is a scalar") as info:
-        cm.cmap(model, mode="batched", kwarg_dims=0)(input_ids=ids, attention_mask=mask, labels=ids)
+        cm.cmap(lambda **kw: model(**kw).loss / 2, mode="batched", kwarg_dims=0)(
+            input_ids=ids, attention_mask=mask, labels=ids
+        )
     assert "model.loss_function(logits, labels" in str(info.value)
     return str(info.value).split("raised IndexError: ")[1].splitlines()[0]
 
@@ -283,7 +286,7 @@ def test_errors_do_not_depend_on_P(worlds):
     """The same message at P=1, 2 and 3, on every rank: a batch-sized keyword passed whole, and a scalar loss."""
     texts = {P: worlds(P).run(check_whole_keyword_refused, deadline=300) for P in (1, 2, 3)}
     assert len({t for ranks in texts.values() for t in ranks}) == 1, texts
-    losses = {P: worlds(P).run(check_labels_loss_refused, deadline=300) for P in (1, 2, 3)}
+    losses = {P: worlds(P).run(check_scaled_loss_refused, deadline=300) for P in (1, 2, 3)}
     assert len({t for ranks in losses.values() for t in ranks}) == 1, losses
 
 

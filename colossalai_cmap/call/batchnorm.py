@@ -14,15 +14,19 @@ channel's mean is large against its spread.
 Where a function's rows cannot be one batch, training BatchNorm is refused alike at every P: in ``mode="loop"``
 (func is called per example, and the running statistics would be updated per example, by each rank with its own:
 vmap refuses it too) and when func may run on part of the rows (``chunk_size``, or ``randomness="per_example"``).
-A world of one with neither needs no mode: func sees the whole batch. A ``torch.nn.SyncBatchNorm`` in training mode
-is refused at every P (:func:`batch_scope`).
+In a world of one with neither, BatchNorm needs nothing: func sees the whole batch. A ``torch.nn.SyncBatchNorm`` in
+training mode is refused at every P (:func:`batch_scope`).
+
+The same mode takes a loss's mean over the whole batch in ``mode="batched"`` (:mod:`.losses`), at every P: in a
+world of one it only notes the losses it returned, which the exit returns alike at every P.
 """
 
 import contextlib
 import functools
 import inspect
 import math
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +38,12 @@ from ..wire.exchange import JoinSpec, Learned, SplitSpec, join, split
 from ..wire.link import Link
 from ..wire.roles import COPY
 from ..wire.rounds import Kind
+from . import losses
 from .options import Options
 
 WHAT = "BatchNorm's statistics over the whole batch"
 _SIGNATURE = inspect.signature(F.batch_norm)
+_LOSS_SIGNATURES = {f: inspect.signature(f) for f in losses.MEAN_LOSSES}
 
 # torch.vmap's refusal of a BatchNorm that updates its running statistics (functorch's batch rule)
 VMAP_REFUSAL = "Batch norm got a batched tensor as input while the running_mean or running_var"
@@ -54,14 +60,12 @@ def vmap_remedy(call: str) -> str:
 
 
 def whole_batch(opts: Options, link: Optional[Link], empty: bool) -> Optional["WholeBatch"]:
-    """The mode func runs under, where it changes anything: ``mode="batched"`` across ranks, and the refusals of
-    ``mode="loop"`` and of a batch split into parts, at every P (``link``: None in a world of one)."""
+    """The mode func runs under, where it changes anything: ``mode="batched"`` (at every P: its losses are returned
+    alike, :mod:`.losses`), and the refusals of ``mode="loop"`` (``link``: None in a world of one)."""
     if opts.mode == "vmap":
         return None
     across = link if link is not None and link.group.size > 1 else None
     parted = opts.randomness == "per_example" or opts.chunk_size is not None
-    if opts.mode == "batched" and across is None and not parted:
-        return None
     return WholeBatch(opts, across, empty, parted)
 
 
@@ -95,7 +99,8 @@ def _refuse_sync(call: str, module: nn.Module, args: Any) -> None:
 
 
 class WholeBatch(TorchFunctionMode):
-    """While func runs: ``F.batch_norm(training=True)`` over the whole batch across the group (see the module).
+    """While func runs: ``F.batch_norm(training=True)`` over the whole batch across the group (see the module), and
+    in ``mode="batched"`` a loss's mean too (:mod:`.losses`), the losses it made noted for the exit.
 
     Attributes:
         opts: the call's options (its name and mode, for the refusals).
@@ -108,9 +113,17 @@ class WholeBatch(TorchFunctionMode):
         super().__init__()
         self.opts, self.link, self.empty, self.parted = opts, link, empty, parted
         self.level = torch._C._functorch.maybe_current_level()  # a transform func opens itself keeps torch's rules
+        # the whole batch's losses it returned, weakly: a checkpoint's replay holds the mode from the graph
+        self.losses: List[weakref.ref] = []
+
+    def made_here(self, value: Any) -> bool:
+        """Whether ``value`` is a loss over the whole batch this mode returned: equal on every rank."""
+        return any(r() is value for r in self.losses)
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in losses.MEAN_LOSSES:
+            return self._loss(func, args, kwargs)
         if func is not F.batch_norm:
             return func(*args, **kwargs)
         bound = _SIGNATURE.bind(*args, **kwargs)
@@ -129,6 +142,16 @@ class WholeBatch(TorchFunctionMode):
         if self.link is None or x.dim() < 2 or not x.is_floating_point():
             return func(*args, **kwargs)
         return self._normalise(func, args, kwargs, a)
+
+    def _loss(self, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        if self.opts.mode != "batched" or self.parted or torch._C._functorch.maybe_current_level() != self.level:
+            return func(*args, **kwargs)
+        a = losses.arguments(_LOSS_SIGNATURES[func], args, kwargs)
+        if losses.reduction_of(a) != "mean" or not losses.batched(func, a["input"]):
+            return func(*args, **kwargs)
+        loss = losses.whole_mean(func, a, self.link, self.empty)
+        self.losses.append(weakref.ref(loss))
+        return loss
 
     def _normalise(self, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any], a: Dict[str, Any]) -> Any:
         x, eps, momentum = a["input"], a["eps"], a["momentum"]

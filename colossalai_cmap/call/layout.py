@@ -6,7 +6,7 @@ the digests, so ranks whose outputs differ in structure, per-example shape or dt
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Collection, FrozenSet, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import TreeSpec
@@ -16,6 +16,7 @@ from ..wire import comm
 from .dims import leaf_paths
 
 BATCHED, REPLICATED, CONSTANT = "batched", "replicated", "constant"
+WHOLE_BATCH = "a loss over the whole batch"  # a replicated leaf's value: out_dims asked rows, the mode made it whole
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class OutLayout:
     @cached_property
     def digest(self) -> int:
         return digest((self.spec, self.leaves))
+
+    @cached_property
+    def whole(self) -> FrozenSet[int]:
+        """The positions of the losses over the whole batch (:mod:`.losses`), replicated whatever ``out_dims``."""
+        return frozenset(i for i, leaf in enumerate(self.leaves) if leaf.kind == REPLICATED and leaf.value is not None)
 
     @cached_property
     def tensors(self) -> Tuple[int, ...]:
@@ -77,14 +83,19 @@ def replicated_checksums(flat_out: Sequence[Any], layout: OutLayout) -> Tuple[Tu
     return tuple(sums)
 
 
-def infer_layout(flat_out: Sequence[Any], out_dims: Sequence[Optional[int]], spec: TreeSpec) -> OutLayout:
-    """The layout of local outputs whose batch dims already sit at ``out_dims``."""
+def infer_layout(
+    flat_out: Sequence[Any], out_dims: Sequence[Optional[int]], spec: TreeSpec, whole: Collection[int] = ()
+) -> OutLayout:
+    """The layout of local outputs whose batch dims already sit at ``out_dims``; ``whole``: the positions of losses
+    over the whole batch (their out_dims None)."""
     leaves = []
-    for value, dim in zip(flat_out, out_dims):
+    for i, (value, dim) in enumerate(zip(flat_out, out_dims)):
         if not isinstance(value, torch.Tensor):
             leaves.append(LeafLayout(CONSTANT, (), None, None, value))
         elif dim is None:
-            leaves.append(LeafLayout(REPLICATED, tuple(value.shape), value.dtype, None))
+            leaves.append(
+                LeafLayout(REPLICATED, tuple(value.shape), value.dtype, None, WHOLE_BATCH if i in whole else None)
+            )
         else:
             shape = list(value.shape)
             del shape[dim]

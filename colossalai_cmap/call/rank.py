@@ -14,7 +14,7 @@ the status round, so every rank raises together. The steps:
 """
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import TreeSpec
@@ -70,7 +70,7 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
         if faults.ACTIVE:
             faults.check("layout", group)
         flat, spec = flatten(out)
-        layout = layout_of(opts, flat, spec, hint)
+        layout = layout_of(opts, flat, spec, hint, coupled)
         if opts.mode == "batched":
             _check_rows(opts, flat, layout, share.rows)
         found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if wired and views.applies(opts) else ()
@@ -227,11 +227,20 @@ def _frame_and_seed(
     return frame, seed, seeds
 
 
-def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional[OutLayout]) -> OutLayout:
-    """The outputs' layout, checked against ``out_dims``; a repeated call's hint saves the digest."""
-    if hint is not None and hint.matches(flat, spec):
+_NONE: FrozenSet[int] = frozenset()
+
+
+def layout_of(
+    opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional[OutLayout], coupled: Optional[WholeBatch] = None
+) -> OutLayout:
+    """The outputs' layout, checked against ``out_dims``; a repeated call's hint saves the digest. A loss over the
+    whole batch that ``coupled`` returned (:mod:`.losses`), output as it is, is equal on every rank: replicated."""
+    whole = frozenset(i for i, v in enumerate(flat) if coupled.made_here(v)) if coupled and coupled.losses else _NONE
+    if hint is not None and hint.matches(flat, spec) and hint.whole == whole:
         return hint
     dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
+    for i in whole:
+        dims[i] = None
     if opts.mode == "batched":
         _check_scalars(opts, flat, dims)
     for i, (v, d) in enumerate(zip(flat, dims)):
@@ -239,18 +248,21 @@ def layout_of(opts: Options, flat: Sequence[Any], spec: TreeSpec, hint: Optional
             dims[i] = normalise_out_dim(opts.call, d, v.dim() - 1, i)
         elif d is not None:  # as vmap and loop mode refuse it, in every mode (batched too)
             raise ValueError(f"{opts.call}: output {i} must be a Tensor to be mapped, got {type(v).__name__}.")
-    return infer_layout(flat, dims, spec)
+    return infer_layout(flat, dims, spec, whole)
 
 
 def _check_scalars(opts: Options, flat: Sequence[Any], dims: Sequence[Any]) -> None:
     """In batched mode a 0-dim output with an int out_dim was computed over the share's rows (a loss averaged over
-    them): not one row per example, and not what func gives on the whole batch. vmap's IndexError, saying so."""
+    them, then changed): not one row per example, and not what func gives on the whole batch. vmap's IndexError,
+    saying so. (A mean loss returned as torch gave it is over the whole batch: :mod:`.losses`.)"""
     for i, (v, d) in enumerate(zip(flat, dims)):
         if d is not None and isinstance(v, torch.Tensor) and v.dim() == 0:
             raise IndexError(
                 f"{opts.call}: mode='batched': output {i} is a scalar (out_dim={d}): Dimension out of range for a "
-                f"per-example output. func computed it over its share's rows (a loss averaged over them?), which is "
-                f"not what it gives on the whole batch, at any group size. Return per-example values and reduce "
+                f"per-example output. func computed it over its share's rows, which is not what it gives on the "
+                f"whole batch, at any group size. A loss that F.cross_entropy, nll_loss, mse_loss, l1_loss or "
+                f"binary_cross_entropy(_with_logits) averages (reduction='mean'), returned as it is (say a model's "
+                f"labels= loss), is taken over the whole batch; for any other, return per-example values and reduce "
                 f"them after the call: e.g. the logits, then model.loss_function(logits, labels, ...) or "
                 f"cross_entropy on the gathered logits."
             )
