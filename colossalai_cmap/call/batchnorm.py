@@ -1,8 +1,9 @@
 """BatchNorm in training mode sees the whole batch: in ``mode="batched"`` its statistics are taken over every
 rank's rows, as ``model(x)`` takes them over the whole batch in one process.
 
-func runs under :class:`WholeBatch`, a ``TorchFunctionMode`` that catches ``torch.nn.functional.batch_norm`` with
-``training=True`` (``nn.BatchNorm1d/2d/3d`` call it, and so does any func that calls it itself). Each rank sums its
+func runs under :class:`WholeBatch`, which catches ``torch.nn.functional.batch_norm`` with ``training=True``
+(``nn.BatchNorm1d/2d/3d`` call it, and so does any func that calls it as ``F.batch_norm``; a name imported from
+``torch.nn.functional`` before the call is torch's own, not caught). Each rank sums its
 values and their squares per channel; one ``Join(COPY)`` sums them over the group, its round carrying each rank's
 count of values on the host (no read of device data); a ``Split(COPY)`` makes the sums this rank's own, so backward
 sums their cotangents over the group (one collective), as ``SyncBatchNorm``'s backward does. Every rank then
@@ -25,6 +26,7 @@ import contextlib
 import functools
 import inspect
 import math
+import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -32,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode
 
 from ..wire.exchange import JoinSpec, Learned, SplitSpec, join, split
 from ..wire.link import Link
@@ -44,6 +45,10 @@ from .options import Options
 WHAT = "BatchNorm's statistics over the whole batch"
 _SIGNATURE = inspect.signature(F.batch_norm)
 _LOSS_SIGNATURES = {f: inspect.signature(f) for f in losses.MEAN_LOSSES}
+
+# The functions the mode catches, by their names in torch.nn.functional, as torch defines them
+_CAUGHT = {name: getattr(F, name) for name in ("batch_norm",) + tuple(f.__name__ for f in losses.MEAN_LOSSES)}
+_BATCH_NORM = _CAUGHT["batch_norm"]
 
 # torch.vmap's refusal of a BatchNorm that updates its running statistics (functorch's batch rule)
 VMAP_REFUSAL = "Batch norm got a batched tensor as input while the running_mean or running_var"
@@ -98,7 +103,7 @@ def _refuse_sync(call: str, module: nn.Module, args: Any) -> None:
         )
 
 
-class WholeBatch(TorchFunctionMode):
+class WholeBatch:
     """While func runs: ``F.batch_norm(training=True)`` over the whole batch across the group (see the module), and
     in ``mode="batched"`` a loss's mean too (:mod:`.losses`), the losses it made noted for the exit.
 
@@ -110,7 +115,6 @@ class WholeBatch(TorchFunctionMode):
     """
 
     def __init__(self, opts: Options, link: Optional[Link], empty: bool, parted: bool) -> None:
-        super().__init__()
         self.opts, self.link, self.empty, self.parted = opts, link, empty, parted
         self.level = torch._C._functorch.maybe_current_level()  # a transform func opens itself keeps torch's rules
         # the whole batch's losses it returned, weakly: a checkpoint's replay holds the mode from the graph
@@ -120,12 +124,17 @@ class WholeBatch(TorchFunctionMode):
         """Whether ``value`` is a loss over the whole batch this mode returned: equal on every rank."""
         return any(r() is value for r in self.losses)
 
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+    def __enter__(self) -> "WholeBatch":
+        _catch(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _release()
+
+    def handle(self, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        """A call of one of the caught functions (torch's own ``func``) while func runs under this mode."""
         if func in losses.MEAN_LOSSES:
             return self._loss(func, args, kwargs)
-        if func is not F.batch_norm:
-            return func(*args, **kwargs)
         bound = _SIGNATURE.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -182,6 +191,54 @@ class WholeBatch(TorchFunctionMode):
         _update(a["running_mean"], mean, momentum)
         _update(a["running_var"], var * (n / (n - 1)), momentum)  # unbiased over the global count, as torch's
         return out.to(x.dtype)
+
+
+# Where a mode is active: each thread's modes (loop mode's example threads enter it too), and whether a caught call
+# is being handled (what the handling calls is torch's own).
+_here = threading.local()
+_installed = 0
+_install_lock = threading.Lock()
+
+
+def _catch(mode: WholeBatch) -> None:
+    """Enter ``mode`` in this thread; the first mode anywhere puts the catching functions in torch.nn.functional.
+
+    Catching the few functions by name, rather than every torch call through a ``TorchFunctionMode``, keeps every
+    other op on torch's fast path (a mode costs a Python call per op: about 1.6x a small model's forward). What is
+    caught is what ``nn.BatchNorm*``, ``nn.*Loss`` and transformers call: ``F.batch_norm``, ``F.cross_entropy``,
+    ... looked up on the module when called."""
+    global _installed
+    _here.__dict__.setdefault("modes", []).append(mode)
+    with _install_lock:
+        if _installed == 0:
+            for name, original in _CAUGHT.items():
+                setattr(F, name, _catching(original))
+        _installed += 1
+
+
+def _release() -> None:
+    global _installed
+    _here.modes.pop()
+    with _install_lock:
+        _installed -= 1
+        if _installed == 0:
+            for name, original in _CAUGHT.items():
+                setattr(F, name, original)
+
+
+def _catching(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def caught(*args: Any, **kwargs: Any) -> Any:
+        modes = getattr(_here, "modes", None)
+        if not modes or getattr(_here, "handling", False):  # another thread's call, or the handling's own
+            return original(*args, **kwargs)
+        _here.handling = True
+        try:
+            return modes[-1].handle(original, args, kwargs)
+        finally:
+            _here.handling = False
+
+    return caught
 
 
 def _update(running: Optional[torch.Tensor], value: torch.Tensor, momentum: float) -> None:
