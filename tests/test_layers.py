@@ -9,7 +9,8 @@ from typing import Dict, Set
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "colossalai_cmap"
-LEAVES = {"errors", "faults", "stats", "digests", "nesting"}
+SEAM = "torch_internals"  # the one module that names torch internals; it imports nothing from the package
+LEAVES = {"errors", "faults", "stats", "digests", "nesting", SEAM}
 # what each part of the package may import from the package (besides itself)
 ALLOWED: Dict[str, Set[str]] = {
     "wire": LEAVES,
@@ -18,7 +19,8 @@ ALLOWED: Dict[str, Set[str]] = {
     "call": {"axis", "integration", "wire"} | LEAVES,
     "tp": {"call", "axis", "integration", "wire"} | LEAVES,
     "shard": {"call", "axis", "integration", "wire"} | LEAVES,
-    **{leaf: set() for leaf in LEAVES},
+    **{leaf: {SEAM} for leaf in LEAVES - {SEAM}},
+    SEAM: set(),
 }
 SUBPACKAGES = ("call", "wire", "axis", "tp", "shard", "integration")
 
