@@ -48,7 +48,7 @@ def is_batched(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_batchedtensor(t)
 
 
-def layers(t: torch.Tensor) -> List[torch.Tensor]:
+def transform_levels(t: torch.Tensor) -> List[torch.Tensor]:
     """``t`` and the tensors under its function-transform wrappers, outermost first, the plain tensor last: each
     level has its own autograd graph (``torch._C._functorch.get_unwrapped``, level by level)."""
     found = [t]
@@ -141,7 +141,7 @@ def backward_reaches(node: Any) -> bool:
     return torch._C._will_engine_execute_node(node)
 
 
-def version(t: torch.Tensor) -> int:
+def version_counter(t: torch.Tensor) -> int:
     """``t``'s version counter, bumped by every in-place change (``Tensor._version``)."""
     return t._version
 
