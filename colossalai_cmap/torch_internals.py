@@ -9,10 +9,11 @@ few others. Public torch APIs (``torch.compiler.is_compiling``, ``torch.override
 A leaf module: it imports only torch.
 """
 
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch._functorch import vmap as functorch_vmap
 from torch.utils.checkpoint import _StopRecomputationError
 
 try:  # the state of torch.func.functional_call, read by the closure walk
@@ -71,16 +72,12 @@ def remove_batch_dim(t: torch.Tensor, level: int, size: int, out_dim: int) -> to
 
 def vmap_level(batch_size: int, randomness: str) -> ContextManager[int]:
     """Opens a vmap level as ``torch.vmap`` does, yielding it (``torch._functorch.vmap.vmap_increment_nesting``)."""
-    from torch._functorch import vmap as functorch_vmap
-
     return functorch_vmap.vmap_increment_nesting(batch_size, randomness)
 
 
 def batched_inputs(dims: Sequence[Any], leaves: Sequence[Any], level: int, spec: Any) -> Any:
     """The flat inputs batched at ``level`` along ``dims``, unflattened with ``spec``, as ``torch.vmap`` makes them
     (``torch._functorch.vmap._create_batched_inputs``)."""
-    from torch._functorch import vmap as functorch_vmap
-
     return functorch_vmap._create_batched_inputs(list(dims), list(leaves), level, spec)
 
 
@@ -95,10 +92,16 @@ def in_forward_ad() -> bool:
     return fwAD._current_level >= 0
 
 
-def reparametrized_module() -> Optional[Callable[..., ContextManager[None]]]:
-    """``torch.func.functional_call``'s context that swaps a module's parameters, or None where torch has none
+def can_reparametrize() -> bool:
+    """Whether this torch has ``torch.func.functional_call``'s context that swaps a module's parameters
     (``torch.nn.utils.stateless._reparametrize_module``)."""
-    return _reparametrize_module
+    return _reparametrize_module is not None
+
+
+def reparametrized(module: torch.nn.Module, mapping: Dict[str, torch.Tensor]) -> ContextManager[None]:
+    """While open, ``module``'s named parameters are the tensors of ``mapping``, as in ``torch.func.functional_call``
+    (``torch.nn.utils.stateless._reparametrize_module``)."""
+    return _reparametrize_module(module, mapping)
 
 
 # ----------------------------------------------------------------------------------------------- autograd engine
