@@ -18,6 +18,7 @@ from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import collective_device
 from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
+from ..torch_internals import next_sequence_nr
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
@@ -242,7 +243,7 @@ def _run_f(
         inputs = dtensor.unwrap_inputs(site.call, args, opts.in_specs, view, opts.mesh, opts.out_dtensor)
         args, out_mesh = inputs.args, inputs.out_mesh
         entered_local = tuple(e or opts.local for e in inputs.entered_local)
-        start = torch._C._autograd._get_sequence_nr()  # after to_local: the DTensors' nodes are outside f
+        start = next_sequence_nr()  # after to_local: the DTensors' nodes are outside f
         places = _placements(site, "in", inputs.specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
         parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold
