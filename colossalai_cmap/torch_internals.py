@@ -14,12 +14,35 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import vmap as functorch_vmap
+from torch.utils._pytree import (  # noqa: F401  (torch's pytree, a private module: the package's pytree is this)
+    SUPPORTED_NODES,
+    MappingKey,
+    TreeSpec,
+    _broadcast_to_and_flatten,
+    keystr,
+    register_pytree_node,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+    tree_structure,
+    tree_unflatten,
+)
 from torch.utils.checkpoint import _StopRecomputationError
 
 try:  # the state of torch.func.functional_call, read by the closure walk
     from torch.nn.utils.stateless import _reparametrize_module
 except ImportError:  # pragma: no cover - other torch versions: the closure walk covers the parameters
     _reparametrize_module = None
+
+# ------------------------------------------------------------------------------------------------------- pytree
+
+
+def broadcast_to_and_flatten(tree: Any, spec: TreeSpec) -> Optional[List[Any]]:
+    """``tree``'s leaves broadcast to the structure ``spec`` (a prefix of it), or None where it is not a prefix
+    (``torch.utils._pytree._broadcast_to_and_flatten``)."""
+    return _broadcast_to_and_flatten(tree, spec)
+
 
 # ----------------------------------------------------------------------------------------- function transforms
 

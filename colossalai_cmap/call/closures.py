@@ -26,7 +26,6 @@ from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ..digests import digest
 from ..torch_internals import (
@@ -37,6 +36,7 @@ from ..torch_internals import (
     sequence_nr,
     torch_function_disabled,
     transform_levels,
+    tree_flatten,
 )
 from ..wire.exchange import JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.link import Link

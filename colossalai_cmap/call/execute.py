@@ -7,10 +7,19 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
-from ..torch_internals import add_batch_dim, batched_inputs, current_level, level_of, remove_batch_dim, vmap_level
+from ..torch_internals import (
+    TreeSpec,
+    add_batch_dim,
+    batched_inputs,
+    current_level,
+    level_of,
+    remove_batch_dim,
+    tree_flatten,
+    tree_unflatten,
+    vmap_level,
+)
 from .batchnorm import VMAP_REFUSAL, vmap_remedy
 from .dims import KeywordCall, flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .loop import LoopBarrier

@@ -17,12 +17,11 @@ import contextlib
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import TreeSpec
 
 from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
 from ..nesting import CONTROL_FLOW, splitting, tracking
-from ..torch_internals import next_sequence_nr, sequence_nr, version_counter
+from ..torch_internals import TreeSpec, next_sequence_nr, sequence_nr, version_counter
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
 from ..wire.link import Link

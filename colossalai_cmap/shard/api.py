@@ -6,7 +6,6 @@ import functools
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
@@ -18,7 +17,7 @@ from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import collective_device
 from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
-from ..torch_internals import next_sequence_nr
+from ..torch_internals import next_sequence_nr, tree_flatten, tree_map, tree_unflatten
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split

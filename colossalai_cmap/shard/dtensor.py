@@ -13,10 +13,9 @@ import sys
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from ..errors import CmapError, RankFailure
-from ..torch_internals import chunk_size, waited
+from ..torch_internals import chunk_size, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten, waited
 from .specs import P, Placement, broadcast_specs
 
 
