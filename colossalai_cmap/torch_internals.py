@@ -4,7 +4,9 @@ Each function says what the package uses it for and which internal (an underscor
 function transforms' levels and wrappers (``torch._C._functorch``, ``torch._functorch.vmap``), the autograd engine
 (sequence numbers, the running backward, its end-of-backward callbacks, node metadata), dynamo, the functional
 collectives that dynamo traces (``torch.distributed._functional_collectives``, ``torch.ops._c10d_functional``), and a
-few others. Public torch APIs (``torch.compiler.is_compiling``, ``torch.overrides.TorchFunctionMode``) are used directly.
+few others. Torch's pytree (``torch.utils._pytree``) is re-exported as is: the package's pytree is this module's.
+Public torch APIs (``torch.compiler.is_compiling``, ``torch.overrides.TorchFunctionMode``) are used directly, and
+``tests/test_layers.py`` checks that no other module names an internal.
 
 A leaf module: it imports only torch.
 """
