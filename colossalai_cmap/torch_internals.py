@@ -40,10 +40,12 @@ except ImportError:  # pragma: no cover - other torch versions: the closure walk
 # ------------------------------------------------------------------------------------------------------- pytree
 
 
-def broadcast_to_and_flatten(tree: Any, spec: TreeSpec) -> Optional[List[Any]]:
+def broadcast_to_and_flatten(
+    tree: Any, spec: TreeSpec, is_leaf: Optional[Callable[[Any], bool]] = None
+) -> Optional[List[Any]]:
     """``tree``'s leaves broadcast to the structure ``spec`` (a prefix of it), or None where it is not a prefix
     (``torch.utils._pytree._broadcast_to_and_flatten``)."""
-    return _broadcast_to_and_flatten(tree, spec)
+    return _broadcast_to_and_flatten(tree, spec, is_leaf=is_leaf)
 
 
 # ----------------------------------------------------------------------------------------- function transforms
