@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._functorch import vmap as functorch_vmap
+from torch.nn import _reduction
 from torch.utils._pytree import (  # noqa: F401  (torch's pytree, a private module: the package's pytree is this)
     SUPPORTED_NODES,
     MappingKey,
@@ -169,6 +170,12 @@ def backward_reaches(node: Any) -> bool:
     """Whether the running backward executes ``node``; raises RuntimeError under ``torch.autograd.grad`` for a leaf's
     node (``torch._C._will_engine_execute_node``)."""
     return torch._C._will_engine_execute_node(node)
+
+
+def legacy_reduction(size_average: Optional[bool], reduce: Optional[bool]) -> str:
+    """A loss's ``reduction`` from its deprecated ``size_average``/``reduce`` arguments, as torch's losses read them
+    (``torch.nn._reduction.legacy_get_string``)."""
+    return _reduction.legacy_get_string(size_average, reduce)
 
 
 def version_counter(t: torch.Tensor) -> int:
