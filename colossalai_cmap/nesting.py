@@ -5,18 +5,19 @@ it shares cannot split again (those ranks hold different rows of the outer batch
 ``torch.vmap`` over this rank's examples. Also torch's control-flow exceptions, which pass through every map as they
 pass through ``torch.vmap``, and whether gradients are being tracked at all.
 
-A leaf module: it imports only torch.
+A leaf module: it imports only torch and the seam to torch's internals.
 """
 
 import contextlib
 from typing import Iterator, List, Sequence, Tuple
 
 import torch
-from torch.utils.checkpoint import _StopRecomputationError
+
+from .torch_internals import STOP_RECOMPUTATION, current_level
 
 # Exceptions torch uses for control flow. Checkpoint's early stop is raised at the same point of the recomputation on
 # every rank (every rank builds the same graph), so it passes through a map instead of being reported as a failure.
-CONTROL_FLOW = (_StopRecomputationError,)
+CONTROL_FLOW = (STOP_RECOMPUTATION,)
 
 _SPLITTING: List[Tuple[int, ...]] = []  # the global ranks of each map now splitting a batch, outermost first
 
@@ -50,4 +51,4 @@ def nested_in_split(ranks: Sequence[int]) -> bool:
 
 def tracking() -> bool:
     """Whether gradients may be taken of what runs now: grad mode, or inside a ``torch.func`` transform."""
-    return torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None
+    return torch.is_grad_enabled() or current_level() is not None

@@ -9,7 +9,8 @@ from typing import Dict, Set
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "colossalai_cmap"
-LEAVES = {"errors", "faults", "stats", "digests", "nesting"}
+SEAM = "torch_internals"  # the one module that names torch internals; it imports nothing from the package
+LEAVES = {"errors", "faults", "stats", "digests", "nesting", SEAM}
 # what each part of the package may import from the package (besides itself)
 ALLOWED: Dict[str, Set[str]] = {
     "wire": LEAVES,
@@ -18,7 +19,8 @@ ALLOWED: Dict[str, Set[str]] = {
     "call": {"axis", "integration", "wire"} | LEAVES,
     "tp": {"call", "axis", "integration", "wire"} | LEAVES,
     "shard": {"call", "axis", "integration", "wire"} | LEAVES,
-    **{leaf: set() for leaf in LEAVES},
+    **{leaf: {SEAM} for leaf in LEAVES - {SEAM}},
+    SEAM: set(),
 }
 SUBPACKAGES = ("call", "wire", "axis", "tp", "shard", "integration")
 
@@ -67,6 +69,39 @@ def test_each_subpackage_says_what_it_is_for(name: str) -> None:
 def test_top_level_holds_only_the_public_names_and_leaf_modules() -> None:
     top = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
     assert top == LEAVES, f"top-level modules {sorted(top - LEAVES)} belong in a subpackage"
+
+
+def _torch_internals(path: Path) -> Set[str]:
+    """The torch internals ``path`` names: an underscore part of a ``torch`` import or attribute chain (dunders such
+    as ``torch.__file__`` aside), or a private tensor or autograd-node attribute."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            if "._" in node.module:
+                found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_"))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("torch.") and "._" in a.name)
+        elif isinstance(node, ast.Attribute):
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            private = [n for n in chain if n.startswith("_") and not n.startswith("__")]
+            if isinstance(inner, ast.Name) and inner.id in ("torch", "dist", "fwAD") and private:
+                found.add(".".join([inner.id, *reversed(chain)]))
+            elif node.attr in ("_version", "_sequence_nr", "_execution_engine"):
+                found.add(node.attr)
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PKG)) for p in MODULES])
+def test_only_the_seam_names_torch_internals(path: Path) -> None:
+    """A torch upgrade that moves an internal changes one file: every other module asks ``torch_internals``."""
+    if path.stem == SEAM and path.parent == PKG:
+        return
+    named = _torch_internals(path)
+    assert not named, f"{path.relative_to(PKG)} names torch internals {sorted(named)}: add them to {SEAM}.py and use it"
 
 
 TESTS = Path(__file__).resolve().parent

@@ -6,6 +6,7 @@ following its rule (:mod:`.ops`); the user-facing ops with jax.lax's signatures,
 ``RULES`` (:mod:`.collectives`); and the varying-axis types they keep inside a ``shard_map`` with ``check_vma=True``
 (:mod:`.vma`).
 
-May import: ``wire`` and the leaf modules. The call layer opens the frames (and runs loop mode's example threads,
-which a frame holds as an ``ExampleLoop``); this layer never calls back into it.
+May import: ``wire`` and the leaf modules (torch's internals only through ``torch_internals``). The call layer opens the
+frames (and runs loop mode's example threads, which a frame holds as an ``ExampleLoop``); this layer never calls back
+into it.
 """

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Pr
 
 import torch
 
+from ..torch_internals import backward_running
 from ..wire.link import Link
 
 
@@ -125,7 +126,7 @@ def axis_scope(name: Optional[str], frame: Optional[AxisFrame]) -> Iterator[None
 def lookup(name: str, op: str) -> AxisFrame:
     """The innermost active frame of ``name``; inside a backward, the last finished one (its recomputation)."""
     stack = _FRAMES.get(name)
-    if not stack and name in _FINISHED and torch._C._current_graph_task_id() >= 0:
+    if not stack and name in _FINISHED and backward_running():
         return _FINISHED[name]
     if not stack:
         active = sorted(_FRAMES)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from ..torch_internals import functional_all_gather, functional_all_reduce, outside_transforms, remove_batch_dim
 from ..wire import native as wire_native
 from ..wire.exchange import JoinSpec, SplitSpec, join, split
 from ..wire.native import NativeSpec
@@ -33,7 +34,7 @@ def index_table(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
 @functools.lru_cache(maxsize=512)
 def _kept_table(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
     # plain, whatever mode or function transform the first call ran under
-    with torch.inference_mode(False), torch._C._DisableFuncTorch():
+    with torch.inference_mode(False), outside_transforms():
         return torch.tensor(values, dtype=torch.int64, device=device)
 
 
@@ -64,7 +65,7 @@ def traced_vmap(frame: AxisFrame, x: torch.Tensor, rule: AxisRule, name: str, ar
     if rule.traced_vmap is None:
         raise NotImplementedError(f"{rule.label(name)} has no traced vmap rule.")
     count = 1 if frame.dummy else frame.sizes[0 if frame.link is None else frame.link.group.rank]
-    rows = torch._C._functorch._remove_batch_dim(x, frame.level, count, 0)
+    rows = remove_batch_dim(x, frame.level, count, 0)
     return rule.traced_vmap(frame, rows, rule, name, arg)
 
 
@@ -338,18 +339,14 @@ class _CompiledReduce(torch.autograd.Function):
     def forward(
         ctx: Any, local: torch.Tensor, pg: Any, reduce_op: str, name: str, differentiable: bool
     ) -> torch.Tensor:
-        import torch.distributed._functional_collectives as fc
-
         ctx.pg, ctx.name, ctx.differentiable = pg, name, differentiable
-        return fc.all_reduce(local, reduce_op, pg)
+        return functional_all_reduce(local, reduce_op, pg)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None]:
-        import torch.distributed._functional_collectives as fc
-
         if not ctx.differentiable:
             raise RuntimeError(f"{ctx.name} is not differentiable.")
-        return fc.all_reduce(grad.contiguous(), "sum", ctx.pg), None, None, None, None
+        return functional_all_reduce(grad.contiguous(), "sum", ctx.pg), None, None, None, None
 
 
 class _CompiledGather(torch.autograd.Function):
@@ -357,19 +354,15 @@ class _CompiledGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, pg: Any, sizes: Tuple[int, ...]) -> torch.Tensor:
-        import torch.distributed._functional_collectives as fc
-
         ctx.pg, ctx.sizes = pg, sizes
         cap, n = max(sizes), local.shape[0]
         padded = torch.cat([local, local.new_zeros((cap - n, *local.shape[1:]))]) if n < cap else local
-        full = fc.all_gather_tensor(padded.contiguous(), 0, pg)
+        full = functional_all_gather(padded.contiguous(), 0, pg)
         return torch.cat([full.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        import torch.distributed._functional_collectives as fc
-
-        total = fc.all_reduce(grad.contiguous(), "sum", ctx.pg)
+        total = functional_all_reduce(grad.contiguous(), "sum", ctx.pg)
         rank = torch.distributed.get_rank(ctx.pg)
         return total.narrow(0, first_row(ctx.sizes, rank), ctx.sizes[rank]), None, None
 
@@ -392,9 +385,7 @@ def extreme_rows_traced_vmap(
     local = rule.local(_real(frame, rows))
     if _alone(frame):
         return local
-    import torch.distributed._functional_collectives as fc
-
-    return fc.all_reduce(local.detach().contiguous(), rule.reduce_op, frame.link.group.pg)
+    return functional_all_reduce(local.detach().contiguous(), rule.reduce_op, frame.link.group.pg)
 
 
 def gather_rows_traced_vmap(

@@ -16,6 +16,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from ..torch_internals import current_level, is_batched, level_of, transform_levels
 from .frame import AxisFrame, lookup
 from .lowering import exchange, traced_vmap
 from .rules import rule_of
@@ -23,7 +24,7 @@ from .rules import rule_of
 
 def processed_level() -> int:
     """Inside a vmap rule: the vmap level being lowered (functorch runs the rule one level below it)."""
-    return (torch._C._functorch.maybe_current_level() or 0) + 1
+    return (current_level() or 0) + 1
 
 
 class AxisOp(torch.autograd.Function):
@@ -102,7 +103,7 @@ def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
     if frame.mode == "batched":
         out = exchange(frame, x, rule, name, arg)
         return out if rule.per_example else out.unsqueeze(0).expand(x.shape[0], *out.shape)
-    if frame.mode == "loop" and not torch._C._functorch.is_batchedtensor(x):
+    if frame.mode == "loop" and not is_batched(x):
         return frame.loop.run(x, lambda stacked: exchange(frame, stacked, rule, name))
     if torch.compiler.is_compiling():
         return traced_vmap(frame, x, rule, name, arg)
@@ -114,9 +115,6 @@ def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
 def batched_at_axis(frame: AxisFrame, x: torch.Tensor) -> torch.Tensor:
     """``x`` batched at the axis's own vmap level: a per-example op gives each example its own part, so its vmap rule
     must run there even when every example holds the same ``x`` (adding the zero of a batched index makes it so)."""
-    t = x
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        if torch._C._functorch.is_batchedtensor(t) and torch._C._functorch.maybe_get_level(t) == frame.level:
-            return x
-        t = torch._C._functorch.get_unwrapped(t)
+    if any(is_batched(t) and level_of(t) == frame.level for t in transform_levels(x)):
+        return x
     return x + (frame.index * 0).to(x.dtype)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Nam
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..torch_internals import current_level, is_wrapped, next_sequence_nr, node_metadata, sequence_nr, transform_levels
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.guard import as_is
 from ..wire.link import Link
@@ -80,7 +81,7 @@ class Tracker(TorchFunctionMode):
         self.links = links if parent is None else {**parent.links, **links}
         self.serials = frozenset({self.serial}) | (parent.serials if parent is not None else frozenset())
         self.axes: Axes = frozenset(self.links)
-        self.start = torch._C._autograd._get_sequence_nr()  # autograd nodes numbered from here were made in f
+        self.start = next_sequence_nr()  # autograd nodes numbered from here were made in f
         self.cast: Dict[Tuple[int, Axes], Tuple[torch.Tensor, torch.Tensor]] = {}  # one cast per tensor and axes
         self.entered: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # one alias per tensor from outside f
 
@@ -129,14 +130,12 @@ class Tracker(TorchFunctionMode):
         if found is not None and found[0] in self.serials:
             return found[1]
         # a function transform's wrapper made outside any op this mode saw (torch.vmap's inputs): its tensor's type
-        inner = t
-        while torch._C._functorch.is_functorch_wrapped_tensor(inner):
-            inner = torch._C._functorch.get_unwrapped(inner)
+        for inner in transform_levels(t)[1:]:
             found = inner.__dict__.get(_ATTR)
             if found is not None and found[0] in self.serials:
                 return found[1]
         node = t.grad_fn
-        if node is None or node._sequence_nr() < self.start:
+        if node is None or sequence_nr(node) < self.start:
             return self.parent.of(t) if self.parent is not None and node is not None else NONE
         # made in f by no op this mode saw (torch.vmap's unwrapped outputs): the types its graph's nodes recorded
         axes = _recorded(node, self.serials, self.start)
@@ -151,11 +150,10 @@ class Tracker(TorchFunctionMode):
                 t.__dict__[_ATTR] = (self.serial, axes)
                 # and the tensors under a function transform's wrappers (torch.vmap returns its outputs' own, or views of
                 # them whose graph leads to the nodes recorded here)
-                while torch._C._functorch.is_functorch_wrapped_tensor(t):
-                    t = torch._C._functorch.get_unwrapped(t)
-                    t.__dict__[_ATTR] = (self.serial, axes)
-                    if t.grad_fn is not None:
-                        t.grad_fn.metadata[_ATTR] = (self.serial, axes)
+                for inner in transform_levels(t)[1:]:
+                    inner.__dict__[_ATTR] = (self.serial, axes)
+                    if inner.grad_fn is not None:
+                        node_metadata(inner.grad_fn)[_ATTR] = (self.serial, axes)
         return out
 
     def _cast(self, t: torch.Tensor, axes: Axes) -> torch.Tensor:
@@ -182,9 +180,9 @@ class Tracker(TorchFunctionMode):
         if not requires_grad(t) or not torch.is_grad_enabled():
             return t
         node = t.grad_fn
-        if node is not None and node._sequence_nr() >= self.start:  # made in f by no op this mode saw
+        if node is not None and sequence_nr(node) >= self.start:  # made in f by no op this mode saw
             return t
-        if torch._C._functorch.maybe_current_level() is not None or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if current_level() is not None or is_wrapped(t):
             return t  # under a transform inside f: the graph walk finds the edge, and the call runs unguarded
         self.paused += 1
         try:
@@ -231,10 +229,10 @@ def _recorded(node: Any, serials: FrozenSet[int], start: int) -> Axes:
         if n is None or id(n) in seen:
             continue
         seen.add(id(n))
-        found = n.metadata.get(_ATTR)
+        found = node_metadata(n).get(_ATTR)
         if found is not None and found[0] in serials:
             axes = axes | found[1]
-        elif type(n).__name__ != "AccumulateGrad" and n._sequence_nr() >= start:
+        elif type(n).__name__ != "AccumulateGrad" and sequence_nr(n) >= start:
             todo.extend(f for f, _ in n.next_functions)
     return axes
 

@@ -14,7 +14,7 @@ Imports go down, five levels at most:
    ``compiled`` (inside ``torch.compile``: each step's traced form, beside its eager form in the step's module);
 5. ``api`` (``cmap``, ``Cmapped``), which picks the driver and hands ``compiled`` the eager one.
 
-May import: ``axis``, ``integration``, ``wire`` and the leaf modules. Imported by the package's lazy public names
-(``cmap``), by ``tp`` (``tp/fx.py``: each traced linear layer is a cmap) and by ``shard`` (``shard/api.py``: the closure
-interceptor and walk of ``closures``).
+May import: ``axis``, ``integration``, ``wire`` and the leaf modules (torch's internals only through
+``torch_internals``). Imported by the package's lazy public names (``cmap``), by ``tp`` (``tp/fx.py``: each traced
+linear layer is a cmap) and by ``shard`` (``shard/api.py``: the closure interceptor and walk of ``closures``).
 """

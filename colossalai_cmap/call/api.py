@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..integration.groups import resolve_group
 from ..stats import CallStats, describe
+from ..torch_internals import not_traced
 from ..wire.comm import default_timeout
 from .compiled import eager_fallbacks, run_compiled
 from .dispatch import dispatch
@@ -157,7 +158,7 @@ def _made_eagerly() -> Callable[..., Any]:
         "torch.compile, and pass such a tensor as an argument with in_dims=None, e.g. "
         "f = cmap(lambda v, w: ..., in_dims=(0, None)) and f(x, w) inside the compiled step"
     )
-    return torch._disable_dynamo(make)
+    return not_traced(make)
 
 
 MADE_INSIDE_COMPILE = _made_eagerly()

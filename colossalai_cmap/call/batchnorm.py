@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from ..torch_internals import current_level
 from ..wire.exchange import JoinSpec, Learned, SplitSpec, join, split
 from ..wire.link import Link
 from ..wire.roles import COPY
@@ -116,7 +117,7 @@ class WholeBatch:
 
     def __init__(self, opts: Options, link: Optional[Link], empty: bool, parted: bool) -> None:
         self.opts, self.link, self.empty, self.parted = opts, link, empty, parted
-        self.level = torch._C._functorch.maybe_current_level()  # a transform func opens itself keeps torch's rules
+        self.level = current_level()  # a transform func opens itself keeps torch's rules
         # the whole batch's losses it returned, weakly: a checkpoint's replay holds the mode from the graph
         self.losses: List[weakref.ref] = []
 
@@ -139,7 +140,7 @@ class WholeBatch:
         bound.apply_defaults()
         a = bound.arguments
         x = a["input"]
-        if not a["training"] or torch._C._functorch.maybe_current_level() != self.level:
+        if not a["training"] or current_level() != self.level:
             return func(*args, **kwargs)
         tracked = a["running_mean"] is not None or a["running_var"] is not None
         if self.opts.mode == "loop":
@@ -153,7 +154,7 @@ class WholeBatch:
         return self._normalise(func, args, kwargs, a)
 
     def _loss(self, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        if self.opts.mode != "batched" or self.parted or torch._C._functorch.maybe_current_level() != self.level:
+        if self.opts.mode != "batched" or self.parted or current_level() != self.level:
             return func(*args, **kwargs)
         a = losses.arguments(_LOSS_SIGNATURES[func], args, kwargs)
         if losses.reduction_of(a) != "mean" or not losses.batched(func, a["input"]):

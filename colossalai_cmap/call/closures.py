@@ -26,9 +26,18 @@ from typing import Any, Dict, Iterator, List, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ..digests import digest
+from ..torch_internals import (
+    current_level,
+    dynamo_tracing,
+    level_of,
+    node_metadata,
+    sequence_nr,
+    torch_function_disabled,
+    transform_levels,
+    tree_flatten,
+)
 from ..wire.exchange import JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.link import Link
 from ..wire.roles import COPY
@@ -67,16 +76,7 @@ def recomputes(outputs: Sequence[Any], tag: object, start: int) -> bool:
     return False
 
 
-def _levels(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``t`` and the tensors under its function-transform wrappers: each level has its own autograd graph."""
-    while True:
-        yield t
-        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return
-        t = torch._C._functorch.get_unwrapped(t)
-
-
-MADE = "colossalai_cmap.call"  # Node.metadata key: the call whose loop-mode threads made this node
+MADE = "colossalai_cmap.call"  # autograd node metadata key: the call whose loop-mode threads made this node
 
 
 def _foreign(node: Any, start: int, tag: object) -> bool:
@@ -85,9 +85,9 @@ def _foreign(node: Any, start: int, tag: object) -> bool:
     # A leaf's accumulator may be made lazily, during this call: it is foreign whatever its number says.
     if type(node).__name__ == "AccumulateGrad":
         return True
-    if node._sequence_nr() >= start or getattr(node, "_cmap_tag", None) is tag:
+    if sequence_nr(node) >= start or getattr(node, "_cmap_tag", None) is tag:
         return False
-    return node.metadata.get(MADE) is not tag
+    return node_metadata(node).get(MADE) is not tag
 
 
 class MadeHere(TorchFunctionMode):
@@ -109,9 +109,9 @@ class MadeHere(TorchFunctionMode):
             node = stack.pop()
             if node is None or node in stop or type(node).__name__ == "AccumulateGrad":
                 continue
-            if node.metadata.get(MADE) is self.tag:
+            if node_metadata(node).get(MADE) is self.tag:
                 continue
-            node.metadata[MADE] = self.tag
+            node_metadata(node)[MADE] = self.tag
             stack.extend(n for n, _ in node.next_functions)
         return out
 
@@ -120,13 +120,13 @@ def _nodes(values: Sequence[Any]) -> Iterator[Any]:
     """The autograd nodes of the tensors among ``values``, at every function-transform level."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            for t in _levels(v):
+            for t in transform_levels(v):
                 if t.grad_fn is not None:
                     yield t.grad_fn
 
 
 def _foreign_edges(outputs: Sequence[Any], tag: object, start: int) -> Dict[Any, List[int]]:
-    stack = [lt.grad_fn for t in outputs if isinstance(t, torch.Tensor) for lt in _levels(t) if lt.grad_fn is not None]
+    stack = list(_nodes(outputs))
     stack.reverse()
     seen, edges = set(), {}
     while stack:
@@ -179,7 +179,7 @@ class Interceptor(TorchFunctionMode):
     def __init__(self, tag: object, start: int, link: Link) -> None:
         super().__init__()
         self.tag, self.start, self.link = tag, start, link
-        self.level = torch._C._functorch.maybe_current_level() or 0  # wrappers above it were made in the call
+        self.level = current_level() or 0  # wrappers above it were made in the call
         self.aliases: Dict[int, Any] = {}
         self.unrouted: Dict[int, Any] = {}  # read where no graph is made (a reentrant checkpoint's first run)
         self.replay = False
@@ -202,7 +202,7 @@ class Interceptor(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         # dynamo inspects tensors while tracing: let it see them as they are (the graph walk covers compiled code)
-        if torch._guards.TracingContext.try_get() is not None:
+        if dynamo_tracing():
             return func(*args, **kwargs)
         if func not in _SKIP and getattr(func, "__name__", "") not in _ACCESSORS:
             args = tuple(self._routed(a) for a in args)
@@ -223,23 +223,23 @@ class Interceptor(TorchFunctionMode):
     def _one(self, v: Any) -> Any:
         if not requires_grad(v):
             return v
-        if torch._C._functorch.maybe_get_level(v) > self.level or self._made_here(v):
+        if level_of(v) > self.level or self._made_here(v):
             return v
         found = self.aliases.get(id(v))
         if found is None or found[0] is not v:
             if self.replay and self.unrouted.get(id(v), (None,))[0] is not v:
                 return v
-            if not torch.is_grad_enabled() and torch._C._functorch.maybe_current_level() is None:
+            if not torch.is_grad_enabled() and current_level() is None:
                 self.unrouted[id(v)] = (v,)  # no gradient here; a recomputation with one routes it
                 return v
-            with torch._C.DisableTorchFunction():
+            with torch_function_disabled():
                 alias = split(SplitSpec(self.link, (COPY,), self.tag), [v])[0]
             found = self.aliases[id(v)] = (v, alias)
         return found[1]
 
     def _made_here(self, v: torch.Tensor) -> bool:
         """Whether some level of ``v`` has an autograd node made during this call (the entry's outputs too)."""
-        for t in _levels(v):
+        for t in transform_levels(v):
             node = t.grad_fn
             if node is not None:
                 return not _foreign(node, self.start, self.tag)

@@ -29,6 +29,7 @@ from ..axis import frame as frames
 from ..axis.frame import AxisFrame
 from ..integration.groups import resolve_group
 from ..nesting import start_splitting, stop_splitting
+from ..torch_internals import not_traced
 from ..wire.group import Group
 from ..wire.link import Link
 from ..wire.roles import first_row
@@ -133,7 +134,7 @@ def _eager(driver: Driver, text: str) -> Driver:
         return driver(site, args, kwargs)
 
     run.__name__ = run.__qualname__ = f"cmap runs eagerly, not inside torch.compile: {text}"
-    return torch._disable_dynamo(run)
+    return not_traced(run)
 
 
 def eager_fallbacks(driver: Driver) -> Dict[str, Driver]:

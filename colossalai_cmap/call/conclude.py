@@ -9,10 +9,10 @@ moves, but the round still runs: a failure anywhere must reach every rank.
 from typing import Any, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from ..digests import digest
 from ..errors import CmapError
+from ..torch_internals import tree_flatten
 from ..wire import comm
 from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values, report_failure
 from ..wire.link import Link

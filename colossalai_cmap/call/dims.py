@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import (
+
+from ..torch_internals import (
     SUPPORTED_NODES,
     MappingKey,
     TreeSpec,
-    _broadcast_to_and_flatten,
+    broadcast_to_and_flatten,
     keystr,
     register_pytree_node,
     tree_flatten,
@@ -166,7 +167,7 @@ class FlatArgs:
 
 
 def leaf_paths(spec: TreeSpec) -> List[str]:
-    from torch.utils._pytree import tree_unflatten
+    from ..torch_internals import tree_unflatten
 
     skeleton = tree_unflatten([None] * spec.num_leaves, spec)
     with_path, _ = tree_flatten_with_path(skeleton, is_leaf=lambda x: x is None)
@@ -177,7 +178,7 @@ def _leaf_dims(call: str, in_dims: Any, count: int, spec: TreeSpec) -> List[Any]
     """``in_dims`` broadcast to the ``count`` leaves of the args (it may be a pytree prefix, as vmap takes)."""
     if in_dims is None or isinstance(in_dims, int):
         return [in_dims] * count
-    dims = _broadcast_to_and_flatten(in_dims, spec)
+    dims = broadcast_to_and_flatten(in_dims, spec)
     if dims is None:
         raise ValueError(
             f"{call}: in_dims is not compatible with the structure of `inputs`. in_dims has structure "
@@ -192,7 +193,7 @@ def _keyword_dims(call: str, kwarg_dims: Any, spec: TreeSpec) -> List[Any]:
         return [kwarg_dims] * spec.num_leaves
     dims: List[Any] = []
     for name, child in zip(spec.context, spec.children_specs):
-        found = _broadcast_to_and_flatten(kwarg_dims[name], child)
+        found = broadcast_to_and_flatten(kwarg_dims[name], child)
         if found is None:
             raise ValueError(
                 f"{call}: kwarg_dims[{name!r}] is not compatible with the structure of keyword argument {name!r}. "
@@ -284,7 +285,7 @@ def flatten_out_dims(call: str, out_dims: Any, out_spec: TreeSpec, num_leaves: i
         return [out_dims] * num_leaves
     if out_spec.is_leaf() and isinstance(out_dims, tuple) and len(out_dims) == 1:
         return [out_dims[0]]  # vmap's edge case: a single output with out_dims=(d,)
-    dims = _broadcast_to_and_flatten(out_dims, out_spec)
+    dims = broadcast_to_and_flatten(out_dims, out_spec)
     if dims is None or len(dims) != num_leaves:
         raise ValueError(
             f"{call}: out_dims is not compatible with the structure of `outputs`. out_dims has structure "

@@ -16,12 +16,12 @@ The path (docs/design.md has the picture):
 from typing import Any, Callable, Dict, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .. import faults, stats
 from ..errors import CmapError
 from ..integration.groups import collective_device, resolve_group
 from ..nesting import CONTROL_FLOW, nested_in_split
+from ..torch_internals import tree_flatten
 from ..wire import comm
 from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group

@@ -10,9 +10,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..nesting import tracking
+from ..torch_internals import tree_flatten, tree_unflatten
 from ..wire.exchange import SplitSpec, requires_grad, split
 from ..wire.link import Link
 from ..wire.roles import COPY, KEEP, Role, Rows, first_row

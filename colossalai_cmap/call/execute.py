@@ -7,10 +7,19 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch._functorch import vmap as functorch_vmap
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..axis.frame import AxisFrame
+from ..torch_internals import (
+    TreeSpec,
+    add_batch_dim,
+    batched_inputs,
+    current_level,
+    level_of,
+    remove_batch_dim,
+    tree_flatten,
+    tree_unflatten,
+    vmap_level,
+)
 from .batchnorm import VMAP_REFUSAL, vmap_remedy
 from .dims import KeywordCall, flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .loop import LoopBarrier
@@ -267,7 +276,7 @@ def _vmap(
 
     def indexed(index: Optional[torch.Tensor], *a: Any, **k: Any) -> Any:
         if frame is not None:
-            frame.index, frame.level = index, torch._C._functorch.maybe_current_level()
+            frame.index, frame.level = index, current_level()
         out = func(*a, **k)
         if not place:
             return out
@@ -304,18 +313,18 @@ def run_share_traced(
     if frame is None:
         chunk = opts.chunk_size if rows else None
         return torch.vmap(func, opts.in_dims, opts.out_dims, chunk_size=chunk)(*unflatten(leaves, spec), **kwargs)
-    with functorch_vmap.vmap_increment_nesting(rows, opts.randomness) as level:
+    with vmap_level(rows, opts.randomness) as level:
         frame.level = level
-        frame.index = torch._C._functorch._add_batch_dim(share_indices(frame, rows, share.device()), 0, level)
-        args = functorch_vmap._create_batched_inputs(list(dims), list(leaves), level, spec)
+        frame.index = add_batch_dim(share_indices(frame, rows, share.device()), 0, level)
+        args = batched_inputs(dims, leaves, level, spec)
         return _place_traced(opts, func(*args, **kwargs), level, rows)
 
 
 def _refuse_batched_none(opts: Options, flat: Sequence[Any], dims: Sequence[Any]) -> None:
     """Inside vmap: an out_dims=None output must not depend on this map's examples."""
-    level = torch._C._functorch.maybe_current_level()
+    level = current_level()
     for i, (v, dim) in enumerate(zip(flat, dims)):
-        if dim is None and isinstance(v, torch.Tensor) and torch._C._functorch.maybe_get_level(v) == level:
+        if dim is None and isinstance(v, torch.Tensor) and level_of(v) == level:
             raise ValueError(
                 f"{opts.call}: `{_name(opts)}` can not return a BatchedTensor when out_dim is None (output {i} "
                 f"depends on the example; give it an int out_dim, or reduce it over the axis first, e.g. with psum)."
@@ -360,7 +369,7 @@ def _place_traced(opts: Options, out: Any, level: int, rows: int) -> Any:
                 raise ValueError(f"{opts.call}: output {i} must be a Tensor to be mapped, got {type(v).__name__}.")
             placed.append(v)
         elif d is None:
-            if rows > 1 and torch._C._functorch._remove_batch_dim(v, level, rows, 0).stride(0) != 0:
+            if rows > 1 and remove_batch_dim(v, level, rows, 0).stride(0) != 0:
                 raise ValueError(
                     f"{opts.call}: output {i} depends on the example but its out_dim is None; give it an int "
                     f"out_dim, or reduce it over the axis first, e.g. with psum."
@@ -368,7 +377,7 @@ def _place_traced(opts: Options, out: Any, level: int, rows: int) -> Any:
             placed.append(v)
         else:
             d = normalise_out_dim(opts.call, d, v.dim(), i)
-            placed.append(torch._C._functorch._remove_batch_dim(v, level, rows, d))
+            placed.append(remove_batch_dim(v, level, rows, d))
     return unflatten(placed, spec)
 
 

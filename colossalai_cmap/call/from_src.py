@@ -9,11 +9,11 @@ record as sharing with the other placements, and the call goes on along the one 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .. import faults
 from ..digests import digest
 from ..errors import RankFailure
+from ..torch_internals import tree_flatten
 from ..wire import comm
 from ..wire.link import Link
 from ..wire.roles import first_row

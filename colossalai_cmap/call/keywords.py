@@ -15,8 +15,8 @@ certainly a batch the caller meant to split: :func:`check_whole_keywords` refuse
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
+from ..torch_internals import keystr, tree_flatten, tree_flatten_with_path
 from .dims import FlatArgs, flatten_args, wrap_mappings
 from .options import Options
 from .site import CallSite

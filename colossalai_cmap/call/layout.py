@@ -9,9 +9,9 @@ from functools import cached_property
 from typing import Any, Collection, FrozenSet, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import TreeSpec
 
 from ..digests import digest
+from ..torch_internals import TreeSpec
 from ..wire import comm
 from .dims import leaf_paths
 

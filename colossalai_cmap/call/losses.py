@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn import _reduction
 
+from ..torch_internals import legacy_reduction
 from ..wire.exchange import JoinSpec, SplitSpec, join, split
 from ..wire.link import Link
 from ..wire.roles import COPY
@@ -36,7 +36,7 @@ MEAN_LOSSES = frozenset(
 def reduction_of(kwargs: Dict[str, Any]) -> str:
     """The reduction a loss call asks for: ``reduction``, or the deprecated ``size_average``/``reduce``."""
     if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
-        return _reduction.legacy_get_string(kwargs.get("size_average"), kwargs.get("reduce"))
+        return legacy_reduction(kwargs.get("size_average"), kwargs.get("reduce"))
     return kwargs.get("reduction", "mean")
 
 

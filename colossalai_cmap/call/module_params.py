@@ -16,10 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-try:  # the context manager behind torch.func.functional_call
-    from torch.nn.utils.stateless import _reparametrize_module
-except ImportError:  # pragma: no cover - other torch versions: the closure walk covers the parameters
-    _reparametrize_module = None
+from ..torch_internals import can_reparametrize, reparametrized
 
 
 class References:
@@ -156,7 +153,7 @@ def _kept(value: Any) -> bool:
 
 def modules_of(refs: References) -> List[nn.Module]:
     """The modules func names directly, each once."""
-    if _reparametrize_module is None:
+    if not can_reparametrize():  # other torch versions: the closure walk covers the parameters
         return []
     found: Dict[int, nn.Module] = {}
     for value in refs.values():
@@ -182,5 +179,5 @@ def substituted(modules: List[nn.Module], aliases: Dict[int, torch.Tensor]) -> I
         for m in modules:
             mapping = {n: aliases[id(p)] for n, p in m.named_parameters(remove_duplicate=False) if id(p) in aliases}
             if mapping:
-                stack.enter_context(_reparametrize_module(m, mapping))
+                stack.enter_context(reparametrized(m, mapping))
         yield

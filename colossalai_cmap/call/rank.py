@@ -17,11 +17,11 @@ import contextlib
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import TreeSpec
 
 from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
 from ..nesting import CONTROL_FLOW, splitting, tracking
+from ..torch_internals import TreeSpec, next_sequence_nr, sequence_nr, version_counter
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.guard import guard
 from ..wire.link import Link
@@ -45,7 +45,7 @@ def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayou
     try:
         if faults.ACTIVE:
             faults.check("args", group)
-        start = torch._C._autograd._get_sequence_nr()
+        start = next_sequence_nr()
         entered = enter(opts, site.refs, shares, inputs, link, tag)
         leaves = entered.leaves
         empty, extra = shares.rows == 0 and shares.batch != 0, _extra_rows(opts, shares)
@@ -282,7 +282,7 @@ def _record(opts: Options, flat: List[Any], layout: OutLayout, tag: CallTag, sta
         faults.check("record", link.group)
     for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
         # A replicated output that is itself a closure-captured tensor needs a node of this call to hook.
-        if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or v.grad_fn._sequence_nr() < start):
+        if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or sequence_nr(v.grad_fn) < start):
             flat[i] = v.view_as(v)
     return closures.watch(flat, tag, start, link)
 
@@ -290,13 +290,13 @@ def _record(opts: Options, flat: List[Any], layout: OutLayout, tag: CallTag, sta
 def _versions(opts: Options, shares: Shares, leaves: Sequence[Any]) -> Optional[List[int]]:
     if opts.src is not None:
         return None
-    return [leaves[i]._version if views.plain(leaves[i]) else -1 for i in shares.mapped]
+    return [version_counter(leaves[i]) if views.plain(leaves[i]) else -1 for i in shares.mapped]
 
 
 def _keep_changes(shares: Shares, leaves: Sequence[Any], given: Sequence[Any], versions: List[int]) -> None:
     """func changed in place the rows it was given joined to stand-ins (a copy): into the caller's rows with them."""
     for i, before in zip(shares.mapped, versions):
-        if before >= 0 and given[i]._version != before:
+        if before >= 0 and version_counter(given[i]) != before:
             d = shares.dims[i]
             with torch.no_grad():
                 leaves[i].narrow(d, shares.offset, shares.rows).copy_(given[i].narrow(d, 0, shares.rows))
@@ -307,6 +307,6 @@ def _mutated(versions: Optional[List[int]], leaves: Sequence[Any], shares: Share
         return 0
     mask = 0
     for k, (i, before) in enumerate(zip(shares.mapped, versions)):
-        if before >= 0 and leaves[i]._version != before:
+        if before >= 0 and version_counter(leaves[i]) != before:
             mask |= 1 << k
     return mask

@@ -3,10 +3,9 @@ its failure, what a finished call leaves for the next one, and what the last cal
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from torch.utils._pytree import TreeSpec
-
 from ..errors import RankFailure
 from ..stats import CollectiveLog
+from ..torch_internals import TreeSpec
 from ..wire.link import Link
 
 

@@ -10,9 +10,9 @@ from functools import lru_cache
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ..digests import digest
+from ..torch_internals import TreeSpec, tree_flatten
 from ..wire.group import Group
 from ..wire.roles import first_row, tensor_split_sizes
 from .keywords import flatten_call

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from torch.utils._pytree import TreeSpec
 
+from ..torch_internals import TreeSpec
 from .dims import KeywordCall
 from .module_params import References, reaches_sync_batchnorm, reaches_trainable, reaches_training_batchnorm
 from .options import Options

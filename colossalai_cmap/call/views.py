@@ -21,6 +21,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..digests import digest
+from ..torch_internals import is_wrapped, neg_view
 from .layout import BATCHED, OutLayout
 from .options import Options
 from .records import Shares
@@ -145,16 +146,14 @@ def place(views: Tuple[View, ...], inputs: Sequence[Any], flat: List[Any]) -> No
         if view.conj:
             base = base.conj()
         if view.neg:
-            base = torch._neg_view(base)
+            base = neg_view(base)
         flat[view.leaf] = base.as_strided(view.sizes, view.strides, view.offset)
 
 
 def plain(v: Any) -> bool:
     """A tensor of the caller's own (not functorch-wrapped). Inference tensors keep no version counter: an in-place
     change to one stays on the rank that made it, so it is not one either."""
-    return (
-        isinstance(v, torch.Tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(v) and not v.is_inference()
-    )
+    return isinstance(v, torch.Tensor) and not is_wrapped(v) and not v.is_inference()
 
 
 def _storage(v: torch.Tensor) -> Optional[int]:

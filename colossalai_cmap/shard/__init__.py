@@ -7,6 +7,7 @@ transpose (:mod:`.blocks`), the exit that makes a failure on one rank a failure 
 DTensors in and out (:mod:`.dtensor`), the call lowered to traceable ops inside ``torch.compile`` (:mod:`.compiled`),
 and the public function with the pipeline of one call (:mod:`.api`).
 
-May import: ``call`` (the closure interception, the trainable-parameter check, and the failure record a rank brings
-to the exit), ``axis``, ``integration``, ``wire`` and the leaf modules. Nothing below imports it.
+May import: ``call`` (the closure interception, the trainable-parameter check, and the failure record a rank brings to
+the exit), ``axis``, ``integration``, ``wire`` and the leaf modules (torch's internals only through
+``torch_internals``). Nothing below imports it.
 """

@@ -6,7 +6,6 @@ import functools
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
@@ -18,6 +17,7 @@ from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import collective_device
 from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
+from ..torch_internals import next_sequence_nr, tree_flatten, tree_map, tree_unflatten
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
@@ -242,7 +242,7 @@ def _run_f(
         inputs = dtensor.unwrap_inputs(site.call, args, opts.in_specs, view, opts.mesh, opts.out_dtensor)
         args, out_mesh = inputs.args, inputs.out_mesh
         entered_local = tuple(e or opts.local for e in inputs.entered_local)
-        start = torch._C._autograd._get_sequence_nr()  # after to_local: the DTensors' nodes are outside f
+        start = next_sequence_nr()  # after to_local: the DTensors' nodes are outside f
         places = _placements(site, "in", inputs.specs, args, view, where.manual)
         leaves, tree = tree_flatten(args)
         parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold

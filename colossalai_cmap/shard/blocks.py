@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..torch_internals import outside_transforms
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.link import Link
 from ..wire.roles import COPY, FIRST, ONCE, is_rows
@@ -65,7 +66,7 @@ def block_lengths(values: Sequence[Any], places: Sequence[Placement]) -> Optiona
     lengths = [v.shape[d] for v, p in zip(values, places) if isinstance(v, torch.Tensor) for d, _ in p.split]
     if not lengths:
         return None
-    with torch._C._DisableFuncTorch():  # plain ints, whatever function transform is around the call
+    with outside_transforms():  # plain ints, whatever function transform is around the call
         return torch.tensor([lengths], dtype=torch.int64)
 
 

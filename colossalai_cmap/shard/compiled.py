@@ -31,11 +31,11 @@ compiled cmap.
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
 from ..nesting import start_splitting, stop_splitting
+from ..torch_internals import not_traced, tree_flatten, tree_map, tree_unflatten
 from ..wire.group import Group
 from ..wire.link import Link
 from ..wire.roles import COPY, FIRST, ONCE, SAME, Role, first_row, is_rows
@@ -155,7 +155,7 @@ def eager_fallbacks(driver: Driver) -> Dict[str, Driver]:
             return driver(site, args, kwargs)
 
         run.__name__ = run.__qualname__ = f"shard_map runs eagerly, not inside torch.compile: {text}"
-        return torch._disable_dynamo(run)
+        return not_traced(run)
 
     return {reason: made(text) for reason, text in REASONS.items()}
 

@@ -16,6 +16,7 @@ import torch
 
 from ..call.records import Failed
 from ..errors import CmapError, by_rank, output_name
+from ..torch_internals import outside_transforms
 from ..wire import rounds
 from ..wire.exchange import Exit, JoinSpec, join_values, report_failure
 from ..wire.link import Link
@@ -53,7 +54,7 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
     lengths = [] if outcome.lengths is None else [outcome.lengths]
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
     try:
-        with torch._C._DisableFuncTorch():  # the lengths are plain ints, whatever transform is around the call
+        with outside_transforms():  # the lengths are plain ints, whatever transform is around the call
             got = join_values(JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host=True), lengths)
             return got[0].tolist() if got else []
     except Disagreement as found:

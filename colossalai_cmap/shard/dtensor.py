@@ -13,9 +13,9 @@ import sys
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from ..errors import CmapError, RankFailure
+from ..torch_internals import chunk_size, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten, waited
 from .specs import P, Placement, broadcast_specs
 
 
@@ -103,13 +103,10 @@ class ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, value: Any) -> torch.Tensor:
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
         ctx.layout = (value.device_mesh, tuple(value.placements), value.shape, value.stride())
         with torch.no_grad():
             local = value.to_local()
-        if isinstance(local, AsyncCollectiveTensor):  # a redistribute's result, still in flight
-            local = local.wait()
+        local = waited(local)  # a redistribute's result may still be in flight
         return local.view_as(local)
 
     @staticmethod
@@ -234,8 +231,6 @@ def wrap_outputs(
 def _global_length(call: str, p: Placement, d: int, axes: Sequence[str], view: Any, *, table: Any, col: int) -> int:
     """The global length of dim ``d``: the blocks along ``axes`` summed, after checking, for every rank of the
     mesh, that its block is the one DTensor's layout gives it (so every rank decides alike)."""
-    from torch.distributed.tensor import Shard
-
     everyone = [_coords_of(k, view) for k in range(len(view.grid))]
     rows = {tuple(c.values()): int(table[view.whole_rank(c)][col]) for c in everyone}
     others = [n for n in view.names if n not in axes]
@@ -247,7 +242,7 @@ def _global_length(call: str, p: Placement, d: int, axes: Sequence[str], view: A
     for c in everyone:
         size = total_at(c)
         for a in axes:  # DTensor: torch.chunk over each mesh dim in turn
-            size = Shard._local_shard_size_on_dim(size, view.sizes[a], c[a])[0]
+            size = chunk_size(size, view.sizes[a], c[a])
         if total_at(c) != total or size != rows[tuple(c.values())]:
             raise ValueError(
                 f"{call}: out_specs{p.path} is {p.spec!r}, and the blocks along dim {d} are not a DTensor's: "

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..axis.frame import Joint
 from ..integration.plugins import plugin_mesh
+from ..torch_internals import outside_transforms
 from ..wire.group import Group, group_of
 from ..wire.link import link_for
 
@@ -89,7 +90,7 @@ def resolve_mesh(call: str, mesh: Any) -> MeshView:
         return found[1]
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{call}: shard_map needs torch.distributed initialised (colossalai.launch_from_torch()).")
-    with torch._C._DisableFuncTorch():  # the mesh's own tensors, read on the host, even under torch.func transforms
+    with outside_transforms():  # the mesh's own tensors, read on the host, even under torch.func transforms
         view = _resolve(call, mesh)
     _VIEWS[id(mesh)] = (mesh, view)
     return view

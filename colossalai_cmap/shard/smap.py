@@ -16,16 +16,16 @@ import functools
 from typing import Any, Callable, List, Optional
 
 import torch
-from torch.utils._pytree import (
-    _broadcast_to_and_flatten,
+
+from ..axis import vma
+from ..torch_internals import (
+    broadcast_to_and_flatten,
     tree_flatten,
     tree_leaves,
     tree_map,
     tree_structure,
     tree_unflatten,
 )
-
-from ..axis import vma
 from ..wire.traced import out_of_graph
 from .api import shard_map
 from .mesh import axis_view, in_context, resolve_mesh
@@ -115,7 +115,7 @@ class Smapped:
         def block_fn(*blocks: Any) -> Any:
             out = self.f(*blocks)
             leaves, tree = tree_flatten(out)
-            axes = _broadcast_to_and_flatten(self.out_axes, tree, is_leaf=lambda a: a is None)
+            axes = broadcast_to_and_flatten(self.out_axes, tree, is_leaf=lambda a: a is None)
             if axes is None:  # shard_map says so, with its message
                 return out
             inner = vma.current()
@@ -174,7 +174,7 @@ class Smapped:
 
     def _in_specs(self, args: tuple) -> Any:
         """Each positional argument's spec, from ``in_axes`` (negative dims counted from the end)."""
-        axes = _broadcast_to_and_flatten(self.in_axes, tree_structure(args), is_leaf=lambda a: a is None)
+        axes = broadcast_to_and_flatten(self.in_axes, tree_structure(args), is_leaf=lambda a: a is None)
         if axes is None:
             raise ValueError(
                 f"{self.call}: in_axes={self.in_axes!r} must be an int, None, or a tree prefix of the positional "

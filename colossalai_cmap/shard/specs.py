@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import _broadcast_to_and_flatten, keystr, tree_flatten_with_path, tree_structure
 
+from ..torch_internals import broadcast_to_and_flatten, keystr, tree_flatten_with_path, tree_structure
 from ..wire.roles import COPY, FIRST, Role, Rows, tensor_split_sizes
 
 
@@ -187,7 +187,7 @@ def broadcast_specs(
     def is_leaf(s: Any) -> bool:
         return isinstance(s, P) or (none_is_leaf and s is None)
 
-    found = _broadcast_to_and_flatten(specs, tree_structure(tree), is_leaf=is_leaf)
+    found = broadcast_to_and_flatten(specs, tree_structure(tree), is_leaf=is_leaf)
     if found is None:
         raise ValueError(
             f"{call}: shard_map {kind}_specs must be a tree prefix of {what}: {kind}_specs has structure "

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..torch_internals import current_level, version_counter
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, SplitSpec, join, needs_function, split
 from ..wire.group import Group
@@ -123,7 +124,7 @@ class Entries:
                 f"{CALL}: sequence_parallel=True: layer {path!r} takes this rank's {count} of the {seq.length} "
                 f"positions (dim 1), but got an input of shape {tuple(x.shape)}."
             )
-        state = (x._version, torch.is_grad_enabled(), torch._C._functorch.maybe_current_level())
+        state = (version_counter(x), torch.is_grad_enabled(), current_level())
         hit = self.found.get(id(x))
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]
@@ -162,7 +163,7 @@ class Entries:
     def copy_to_region(self, x: torch.Tensor, link: Link) -> torch.Tensor:
         if link.group.size == 1 or not needs_function([x]):
             return x  # no gradient to sum, or no one to sum it with: f is the identity
-        state = (x._version, torch.is_grad_enabled(), torch._C._functorch.maybe_current_level())
+        state = (version_counter(x), torch.is_grad_enabled(), current_level())
         hit = self.found.get(id(x))
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]

@@ -13,11 +13,11 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..digests import digest
 from ..errors import CmapError
 from ..integration.groups import resolve_group
+from ..torch_internals import tree_flatten
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, join

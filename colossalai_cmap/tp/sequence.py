@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..torch_internals import after_backward, backward_reaches, current_graph_task_id
 from ..wire.comm import default_timeout
 from ..wire.group import Group
 from ..wire.link import Link, link_for
@@ -108,10 +109,10 @@ class GradSums:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if torch.is_grad_enabled() or not _accumulates(node):
                 return all_reduce(link_for(self.group, grad.device, CALL, self.timeout), grad)
-            task = torch._C._current_graph_task_id()
+            task = current_graph_task_id()
             if task not in self.pending:
                 self.pending[task] = []
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.flush(task))
+                after_backward(lambda: self.flush(task))
             self.pending[task].append((p, grad))
             return torch.zeros_like(grad)
 
@@ -138,7 +139,7 @@ def _accumulates(node: Any) -> bool:
     """Whether the running backward accumulates into the leaf of ``node`` (False under ``torch.autograd.grad``,
     which torch does not answer for leaves)."""
     try:
-        return torch._C._will_engine_execute_node(node)
+        return backward_reaches(node)
     except RuntimeError:  # "... we are currently running autograd.grad()"
         return False
 

@@ -11,6 +11,7 @@ One module per concept, imports going down:
 4. :mod:`.exchange` (``Split`` and ``Join``, the two primitives every layer above uses, and their plain sides);
 5. :mod:`.native` (collectives at their native algorithm's cost, no round) and :mod:`.guard` (the guarded backward).
 
-May import: torch, and the package's leaf modules (``errors``, ``faults``, ``stats``, ``digests``). Never the layers
-above it (``call``, ``axis``, ``tp``, ``integration``): a round returns what it learned, and its caller decides.
+May import: torch, and the package's leaf modules (``errors``, ``faults``, ``stats``, ``digests``, ``nesting``,
+``torch_internals``); torch's internals only through ``torch_internals``. Never the layers above it (``call``, ``axis``,
+``tp``, ``integration``): a round returns what it learned, and its caller decides.
 """

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .. import stats
 from ..digests import tensor_crc
 from ..errors import CmapError
+from ..torch_internals import outside_transforms
 from . import presence
 from .group import Group, kept_groups, state_of
 
@@ -309,7 +310,7 @@ def _decode(t: torch.Tensor) -> Any:
 def _plain_tensors() -> Iterator[None]:
     """Where the object verbs make their byte tensors: plain ones, even inside a torch.func transform (a wrapped
     tensor has no storage to read back) or under ``inference_mode``."""
-    with torch.inference_mode(False), torch._C._DisableFuncTorch(), torch.no_grad():
+    with torch.inference_mode(False), outside_transforms(), torch.no_grad():
         yield
 
 

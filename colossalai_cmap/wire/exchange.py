@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from .. import faults
 from ..errors import CmapError, RankFailure
+from ..torch_internals import backward_running, current_level, in_forward_ad, transform_levels
 from . import rounds
 from .link import Link, pack_payload, unpack_payload
 from .roles import (
@@ -217,7 +217,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     except Exception as exc:
         failure, cause = group.failure(exc), exc
     ch = link.channel()
-    if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
+    if spec.kind == Kind.SYNC and backward_running():
         ch.open_backward()
     early = rounds.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
@@ -328,16 +328,12 @@ def requires_grad(t: Any) -> bool:
     """Whether ``t`` requires grad at any autograd level (a vmap wrapper hides its inner tensor's flag)."""
     if not isinstance(t, torch.Tensor):
         return False
-    while not t.requires_grad:
-        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return False
-        t = torch._C._functorch.get_unwrapped(t)
-    return True
+    return any(level.requires_grad for level in transform_levels(t))
 
 
 def needs_function(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the Function machinery is needed: a derivative to track, or a function transform to obey."""
-    if torch._C._functorch.maybe_current_level() is not None:
+    if current_level() is not None:
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -358,7 +354,7 @@ def split(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tenso
 def _non_differentiable(ctx: Any, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
     """Outputs that carry no derivative, as vmap's would: integer ones, and (outside function transforms and
     forward-mode AD) those whose input needs none, so that ``requires_grad`` comes back as the input had it."""
-    plain = torch._C._functorch.maybe_current_level() is None and fwAD._current_level < 0
+    plain = current_level() is None and not in_forward_ad()
     fixed = [
         o
         for o, x in zip(outputs, inputs)

@@ -35,8 +35,8 @@ import contextlib
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
+from ..torch_internals import after_backward, current_level, in_forward_ad, is_wrapped
 from . import rounds
 from .exchange import CallTag, Entry, JoinSpec, join
 from .link import Link
@@ -130,19 +130,14 @@ class _AsIs(torch.autograd.Function):
 def _plain_autograd() -> bool:
     return (
         torch.is_grad_enabled()
-        and torch._C._functorch.maybe_current_level() is None
-        and fwAD._current_level < 0
+        and current_level() is None
+        and not in_forward_ad()
         and not torch.is_inference_mode_enabled()
     )
 
 
 def _guardable(v: Any) -> bool:
-    return (
-        isinstance(v, torch.Tensor)
-        and v.requires_grad
-        and v.grad_fn is not None
-        and not torch._C._functorch.is_functorch_wrapped_tensor(v)
-    )
+    return isinstance(v, torch.Tensor) and v.requires_grad and v.grad_fn is not None and not is_wrapped(v)
 
 
 class _Guard(torch.autograd.Function):
@@ -228,4 +223,4 @@ def _let_go_unless_retained(ctx: Any, graph: _Graph) -> None:
         except RuntimeError:  # released: the outer graph was not retained
             graph.outs = None
 
-    torch.autograd.Variable._execution_engine.queue_callback(check)
+    after_backward(check)

@@ -38,6 +38,7 @@ import numpy
 import torch
 
 from ..digests import digest
+from ..torch_internals import after_backward, outside_transforms
 from .group import Group, host_of, host_plane_forced, state_of
 from .roles import COPY, FIRST, MAX, MIN, Role, is_rows
 
@@ -77,7 +78,7 @@ class Channel:
         total = HEADER_BYTES + self.payload_bytes
         # written later under any mode, so never an inference tensor, and plain even when a round resizes them
         # inside a torch.func transform (a functorch-wrapped buffer has no storage to read the table from)
-        with torch.inference_mode(False), torch._C._DisableFuncTorch():
+        with torch.inference_mode(False), outside_transforms():
             self.send = torch.zeros(total, dtype=torch.uint8, device=self.device)
             self.recv = torch.empty((self.size, total), dtype=torch.uint8, device=self.device)
             self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
@@ -100,7 +101,7 @@ class Channel:
         def closed() -> None:
             self.backward_open = False
 
-        torch.autograd.Variable._execution_engine.queue_callback(closed)
+        after_backward(closed)
 
     def agree(self, need: int) -> None:
         """After a round: the payload size of the next one, from the largest block any rank needed in this one."""

@@ -41,6 +41,7 @@ import torch
 
 from .. import faults
 from ..digests import digest
+from ..torch_internals import backward_running
 from . import comm, rounds
 from .exchange import needs_function
 from .link import Link
@@ -77,7 +78,7 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
             faults.check("backward" if spec.kind == Kind.SYNC else "pack", group)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    if spec.kind == Kind.SYNC and torch._C._current_graph_task_id() >= 0:
+    if spec.kind == Kind.SYNC and backward_running():
         spec.link.channel().open_backward()
     # what every rank of the group shares (an all-to-all's row counts are this rank's own)
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))

@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch.distributed as dist
 
+from ..torch_internals import default_store
+
 ENABLED = os.environ.get("COLOSSALAI_CMAP_PRESENCE", "1") != "0"
 TICK = float(os.environ.get("COLOSSALAI_CMAP_PRESENCE_TICK", "0.25"))  # seconds between the publisher's looks
 MAX_AGE = 5.0  # seconds: how stale a published record may get while this process keeps making collectives
@@ -122,7 +124,7 @@ def _snapshot() -> Tuple[Dict[str, tuple], str]:
 
 def _store() -> Optional[Any]:
     try:
-        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        return default_store() if dist.is_initialized() else None
     except (RuntimeError, ValueError):  # torch.distributed is being torn down
         return None
 

@@ -1,5 +1,5 @@
 """``Split`` and ``Join`` inside ``torch.compile``: each role of :mod:`.roles` written with functional collectives
-(``torch.distributed._functional_collectives``), which dynamo traces into the graph, as an autograd Function whose
+(``torch_internals.functional_*``), which dynamo traces into the graph, as an autograd Function whose
 backward is the other one's role (its transpose), so a compiled cmap's gradients are the eager ones.
 
 No status round, no bounded wait, no presence tracking and no count of collectives: inside a graph a collective is
@@ -11,6 +11,13 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from ..torch_internals import (
+    differentiable_all_gather,
+    functional_all_gather_op,
+    functional_all_reduce,
+    functional_broadcast,
+    not_traced,
+)
 from .roles import COPY, FIRST, FRACTION, IN_PLACE, Role, first_row, is_rows, join_transpose, split_transpose
 
 SPLIT, JOIN = "split", "join"
@@ -18,18 +25,12 @@ SPLIT, JOIN = "split", "join"
 
 def _gather_rows(t: torch.Tensor, dim: int, sizes: Tuple[int, ...], pg: Any) -> torch.Tensor:
     """Every rank's rows along ``dim``, in rank order: one all-gather of shares padded to the largest."""
-    import torch.distributed._functional_collectives as fc
-
     cap, n = max(sizes), t.shape[dim]
     if n < cap:
         pad = list(t.shape)
         pad[dim] = cap - n
         t = torch.cat([t, t.new_zeros(pad)], dim)
-    # the op under fc.all_gather_tensor, whose contiguity assert dynamo cannot trace in a backward
-    gathered = torch.ops._c10d_functional.all_gather_into_tensor(
-        t.movedim(dim, 0).contiguous(), len(sizes), fc._resolve_group_name(pg, "")
-    )
-    full = fc.wait_tensor(gathered).movedim(0, dim)
+    full = functional_all_gather_op(t.movedim(dim, 0).contiguous(), len(sizes), pg).movedim(0, dim)
     full_ranks = len(sizes) - len([k for k in sizes if k < cap])
     if all(k == cap for k in sizes[:full_ranks]) and all(k == 0 for k in sizes[full_ranks + 1 :]):
         # torch.chunk's shares (full ones, then one short, then empty): the result is the buffer's first rows
@@ -39,16 +40,14 @@ def _gather_rows(t: torch.Tensor, dim: int, sizes: Tuple[int, ...], pg: Any) -> 
 
 def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Tensor:
     """``t`` through a ``Split`` (global to per rank) or a ``Join`` (per rank to global) of ``role`` on ``pg``."""
-    import torch.distributed._functional_collectives as fc
-
     if is_rows(role):
         if way == JOIN:
             return _gather_rows(t, role.dim, tuple(role.sizes), pg)
         return t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank])
     if way == JOIN and role == COPY:
-        return fc.all_reduce(t.contiguous(), "sum", pg)
+        return functional_all_reduce(t.contiguous(), "sum", pg)
     if way == JOIN and role == FIRST:  # rank 0's value, on every rank
-        return fc.broadcast(t.contiguous(), 0, pg)
+        return functional_broadcast(t.contiguous(), 0, pg)
     if role == FIRST:
         return t.clone() if rank == 0 else torch.zeros_like(t)
     if role == FRACTION:
@@ -91,13 +90,7 @@ def gather_under_vmap(t: torch.Tensor, pg: Any) -> torch.Tensor:
     Function can run in a compiled graph (functorch asks for ``setup_context``, which dynamo does not trace): the
     all-gather op with its own autograd kernel (backward: a reduce-scatter of the cotangents), waited on outside
     autograd, which has no kernel for the wait."""
-    import torch.distributed._functional_collectives as fc
-
-    size = torch.distributed.get_world_size(pg)
-    pending = torch.ops._c10d_functional_autograd.all_gather_into_tensor(
-        t.contiguous(), size, fc._resolve_group_name(pg, "")
-    )
-    done = fc.wait_tensor(pending.detach())
+    pending, done = differentiable_all_gather(t.contiguous(), torch.distributed.get_world_size(pg), pg)
     # done's values with pending's gradient: the difference is exactly zero where finite, and done is kept as is
     # where it is not (an infinite sum stays infinite, with no gradient, instead of inf - inf)
     return torch.where(done.isfinite(), pending + (done - pending).detach(), done)
@@ -111,4 +104,4 @@ def out_of_graph(fn: Callable[..., Any], why: str) -> Callable[..., Any]:
         return fn(*args)
 
     run.__name__ = run.__qualname__ = why
-    return torch._disable_dynamo(run)
+    return not_traced(run)
