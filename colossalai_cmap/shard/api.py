@@ -231,6 +231,17 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
     return tree_unflatten(flat, out_tree)
 
 
+def _refuse_untyped_recomputation(site: ShardMapped, flat: List[Any], tag: CallTag, start: int) -> None:
+    """A reentrant checkpoint inside a typed f recomputes it in backward on detached inputs, which carry no
+    varying-axis types: refused, on every rank (the exit carries the error)."""
+    if tracking() and closures.recomputes(flat, tag, start):
+        raise ValueError(
+            f"{site.call}: torch.utils.checkpoint(..., use_reentrant=True) inside f recomputes it in backward "
+            f"on detached inputs, which carry no varying-axis types; use use_reentrant=False (as jax's "
+            f"checkpoint does), or check_vma=False."
+        )
+
+
 def _run_f(
     site: ShardMapped, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> Tuple[Outcome, Any, List[Placement], Any]:
@@ -275,12 +286,7 @@ def _run_f(
         flat, out_tree = tree_flatten(out)
         if typer is not None:
             _check_vma(site, typer, flat, out_places, view)
-            if tracking() and closures.recomputes(flat, tag, start):
-                raise ValueError(
-                    f"{site.call}: torch.utils.checkpoint(..., use_reentrant=True) inside f recomputes it in backward "
-                    f"on detached inputs, which carry no varying-axis types; use use_reentrant=False (as jax's "
-                    f"checkpoint does), or check_vma=False."
-                )
+            _refuse_untyped_recomputation(site, flat, tag, start)
             flat = _varied(typer, flat, out_places)
         replay = intercept.replaying if intercept is not None else None  # a recomputation in backward
         flat, graph_sig = _guarded(flat, typer is not None, tag, start, whole, replay)
