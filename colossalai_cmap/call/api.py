@@ -1,5 +1,6 @@
-"""The public ``cmap`` function: its arguments, docstring and decorator forms. The mechanics start in a driver:
-``dispatch``, or ``compiled`` inside ``torch.compile``."""
+"""The public ``cmap`` function: its arguments, docstring and decorator forms; and cmap's kind of map call, the steps
+the engine's two drivers run (:mod:`~colossalai_cmap.engine.driver`): ``dispatch`` (the group, the shares, the fast
+path), ``rank`` (this rank's part), ``conclude`` (the exit) and, inside ``torch.compile``, ``compiled``."""
 
 import functools
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -7,32 +8,98 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .. import faults
+from ..engine.driver import EagerKind, Entered, TracedKind, eager_fallbacks, run_compiled, run_eager
+from ..engine.records import Failed
 from ..integration.groups import resolve_group
 from ..stats import CallStats, describe
-from ..torch_internals import not_traced
 from ..wire.comm import default_timeout
-from .compiled import eager_fallbacks, run_compiled
-from .dispatch import dispatch
+from ..wire.traced import out_of_graph
+from . import compiled, dispatch, rank
+from .conclude import conclude, conclude_traced
+from .dispatch import Call, Whole
 from .keywords import as_positional, keyword_batch
 from .options import Options, make_options
+from .records import Inputs, Outputs
 from .site import CallSite
 
 __all__ = ["cmap", "Cmapped"]
 
 
+class _Eager(EagerKind):
+    """cmap's steps, as the engine's eager driver runs them: on any group, or alone (an unwired link)."""
+
+    def communicate(self, site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
+        return dispatch.communicate(site, args, kwargs)
+
+    def inputs(self, site: CallSite, call: Call, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        return dispatch.inputs(site, call, args, kwargs)
+
+    def enter(self, site: CallSite, call: Call, inputs: Any) -> Any:
+        if faults.ACTIVE:
+            faults.check("args", call.link.group)
+        return inputs
+
+    def run(self, site: CallSite, call: Call, inputs: Any, tag: Any, start: int) -> Any:
+        if isinstance(inputs, Whole):  # alone, repeated, nothing around func: the cmap's own torch.vmap
+            return site.vmapped()(*inputs.args, **inputs.kwargs)
+        return rank.run_rank(site, inputs, call.link, call.fast.layout if call.fast is not None else None, tag, start)
+
+    def failed(self, site: CallSite, call: Call, exc: BaseException) -> Failed:
+        return rank.failed(site, call.link, exc)
+
+    def conclude(self, site: CallSite, call: Call, inputs: Union[Inputs, Whole], result: Any) -> Any:
+        if isinstance(result, Failed):
+            dispatch.raise_failed(call, result)
+        if isinstance(inputs, Whole):
+            return result
+        out: Outputs = result
+        return dispatch.finished(site, call, inputs, out, conclude(site.options, inputs.shares, out, inputs, call.link))
+
+    def finish(self, site: CallSite, call: Call) -> None:
+        dispatch.finish(site, call)
+
+
+class _Traced(TracedKind):
+    """cmap's steps inside ``torch.compile``, as the engine's compiled driver runs them."""
+
+    def communicate(self, site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> CallSite:
+        return site  # every rank of the group takes part; the group is resolved after the checks
+
+    def unsupported(self, site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+        if keyword_batch(site.options, args, kwargs):
+            return "keywords"
+        return compiled.unsupported(site)
+
+    def enter(self, site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
+        return compiled.enter(site, args, kwargs)
+
+    def run(self, site: CallSite, where: Any, entered: Entered) -> Any:
+        return compiled.run(site, entered.inputs)
+
+    def conclude(self, site: CallSite, where: Any, entered: Entered, out: Any) -> Any:
+        traced = entered.inputs
+        return conclude_traced(site.options, out, traced.sizes, traced.pg, traced.rank)
+
+
+EAGER = _Eager()
+
+
 def _eager(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """The eager call: mapped keywords made positional (:mod:`.keywords`), then the eager driver."""
-    batch = as_positional(site, args, kwargs)
+    """The eager call: mapped keywords made positional (:mod:`.keywords`), on a site of their own, then the eager
+    driver."""
+    batch = as_positional(site.options, args, kwargs)
     if batch is None:
-        return dispatch(site, args, kwargs)
+        return run_eager(EAGER, site, args, kwargs)
+    keyed = site.with_keywords(batch.dims)
     try:
-        return dispatch(*batch)
+        return run_eager(EAGER, keyed, batch.args, batch.kwargs)
     finally:
-        site.last = batch.site.last
+        site.last = keyed.last
 
 
-# The eager driver, out of the graph, for what only it does (made once, outside any graph: dynamo only calls it).
-_EAGER = eager_fallbacks(_eager)
+# The eager call, out of the graph, for what only it does (made once, outside any graph: dynamo only calls it).
+TRACED = _Traced(eager_fallbacks(_eager, "cmap", compiled.REASONS))
 
 
 def cmap(
@@ -145,23 +212,14 @@ def cmap(
     return Cmapped(func, opts)
 
 
-def _made_eagerly() -> Callable[..., Any]:
-    """``cmap`` out of the graph, as one graph break. Under ``fullgraph=True`` dynamo's error shows this function's
-    name, so the name says why and what to do."""
-
-    def make(*args: Any, **kwargs: Any) -> Any:
-        return cmap(*args, **kwargs)
-
-    make.__name__ = make.__qualname__ = (
-        "cmap(...) is made inside the compiled function, where dynamo cannot read the closures of func (a tensor "
-        "func closes over that requires grad needs its gradient summed over the ranks): make the cmap outside "
-        "torch.compile, and pass such a tensor as an argument with in_dims=None, e.g. "
-        "f = cmap(lambda v, w: ..., in_dims=(0, None)) and f(x, w) inside the compiled step"
-    )
-    return not_traced(make)
-
-
-MADE_INSIDE_COMPILE = _made_eagerly()
+# cmap out of the graph, as one graph break; under ``fullgraph=True`` dynamo's error shows the name, which says why.
+MADE_INSIDE_COMPILE = out_of_graph(
+    lambda *args, **kwargs: cmap(*args, **kwargs),
+    "cmap(...) is made inside the compiled function, where dynamo cannot read the closures of func (a tensor "
+    "func closes over that requires grad needs its gradient summed over the ranks): make the cmap outside "
+    "torch.compile, and pass such a tensor as an argument with in_dims=None, e.g. "
+    "f = cmap(lambda v, w: ..., in_dims=(0, None)) and f(x, w) inside the compiled step",
+)
 
 
 class Cmapped:
@@ -180,9 +238,7 @@ class Cmapped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            if keyword_batch(self.options, args, kwargs):
-                return _EAGER["keywords"](self._site, args, kwargs)
-            return run_compiled(self._site, args, kwargs, _EAGER)
+            return run_compiled(TRACED, self._site, args, kwargs)
         return _eager(self._site, args, kwargs)
 
     def __repr__(self) -> str:

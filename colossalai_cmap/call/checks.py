@@ -4,9 +4,10 @@ They read only the table, which every rank holds whole, so every rank reaches th
 error, before any data moves.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
-from ..errors import CmapError, by_rank, output_name
+from ..engine.exit import differing, outputs_differ
+from ..errors import CmapError
 from ..wire.rounds import Disagreement, Header
 from .layout import LeafSeen
 from .options import Options
@@ -49,13 +50,8 @@ def _inputs_error(opts: Options, table: Sequence[Header]) -> CmapError:
 def _layout_error(opts: Options, table: Sequence[Header], seen: Optional[Sequence[Tuple[LeafSeen, ...]]]) -> CmapError:
     detail, differ = "", None
     if seen:
-        differ = _differing(seen)
-        if differ is None:  # different structures: every rank's outputs
-            detail = by_rank([", ".join(f"{output_name(leaf.path)} {leaf.shown}" for leaf in m) for m in seen], "; ")
-        else:
-            detail = "; ".join(
-                f"{output_name(seen[0][i].path)}: " + by_rank([m[i].shown for m in seen]) for i in differ
-            )
+        differ = differing(seen, LeafSeen.agrees)
+        detail = outputs_differ(seen, differ)  # with different structures, every rank's outputs
     if not detail:  # the same outputs, different views of the inputs (or nothing fetched): the digests
         detail = "layout digests " + ", ".join(f"group rank {r}: {h.digest:#x}" for r, h in enumerate(table))
     fix = "Make every rank's output the same shape, dtype and structure (apart from its rows, whose count may differ)."
@@ -72,13 +68,6 @@ def _layout_error(opts: Options, table: Sequence[Header], seen: Optional[Sequenc
         f"cmap joins every rank's rows into one result, so every example's output needs one shape, dtype and "
         f"structure, as in one process. {fix}"
     )
-
-
-def _differing(seen: Sequence[Tuple[LeafSeen, ...]]) -> Optional[List[int]]:
-    """The output leaves whose ranks disagree; None where the ranks' output structures differ."""
-    if len({tuple(leaf.path for leaf in mine) for mine in seen}) > 1:
-        return None
-    return [i for i in range(len(seen[0])) if not all(mine[i].agrees(seen[0][i]) for mine in seen)]
 
 
 def _graph_error(opts: Options, table: Sequence[Header]) -> CmapError:

@@ -1,7 +1,8 @@
 """A call inside ``torch.compile``: the cmap lowered to plain traceable ops, so that dynamo traces
 ``torch.compile(cmap(f), fullgraph=True)`` into one graph.
 
-The pipeline (:func:`run_compiled`), with the eager path's split and roles but no round of its own:
+cmap's steps as the engine's compiled driver runs them (:func:`~colossalai_cmap.engine.driver.run_compiled`; ``api``
+holds cmap's kind), with the eager path's split and roles but no round of its own:
 
 1. Refuse what needs the eager orchestration (:func:`unsupported`): ``src``, ``dst=r``, loop mode, random draws,
    ``check_inputs``, a cmap nested in another's func, closure-captured tensors that need a gradient, and in batched
@@ -11,7 +12,7 @@ The pipeline (:func:`run_compiled`), with the eager path's split and roles but n
    (:mod:`~colossalai_cmap.wire.traced`): rows all-gathered in backward, other tensors' gradients summed.
 4. Run func under ``torch.vmap`` (or batched) with the axis frame open, so the named-axis ops inside it lower to
    functional collectives (:mod:`~colossalai_cmap.axis.ops`). An empty share runs one stand-in example, as eagerly.
-5. Exit: batched outputs all-gathered along their out-dim through a traced ``Join`` (``dst=-1``), or kept
+5. Exit (``conclude.conclude_traced``): batched outputs all-gathered along their out-dim through a traced ``Join`` (``dst=-1``), or kept
    (``dst="local"``); ``out_dims=None`` outputs through a ``SAME`` or ``ONCE`` Join, counted once in backward.
 
 What changes against eager cmap (docs/collectives.md, "torch.compile"): no status round, so an error on one rank is
@@ -20,20 +21,18 @@ pass the same inputs or to compute the same output layout; shapes are fixed per 
 for new ones).
 """
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
+from ..engine.driver import Entered
 from ..integration.groups import resolve_group
-from ..nesting import start_splitting, stop_splitting
-from ..torch_internals import not_traced
 from ..wire.group import Group
 from ..wire.link import Link
 from ..wire.roles import first_row
-from .conclude import conclude_traced
 from .entry import enter_kwargs_traced, enter_traced, first_example
 from .execute import Share, run_share_traced
 from .keywords import flatten_call
@@ -41,16 +40,25 @@ from .options import Options
 from .shares import share_sizes
 from .site import CallSite
 
-Driver = Callable[[CallSite, Tuple[Any, ...], Dict[str, Any]], Any]
+
+class Traced(NamedTuple):
+    """This rank's part of a compiled call: its share (mapped inputs entered, a stand-in example after an empty
+    share's), the keywords entered, the axis frame (or None), and what the exit needs: every rank's rows, the process
+    group the outputs are joined over (None where nothing moves) and this rank's place in it."""
+
+    share: Share
+    kwargs: Dict[str, Any]
+    frame: Optional[AxisFrame]
+    sizes: Tuple[int, ...]
+    pg: Any
+    rank: int
 
 
-def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], eager: Dict[str, Driver]) -> Any:
-    """One call of the cmap ``site`` as traceable ops; returns what eager cmap returns on this rank. ``eager`` holds
-    the eager driver out of the graph, per reason (:func:`eager_fallbacks`), for what only it does."""
+def enter(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
+    """The eager call's shares, from static shapes (each rank maps the same rows), entered as traceable ops; the
+    axis frame func runs in; every rank marked as splitting (this rank's group members are not known inside the
+    graph, and a plain vmap, which a cmap nested in func runs as, eagerly, gives the same values)."""
     opts = site.options
-    reason = unsupported(site)
-    if reason is not None:
-        return eager[reason](site, args, kwargs)
     pg = process_group(opts)
     rank, size = (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))
     flat = flatten_call(opts, site.func, args, kwargs)
@@ -66,25 +74,23 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
             for v, a, d in zip(leaves, flat.leaves, flat.dims)
         ]
     share = Share(leaves, tuple(flat.dims), flat.spec, max(rows, 1) if stand_in else rows)
-    frame = None
+    frame, opened = None, ()
     if opts.axis_name is not None:
         link = None if pg is None else Link(Group(pg, rank, size, ()), share.device(), opts.call, opts.timeout)
-        frame = AxisFrame(link, flat.batch_size, offset, sizes, opts.mode, stand_in)
-        frames.push(opts.axis_name, frame)
-    # A cmap nested in func runs eagerly (a graph break) and, seeing this, as plain torch.vmap here. Every rank is
-    # marked: this rank's group members are not known inside the graph, and a plain vmap gives the same values.
-    start_splitting(tuple(range(dist.get_world_size())) if size > 1 else ())
-    try:
-        out = run_share_traced(opts, site.body, share, kwargs, frame)
-    finally:
-        stop_splitting()
-        if frame is not None:
-            frames.pop(opts.axis_name, finished=False)
-    return conclude_traced(opts, out, sizes, pg if size > 1 else None, rank)
+        frame = AxisFrame(link=link, size=flat.batch_size, offset=offset, sizes=sizes, mode=opts.mode, dummy=stand_in)
+        opened = ((opts.axis_name, frame),)
+    splitting = tuple(range(dist.get_world_size())) if size > 1 else ()
+    traced = Traced(share, kwargs, frame, sizes, pg if size > 1 else None, rank)
+    return Entered(traced, opened, splitting)
+
+
+def run(site: CallSite, traced: Traced) -> Any:
+    """func on the share, under ``torch.vmap``'s own steps (or batched), with the frame open."""
+    return run_share_traced(site.options, site.body, traced.share, traced.kwargs, traced.frame)
 
 
 def unsupported(site: CallSite) -> Optional[str]:
-    """What of this call only the eager orchestration does (a key of :data:`EAGER_ONLY`), or None."""
+    """What of this call only the eager orchestration does (a key of :data:`REASONS`), or None."""
     opts = site.options
     if opts.src is not None:
         return "src"
@@ -110,7 +116,7 @@ def _across(opts: Options) -> bool:
     return pg is not None and dist.get_world_size(pg) > 1
 
 
-_REASONS = {
+REASONS = {
     "src": "src=r or src='local' moves the inputs in the status protocol",
     "dst": "dst=r gives one rank the result",
     "loop": "mode='loop' runs its examples in threads",
@@ -124,23 +130,6 @@ _REASONS = {
     ),
     "batchnorm": "a BatchNorm in training mode takes its statistics over the whole batch, across the group",
 }
-
-
-def _eager(driver: Driver, text: str) -> Driver:
-    """The eager call, out of the graph: a graph break, or with ``fullgraph=True`` dynamo's error, which shows this
-    function's name, so the name says why."""
-
-    def run(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        return driver(site, args, kwargs)
-
-    run.__name__ = run.__qualname__ = f"cmap runs eagerly, not inside torch.compile: {text}"
-    return not_traced(run)
-
-
-def eager_fallbacks(driver: Driver) -> Dict[str, Driver]:
-    """The eager ``driver`` out of the graph, once per reason of :func:`unsupported`. Make them once, outside any
-    graph: dynamo only calls them."""
-    return {reason: _eager(driver, text) for reason, text in _REASONS.items()}
 
 
 def process_group(opts: Options) -> Optional[Any]:

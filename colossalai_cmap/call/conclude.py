@@ -6,33 +6,34 @@ outputs that view the caller's inputs are those views (:mod:`views`), with no da
 moves, but the round still runs: a failure anywhere must reach every rank.
 """
 
+import functools
 from typing import Any, Sequence, Tuple
 
 import torch
 
 from ..digests import digest
+from ..engine.exit import agreed
 from ..errors import CmapError
 from ..torch_internals import tree_flatten
 from ..wire import comm
-from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values, report_failure
+from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values
 from ..wire.link import Link
 from ..wire.roles import KEEP, ONCE, SAME, Rows
-from ..wire.rounds import Disagreement, Kind, Status, gather_objects
+from ..wire.rounds import Kind, Status
 from ..wire.traced import traced_join
 from .checks import agreed_fields, explain
 from .dims import flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .entry import needs_grad_traced
 from .layout import BATCHED, replicated_checksums, seen_outputs
 from .options import Options
-from .records import Failed, Inputs, Outputs, Shares
+from .records import Inputs, Outputs, Shares
 from .views import place, signature
 
 
-def conclude(opts: Options, shares: Shares, result: Any, inputs: Inputs, link: Link) -> Any:
-    """The exit on this rank; returns the call's result (None off ``dst``), or raises what every rank raises."""
-    if isinstance(result, Failed):
-        report_failure(JoinSpec(link, (), kind=Kind.STATUS), result.failure, result.cause)
-    out: Outputs = result
+def conclude(opts: Options, shares: Shares, out: Outputs, inputs: Inputs, link: Link) -> Any:
+    """The exit on this rank, after this rank's part returned ``out``; returns the call's result (None off ``dst``),
+    or raises what every rank raises. (A failed part's exit is the engine's :func:`~colossalai_cmap.engine.exit.raise_failed`.)
+    """
     if not link.wired:  # alone: nothing to agree on, move or write back, and this rank is every dst
         return unflatten(out.flat, out.spec)
     tensors, roles = out.layout.tensors, _roles(opts, shares, out, out.layout.tensors)
@@ -43,16 +44,8 @@ def conclude(opts: Options, shares: Shares, result: Any, inputs: Inputs, link: L
     learned = Learned()
     exit_ = _exit(opts, shares, out, inputs)
     spec = JoinSpec(link, roles, "the outputs", Kind.STATUS, _dst(opts), exit_, learned=learned)
-    try:
-        got = join(spec, [out.flat[i] for i in tensors])
-    except Disagreement as found:
-        # every rank read the same table, so every rank fetches the details (one collective) or none does
-        every = None
-        if found.field == "values":
-            every = _all_checksums(out, link)
-        elif found.field == "digest":
-            every = gather_objects(link, seen_outputs(out.flat, out.layout))
-        raise explain(opts, found, every) from None
+    details = {"values": lambda: _checksums(out), "digest": lambda: seen_outputs(out.flat, out.layout)}
+    got = agreed(lambda: join(spec, [out.flat[i] for i in tensors]), link, details, functools.partial(explain, opts))
     mask = 0
     for h in learned.table:
         mask |= h.flags
@@ -90,10 +83,9 @@ def _dst(opts: Options) -> int:
     return opts.dst if isinstance(opts.dst, int) else -1
 
 
-def _all_checksums(out: Outputs, link: Link) -> Any:
-    """Every rank's out_dims=None checksums (the error path of check_inputs)."""
-    mine = () if out.empty else replicated_checksums(out.flat, out.layout)
-    return gather_objects(link, mine)
+def _checksums(out: Outputs) -> Any:
+    """This rank's out_dims=None checksums, which every rank sends on the error path of check_inputs."""
+    return () if out.empty else replicated_checksums(out.flat, out.layout)
 
 
 def _exit(opts: Options, shares: Shares, out: Outputs, inputs: Inputs) -> Exit:

@@ -1,73 +1,131 @@
-"""The eager driver of a call, from the arguments to the result (``compiled`` is the driver inside
-``torch.compile``; both run the steps of ``shares``, ``entry``, ``execute`` and ``conclude``).
+"""cmap's steps before and after this rank's part, as the engine's eager driver runs them
+(:func:`~colossalai_cmap.engine.driver.run_eager`; ``api`` holds cmap's kind, whose body is :mod:`.rank` and whose exit
+is :mod:`.conclude`).
 
 The path (docs/design.md has the picture):
 
-1. Resolve the group. A group of one, no ``torch.distributed``, a cmap nested in a cmap over the same group, or meta
-   inputs: run alone, the same steps on :func:`alone`'s group of one, whose link is not wired, so nothing moves
-   (a repeated call whose steps around func are none calls the cmap's ``torch.vmap`` wrapper, :func:`_run_as_vmap`).
-2. Shares: read the record of an earlier call with the same argument key (the fast path), or check the arguments and
-   find the shares (:mod:`.shares`; with ``src=r`` the shares and this rank's rows come from rank r, :mod:`.from_src`).
-   A rank whose sharing fails carries a :class:`~colossalai_cmap.call.records.Failed` outcome on to the exit.
-3. This rank's part (:mod:`.rank`), then the exit (:mod:`.conclude`), which returns the result or raises on every rank.
-4. Keep the shares and the outputs' layout for the next call with the same key, and what the call did.
+1. Resolve the group (:func:`communicate`). A group of one, no ``torch.distributed``, a cmap nested in a cmap over the
+   same group, or meta inputs: run alone, the same steps on :func:`alone`'s group of one, whose link is not wired, so
+   nothing moves (a repeated call whose steps around func are none calls the cmap's ``torch.vmap`` wrapper: its
+   inputs are the arguments as given, :class:`Whole`).
+2. Shares (:func:`inputs`): read the record of an earlier call with the same argument key (the fast path), or check
+   the arguments and find the shares (:mod:`.shares`; with ``src=r`` the shares and this rank's rows come from rank r,
+   :mod:`.from_src`). A rank whose sharing fails carries a :class:`~colossalai_cmap.engine.records.Failed` outcome on
+   to the exit.
+3. This rank's part (:mod:`.rank`), then the exit (:mod:`.conclude`), which returns the result or raises on every rank
+   (:func:`raise_failed`); the output refuses backward where the call is not differentiable (:func:`finished`).
+4. Keep the shares and the outputs' layout for the next call with the same key, and what the call did
+   (:func:`finished`, :func:`finish`).
 """
 
-from typing import Any, Callable, Dict, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .. import faults, stats
+from ..engine.exit import raise_failed as report
+from ..engine.records import Failed
 from ..errors import CmapError
 from ..integration.groups import collective_device, resolve_group
-from ..nesting import CONTROL_FLOW, nested_in_split
+from ..nesting import nested_in_split
+from ..stats import CollectiveLog
 from ..torch_internals import tree_flatten
 from ..wire import comm
 from ..wire.exchange import not_differentiable, requires_grad
 from ..wire.group import Group
 from ..wire.link import Link, link_for
-from .conclude import conclude
 from .dims import KeywordCall, flatten, unflatten
-from .execute import with_remedy
+from .keywords import flatten_call
 from .options import check_placement
-from .rank import run_rank
-from .records import Failed, FastPath, Inputs, LastCall, Outputs
+from .records import FastPath, Inputs, LastCall, Outputs, Shares
 from .shares import key_of, make_shares
 from .site import CallSite
 
 
-def dispatch(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """Run one call of the cmap ``site``; returns its result on this rank, or raises what every rank raises."""
+@dataclass
+class Call:
+    """Where one call communicates, and what it found on the way, kept to its end: the group, whether it runs alone
+    (and ``raw``: alone with no group to name, a failure raised as it is), its collective log, the link, the fast
+    path's key and record, and the shares (None where it failed, or where it read the fast path as plain vmap)."""
+
+    group: Group
+    local: bool
+    log: CollectiveLog
+    raw: bool = False
+    link: Optional[Link] = None
+    key: Any = None
+    fast: Optional[FastPath] = None
+    shares: Optional[Shares] = None
+    leaves: Sequence[Any] = ()
+
+
+class Whole(NamedTuple):
+    """A repeated call that runs alone, where the general path's steps around func are none
+    (``opts.alone_as_vmap``) and this rank has rows: its arguments as given, for func under the cmap's own
+    ``torch.vmap``, whose checks of the outputs are the layout's; a failure is raised as the exit raises it."""
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+
+
+def communicate(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
+    """Where the call runs: its group, resolved, or this rank alone (see :func:`alone`)."""
     opts = site.options
     group = resolve_group(opts.call, opts.group)
     local = group.size == 1 or nested_in_split(group.ranks) or _meta(args)
-    log, fast, shares = stats.open_log(), None, None
-    try:
-        if not local:
-            comm.check_usable(group, opts.call)
-        on = alone(group) if local else group
-        leaves, spec = flatten(args)
-        key = None if isinstance(opts.src, int) else key_of(leaves, kwargs, on)
-        fast = site.fast_paths.get(key, spec) if key is not None else None
-        # alone with no process group (no torch.distributed), or nested in a call that reports it: raise as it is
-        raw = local and (group.pg is None or group.size > 1)
-        if fast is not None and fast.shares.rows and not fast.link.wired and opts.alone_as_vmap and not faults.ACTIVE:
-            return _run_as_vmap(site, fast.link, args, kwargs, raw)
-        if fast is not None:
-            link, inputs = fast.link, Inputs(fast.shares, leaves, kwargs)
-        else:
-            link = link_for(on, collective_device(on, leaves), opts.call, opts.timeout)
-            inputs = _make_inputs(site, group, args, kwargs, leaves, link)
-        shares = None if isinstance(inputs, Failed) else inputs.shares
-        result, out = _run_and_conclude(site, inputs, link, fast.layout if fast is not None else None, leaves, raw)
-        if result.captures is not None:  # what this call found decides whether the next one intercepts
-            site.captures = result.captures
-        if key is not None and (fast is None or fast.layout is not result.layout):
-            site.fast_paths.put(key, FastPath(shares, link, result.layout))
-        return out
-    finally:
-        stats.close_log(log)
-        site.last = LastCall(log, group.size, local, fast is not None, shares)
+    return Call(group, local, stats.open_log())
+
+
+def inputs(site: CallSite, call: Call, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Union[Inputs, Whole, Failed]:
+    """The call's link and this rank's inputs: the fast path's shares, or the arguments checked and shared."""
+    opts, group, local = site.options, call.group, call.local
+    if not local:
+        comm.check_usable(group, opts.call)
+    on = alone(group) if local else group
+    call.leaves, spec = flatten(args)
+    call.key = None if isinstance(opts.src, int) else key_of(call.leaves, kwargs, on)
+    fast = call.fast = site.fast_paths.get(call.key, spec) if call.key is not None else None
+    # alone with no process group (no torch.distributed), or nested in a call that reports it: raise as it is
+    call.raw = local and (group.pg is None or group.size > 1)
+    if fast is not None and fast.shares.rows and not fast.link.wired and opts.alone_as_vmap and not faults.ACTIVE:
+        call.link = fast.link
+        return Whole(args, kwargs)
+    if fast is not None:
+        call.link, found = fast.link, Inputs(fast.shares, call.leaves, kwargs)
+    else:
+        call.link = link_for(on, collective_device(on, call.leaves), opts.call, opts.timeout)
+        found = _make_inputs(site, group, args, kwargs, call.leaves, call.link)
+    call.shares = None if isinstance(found, Failed) else found.shares
+    return found
+
+
+def raise_failed(call: Call, failed: Failed) -> None:
+    """This rank's failure, raised by the exit on every rank; with ``raw`` (alone, with no group to name) as it is."""
+    if call.raw:
+        raise failed.cause
+    report(call.link, failed)
+
+
+def finished(site: CallSite, call: Call, inputs: Inputs, result: Outputs, out: Any) -> Any:
+    """The call's result, after its exit: with ``dst=r`` or ``src=r`` not differentiable (every output that depends
+    on a tensor that requires grad, an argument, a keyword, a parameter or a closure, however func reached it, is cut
+    from its graph and raises a clear error in backward, where no collective is involved, so nothing hangs and no rank
+    writes a ``.grad`` alone); and what it found kept for the next call."""
+    opts = site.options
+    if out is not None and opts.refuses_grad and torch.is_grad_enabled():
+        out = _refuse_grad(site, out, result.flat, call.leaves, inputs.kwargs, inputs.source_needs_grad)
+    if result.captures is not None:  # what this call found decides whether the next one intercepts
+        site.captures = result.captures
+    if call.key is not None and (call.fast is None or call.fast.layout is not result.layout):
+        site.fast_paths.put(call.key, FastPath(call.shares, call.link, result.layout))
+    return out
+
+
+def finish(site: CallSite, call: Call) -> None:
+    """What the call did, returned or raised (``Cmapped.stats``)."""
+    stats.close_log(call.log)
+    site.last = LastCall(call.log, call.group.size, call.local, call.fast is not None, call.shares)
 
 
 _ALONE: Dict[int, Group] = {}
@@ -97,7 +155,8 @@ def _make_inputs(
                 from .from_src import shares_from_src  # only src=r calls pay for its imports
 
                 return shares_from_src(opts, site.func, args, kwargs, link)
-        shares = make_shares(opts, site.func, group if link.wired else link.group, args, kwargs)
+        flat = flatten_call(opts, site.func, args, kwargs)
+        shares = make_shares(opts, flat, group if link.wired else link.group, kwargs)
         if isinstance(opts.src, int):  # alone, as the scatter gives every rank (the source too): copies of the rows
             leaves = [v if d is None else v.clone() for v, d in zip(leaves, shares.dims)]
         return Inputs(shares, list(leaves), kwargs)
@@ -105,44 +164,6 @@ def _make_inputs(
         raise
     except Exception as exc:
         return Failed(group.failure(exc), exc)
-
-
-def _run_and_conclude(
-    site: CallSite, inputs: Union[Inputs, Failed], link: Link, hint: Any, leaves: Sequence[Any], raw: bool = False
-) -> Tuple[Union[Outputs, Failed], Any]:
-    """This rank's part and the exit; with ``raw``, a failure is raised as it is. With ``dst=r`` or ``src=r`` the
-    output is not differentiable: every output that depends on a tensor that requires grad (an argument, a keyword,
-    a parameter or a closure: however func reached it) is cut from its graph and raises a clear error in backward,
-    where no collective is involved, so nothing hangs and no rank writes a ``.grad`` alone."""
-    opts = site.options
-    result = inputs if isinstance(inputs, Failed) else run_rank(site, inputs, link, hint)
-    if isinstance(result, Failed):
-        _raise_failed(opts, result, link, raw)
-    out = conclude(opts, inputs.shares, result, inputs, link)
-    if out is None or not opts.refuses_grad or not torch.is_grad_enabled():
-        return result, out
-    return result, _refuse_grad(site, out, result.flat, leaves, inputs.kwargs, inputs.source_needs_grad)
-
-
-def _run_as_vmap(site: CallSite, link: Link, args: Tuple[Any, ...], kwargs: Dict[str, Any], raw: bool) -> Any:
-    """A repeated call that runs alone, where the general path's steps around func are none (``opts.alone_as_vmap``)
-    and this rank has rows: func under the cmap's own ``torch.vmap``, whose checks of the outputs are the layout's;
-    a failure is raised as the exit raises it."""
-    try:
-        return site.vmapped()(*args, **kwargs)
-    except CONTROL_FLOW:
-        raise
-    except Exception as exc:
-        remedied = with_remedy(site.options, site.func, exc)
-        failed = Failed(link.group.failure(remedied), remedied)
-    _raise_failed(site.options, failed, link, raw)  # out of the except: the remedied error alone, as run_rank's
-
-
-def _raise_failed(opts: Any, failed: Failed, link: Link, raw: bool) -> None:
-    """This rank's failure, raised by the exit on every rank; with ``raw`` (alone, with no group to name) as it is."""
-    if raw:
-        raise failed.cause
-    conclude(opts, None, failed, None, link)
 
 
 def _refuse_grad(

@@ -11,13 +11,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..engine import module_params
 from ..nesting import tracking
 from ..torch_internals import tree_flatten, tree_unflatten
 from ..wire.exchange import SplitSpec, requires_grad, split
 from ..wire.link import Link
 from ..wire.roles import COPY, KEEP, Role, Rows, first_row
 from ..wire.traced import traced_split
-from . import module_params
 from .dims import flatten, unflatten
 from .options import Options
 from .records import Inputs, Shares

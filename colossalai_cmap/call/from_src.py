@@ -12,6 +12,7 @@ import torch
 
 from .. import faults
 from ..digests import digest
+from ..engine.records import Failed
 from ..errors import RankFailure
 from ..torch_internals import tree_flatten
 from ..wire import comm
@@ -21,7 +22,7 @@ from ..wire.rounds import scatter_rows
 from .dims import KeywordCall, describe_arg, leaf_paths
 from .keywords import flatten_call
 from .options import Options
-from .records import Failed, Inputs, Shares
+from .records import Inputs, Shares
 from .shares import share_sizes
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"

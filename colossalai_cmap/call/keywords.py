@@ -19,22 +19,21 @@ import torch
 from ..torch_internals import keystr, tree_flatten, tree_flatten_with_path
 from .dims import FlatArgs, flatten_args, wrap_mappings
 from .options import Options
-from .site import CallSite
 
 
 class KeywordBatch(NamedTuple):
-    """A call with its mapped keywords as one more positional argument: the site that runs it, the positional
-    arguments ``(args, mapped keywords or None)``, and the keywords passed whole."""
+    """A call with its mapped keywords as one more positional argument: the keyword dims of the site that runs it
+    (``CallSite.with_keywords``), the positional arguments ``(args, mapped keywords or None)``, and the keywords
+    passed whole."""
 
-    site: CallSite
+    dims: Any
     args: Tuple[Any, ...]
     kwargs: Dict[str, Any]
 
 
-def as_positional(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[KeywordBatch]:
+def as_positional(opts: Options, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[KeywordBatch]:
     """The call with its mapped keywords (and mappings torch's pytree does not know) made positional, or None when
     there are none: a plain call costs a type check per argument."""
-    opts = site.options
     wrapped = args if all(type(a) is torch.Tensor for a in args) else wrap_mappings(args)
     if not _maps_keywords(opts, kwargs) and wrapped is args:
         return None
@@ -51,7 +50,7 @@ def as_positional(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any])
             mapped[name], dims[name] = wrap_mappings(value), dim
     # an int: one site for every such call, whichever keywords it maps
     prefix = opts.kwarg_dims if isinstance(opts.kwarg_dims, int) else dims
-    return KeywordBatch(site.with_keywords(prefix), (wrapped, mapped), whole)
+    return KeywordBatch(prefix, (wrapped, mapped), whole)
 
 
 def keyword_batch(opts: Options, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:

@@ -1,100 +1,105 @@
 """This rank's part of a call, up to its exit: take its rows, run func on them, read the outputs.
 
-Everything here runs inside one ``try``: an exception becomes a :class:`Failed` outcome, which the exit reports in
-the status round, so every rank raises together. The steps:
+It runs inside the engine's part (:func:`~colossalai_cmap.engine.part.run_part`): an exception becomes a
+:class:`~colossalai_cmap.engine.records.Failed` outcome (:func:`failed`), which the exit reports in the status round, so
+every rank raises together. The steps:
 
 1. The entry. With ``dst=-1``, tensors that require grad enter through one ``Split`` tagged with the call (its
    backward sums their gradients over the group); the others are cut with ``narrow``. Both are views.
 2. An empty share (B < P) runs one stand-in example instead, so that it knows the outputs' layout, takes part in
    collectives inside func (contributing nothing), and builds the same autograd graph as its peers.
 3. func runs under ``torch.vmap`` (or batched, or in a loop), with this call's axis frame and randomness.
-4. The outputs are read against ``out_dims``; closure-captured tensors are found in their graph (:mod:`closures`);
+4. The outputs are read against ``out_dims``; closure-captured tensors are found in their graph (``engine.closures``);
    mapped inputs that func changed in place are noted, to be written back on every rank; outputs that are views of
    the caller's inputs are noted with their geometry (:mod:`views`), to be returned as views with no gather.
 """
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import faults
 from ..axis.frame import AxisFrame, axis_scope
-from ..nesting import CONTROL_FLOW, splitting, tracking
-from ..torch_internals import TreeSpec, next_sequence_nr, sequence_nr, version_counter
+from ..engine import closures, module_params
+from ..engine.part import walk_and_guard
+from ..engine.records import Failed
+from ..nesting import splitting, tracking
+from ..torch_internals import TreeSpec, sequence_nr, version_counter
 from ..wire.exchange import CallTag, requires_grad
-from ..wire.guard import guard
 from ..wire.link import Link
 from ..wire.roles import first_row
 from ..wire.rounds import agree_rows
-from . import closures, module_params, views
+from . import views
 from .batchnorm import WholeBatch, batch_scope, whole_batch
 from .dims import flatten, flatten_out_dims, normalise_out_dim
 from .entry import Entered, enter, first_example
 from .execute import ExampleSeeds, Share, check_rows, per_example_seeds, rng_scope, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
-from .records import Failed, Inputs, Outputs, Shares
+from .records import Inputs, Outputs, Shares
 from .site import CallSite
 
 
-def run_rank(site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayout]) -> Union[Outputs, Failed]:
-    """This rank's part of the call shared out in ``inputs``, for the cmap ``site``; never raises."""
+def run_rank(
+    site: CallSite, inputs: Inputs, link: Link, hint: Optional[OutLayout], tag: CallTag, start: int
+) -> Outputs:
+    """This rank's part of the call shared out in ``inputs``, for the cmap ``site``, inside the engine's part
+    (:func:`~colossalai_cmap.engine.part.run_part`: the call's ``tag``, the sequence's ``start``, and an exception
+    made a :func:`failed` outcome)."""
     opts, shares = site.options, inputs.shares
-    group, tag, wired = link.group, CallTag(), link.wired  # not wired: alone, where nothing crosses ranks
-    try:
-        if faults.ACTIVE:
-            faults.check("args", group)
-        start = next_sequence_nr()
-        entered = enter(opts, site.refs, shares, inputs, link, tag)
-        leaves = entered.leaves
-        empty, extra = shares.rows == 0 and shares.batch != 0, _extra_rows(opts, shares)
-        if extra:
-            leaves = _stand_in(opts, shares, inputs, leaves, extra)
-        versions = _versions(opts, shares, inputs.leaves) if wired else None
-        joined = _versions(opts, shares, leaves) if extra and versions is not None else None
-        frame, seed, seeds = _frame_and_seed(opts, shares, link, empty)
-        share = Share(leaves, shares.dims, shares.spec, shares.rows + extra)
-        if faults.ACTIVE:
-            faults.check("func", group)
-        intercept = _interceptor(site, tag, start, link)
-        coupled = whole_batch(opts, link, empty)
-        modes = _thread_modes(opts, tag, intercept, coupled)
-        run = dict(thread_modes=modes, seeds=seeds, coupled=coupled)
-        if entered.aliases or intercept is not None:
-            with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
-                out = _call_func(site, share, entered.kwargs, frame, seed, link, **run)
-        else:
+    group, wired = link.group, link.wired  # not wired: alone, where nothing crosses ranks
+    entered = enter(opts, site.refs, shares, inputs, link, tag)
+    leaves = entered.leaves
+    empty, extra = shares.rows == 0 and shares.batch != 0, _extra_rows(opts, shares)
+    if extra:
+        leaves = _stand_in(opts, shares, inputs, leaves, extra)
+    versions = _versions(opts, shares, inputs.leaves) if wired else None
+    joined = _versions(opts, shares, leaves) if extra and versions is not None else None
+    frame, seed, seeds = _frame_and_seed(opts, shares, link, empty)
+    share = Share(leaves, shares.dims, shares.spec, shares.rows + extra)
+    if faults.ACTIVE:
+        faults.check("func", group)
+    intercept = _interceptor(site, tag, start, link)
+    coupled = whole_batch(opts, link, empty)
+    modes = _thread_modes(opts, tag, intercept, coupled)
+    run = dict(thread_modes=modes, seeds=seeds, coupled=coupled)
+    if entered.aliases or intercept is not None:
+        with module_params.substituted(entered.modules, entered.aliases), intercept or contextlib.nullcontext():
             out = _call_func(site, share, entered.kwargs, frame, seed, link, **run)
-        tag.running = False
-        if faults.ACTIVE:
-            faults.check("layout", group)
-        flat, spec = flatten(out)
-        layout = layout_of(opts, flat, spec, hint, coupled)
-        if opts.mode == "batched":
-            _check_rows(opts, flat, layout, share.rows)
-        found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if wired and views.applies(opts) else ()
-        if extra:
-            flat = [
-                v.narrow(leaf.out_dim, 0, shares.rows) if leaf.kind == BATCHED else v
-                for v, leaf in zip(flat, layout.leaves)
-            ]
-        graph_sig = _record(opts, flat, layout, tag, start, link)
-        if wired and not graph_sig:  # this rank's backward through func, guarded
-            flat = guard(flat, tag, link, _replay(entered, intercept, coupled))
-        captures = None  # what this call found decides whether the next one intercepts
-        if intercept is not None or graph_sig:
-            captures = bool(graph_sig or (intercept is not None and intercept.met()))
-        if joined is not None:
-            _keep_changes(shares, inputs.leaves, leaves, joined)
-        mutated = _mutated(versions, inputs.leaves, shares)
-        return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
-    except Exception as exc:  # every rank learns of it in the status round
-        tag.running = False
-        if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank: passes as through vmap
-            raise
-        exc = with_remedy(opts, site.func, exc)
-        return Failed(group.failure(exc), exc)
+    else:
+        out = _call_func(site, share, entered.kwargs, frame, seed, link, **run)
+    tag.running = False
+    if faults.ACTIVE:
+        faults.check("layout", group)
+    flat, spec = flatten(out)
+    layout = layout_of(opts, flat, spec, hint, coupled)
+    if opts.mode == "batched":
+        _check_rows(opts, flat, layout, share.rows)
+    found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if wired and views.applies(opts) else ()
+    if extra:
+        flat = [
+            v.narrow(leaf.out_dim, 0, shares.rows) if leaf.kind == BATCHED else v
+            for v, leaf in zip(flat, layout.leaves)
+        ]
+    graph_sig = 0
+    if wired:  # the closure walk, or this rank's backward through func, guarded
+        walk = _walks(opts, flat, layout, start, link)
+        flat, graph_sig = walk_and_guard(flat, tag, start, link, _replay(entered, intercept, coupled), walk)
+    captures = None  # what this call found decides whether the next one intercepts
+    if intercept is not None or graph_sig:
+        captures = bool(graph_sig or (intercept is not None and intercept.met()))
+    if joined is not None:
+        _keep_changes(shares, inputs.leaves, leaves, joined)
+    mutated = _mutated(versions, inputs.leaves, shares)
+    return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
+
+
+def failed(site: CallSite, link: Link, exc: BaseException) -> Failed:
+    """This rank's exception as the outcome every rank learns of in the status round: where cmap can tell its cause,
+    torch's sentence with the remedy (:func:`~.execute.with_remedy`)."""
+    exc = with_remedy(site.options, site.func, exc)
+    return Failed(link.group.failure(exc), exc)
 
 
 def _replay(
@@ -274,17 +279,18 @@ def _check_rows(opts: Options, flat: Sequence[Any], layout: OutLayout, rows: int
             check_rows(opts, i, v, leaf.out_dim, rows)
 
 
-def _record(opts: Options, flat: List[Any], layout: OutLayout, tag: CallTag, start: int, link: Link) -> int:
-    """With gradients crossing ranks: hook the closure-captured tensors of the outputs' graph (:mod:`closures`)."""
+def _walks(opts: Options, flat: List[Any], layout: OutLayout, start: int, link: Link) -> bool:
+    """Whether gradients cross ranks, so that the outputs' graph is walked for closure-captured tensors
+    (:mod:`~colossalai_cmap.engine.closures`); a replicated output that is itself one gets a node of this call."""
     if not (link.wired and opts.differentiable and torch.is_grad_enabled() and any(requires_grad(v) for v in flat)):
-        return 0
+        return False
     if faults.ACTIVE:
         faults.check("record", link.group)
     for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
         # A replicated output that is itself a closure-captured tensor needs a node of this call to hook.
         if leaf.kind == REPLICATED and requires_grad(v) and (v.grad_fn is None or sequence_nr(v.grad_fn) < start):
             flat[i] = v.view_as(v)
-    return closures.watch(flat, tag, start, link)
+    return True
 
 
 def _versions(opts: Options, shares: Shares, leaves: Sequence[Any]) -> Optional[List[int]]:

@@ -1,9 +1,9 @@
-"""The records a call's steps hand each other: its shares and what this rank was given for it, this rank's outputs or
-its failure, what a finished call leaves for the next one, and what the last call did."""
+"""The records a cmap call's steps hand each other: its shares and what this rank was given for it, this rank's
+outputs, what a finished call leaves for the next one, and what the last call did (a failure is the engine's
+:class:`~colossalai_cmap.engine.records.Failed`)."""
 
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from ..errors import RankFailure
 from ..stats import CollectiveLog
 from ..torch_internals import TreeSpec
 from ..wire.link import Link
@@ -57,15 +57,6 @@ class Outputs(NamedTuple):
     captures: Optional[bool] = None  # closure-captured tensors met (None: not looked for)
     # views.View records: the outputs that view the caller's mapped inputs, returned as such, not gathered
     views: Tuple[Any, ...] = ()
-
-
-class Failed(NamedTuple):
-    """This rank's outcome when its part failed (the alternative to :class:`Outputs`): its ``failure``, the
-    :class:`~colossalai_cmap.errors.RankFailure` report every rank receives (None on a rank that only learned of a
-    peer's failure, as with ``src=r``), and its ``cause``, the exception here."""
-
-    failure: Optional[RankFailure]
-    cause: Optional[BaseException]
 
 
 class LastCall(NamedTuple):

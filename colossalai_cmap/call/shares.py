@@ -7,7 +7,7 @@ itself runs the same steps either way.
 """
 
 from functools import lru_cache
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,7 +15,7 @@ from ..digests import digest
 from ..torch_internals import TreeSpec, tree_flatten
 from ..wire.group import Group
 from ..wire.roles import first_row, tensor_split_sizes
-from .keywords import flatten_call
+from .dims import FlatArgs
 from .options import Options
 from .records import Shares
 
@@ -30,9 +30,8 @@ def share_sizes(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
     return tuple(p.shape[0] for p in parts) + (0,) * (world - len(parts))
 
 
-def make_shares(opts: Options, func: Callable, group: Group, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Shares:
-    """Check ``in_dims`` against the arguments and find the shares; raises ValueError naming the argument."""
-    flat = flatten_call(opts, func, args, kwargs)
+def make_shares(opts: Options, flat: FlatArgs, group: Group, kwargs: Dict[str, Any]) -> Shares:
+    """The shares of the arguments ``flat`` (checked against ``in_dims``: :func:`~.keywords.flatten_call`)."""
     local = opts.src == "local"
     if local:
         sizes, rows, offset, batch = None, flat.batch_size, 0, -1

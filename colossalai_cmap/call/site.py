@@ -9,9 +9,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..engine.module_params import References, reaches_sync_batchnorm, reaches_trainable, reaches_training_batchnorm
 from ..torch_internals import TreeSpec
 from .dims import KeywordCall
-from .module_params import References, reaches_sync_batchnorm, reaches_trainable, reaches_training_batchnorm
 from .options import Options
 from .records import FastPath, LastCall
 

@@ -1,4 +1,6 @@
-"""The public ``shard_map`` and ``P``: a thin function with the contract, then the pipeline of one call."""
+"""The public ``shard_map`` and ``P``: a thin function with the contract, then shard_map's kind of map call, the
+steps the engine's eager driver runs (:func:`~colossalai_cmap.engine.driver.run_eager`): the mesh, the specs, the
+blocks, ``f`` with its frames and types, the exit (:mod:`.conclude`) and the assembly (:mod:`.blocks`)."""
 
 import contextlib
 import dataclasses
@@ -10,23 +12,24 @@ import torch
 from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
 from ..axis.lowering import index_table
-from ..call import closures
-from ..call.module_params import reaches_trainable
-from ..call.records import Failed
 from ..digests import digest
+from ..engine import closures
+from ..engine.driver import EagerKind, eager_fallbacks, run_compiled, run_eager
+from ..engine.module_params import reaches_trainable
+from ..engine.part import walk_and_guard
+from ..engine.records import Failed
 from ..errors import CmapError
 from ..integration.groups import collective_device
-from ..nesting import CONTROL_FLOW, nested_in_split, splitting, tracking
-from ..torch_internals import next_sequence_nr, tree_flatten, tree_map, tree_unflatten
+from ..nesting import nested_in_split, splitting, tracking
+from ..torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
-from ..wire.guard import Replay, guard
 from ..wire.link import Link, link_for
 from ..wire.roles import KEEP
 from . import dtensor
 from .blocks import assemble, assemble_local, block_lengths, cut, cut_local
-from .compiled import TENSOR, Parts, eager_fallbacks, run_compiled
+from .compiled import REASONS, TENSOR, Traced
 from .conclude import Outcome, conclude
 from .mesh import Mesh, MeshJoints, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
@@ -177,7 +180,7 @@ class ShardMapped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # the call lowered to traceable ops: one graph (shard/compiled.py)
-            return run_compiled(self, self.view(), args, kwargs, _COMPILED)
+            return run_compiled(TRACED, self, args, kwargs)
         return _run(self, args, kwargs)
 
 
@@ -202,33 +205,82 @@ def _out_specs_failure(site: ShardMapped, skeleton: Any, tensors: Sequence[torch
 
 
 # ------------------------------------------------------------------------------------------------ one call
+class Arguments(NamedTuple):
+    """The call's global arguments, as given."""
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+
+
+class Ran(NamedTuple):
+    """What this rank's part brings to the exit: its :class:`Outcome`, its outputs, their placements (typed, where
+    the types say a block is the value), and the mesh DTensor outputs are placed on (None: none)."""
+
+    outcome: Outcome
+    out: Any
+    places: List[Placement]
+    out_mesh: Any
+
+
+class _Eager(EagerKind):
+    """shard_map's steps, as the engine's eager driver runs them: the mesh, the specs, the blocks, ``f`` typed (or
+    with the closure interceptor), the exit over every axis, then the assembly."""
+
+    def communicate(self, site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Where]:
+        """The mesh as this rank sees it (None off the mesh), each axis's link and the whole mesh's."""
+        opts = site.opts
+        view = resolve_mesh(site.call, opts.mesh)
+        if not view.member:
+            return None
+        comm.check_usable(view.whole, site.call)
+        if nested_in_split(view.whole.ranks):
+            raise CmapError(
+                f"{site.call}: called inside a cmap that splits its batch over ranks of this mesh, so the ranks hold "
+                f"different examples, not the same global arguments. Map the cmap over another mesh axis (group=...)."
+            )
+        leaves, tree = tree_flatten(args)
+        device = collective_device(view.whole, leaves + tree_flatten(kwargs)[0])
+        whole = link_for(view.whole, device, site.call, opts.timeout)
+        links = {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}
+        return Where(view, links, whole, _manual(site, view))
+
+    def inputs(self, site: ShardMapped, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Arguments:
+        return Arguments(args, kwargs)  # every rank holds the global arguments: cut inside this rank's part
+
+    def enter(self, site: ShardMapped, where: Where, given: Arguments) -> Tuple[dtensor.Inputs, Dict[str, Any]]:
+        """DTensor arguments checked against the mesh and made local tensors, before the call's sequence starts
+        (their nodes are outside ``f``)."""
+        opts = site.opts
+        found = dtensor.unwrap_inputs(site.call, given.args, opts.in_specs, where.view, opts.mesh, opts.out_dtensor)
+        return found, given.kwargs
+
+    def run(self, site: ShardMapped, where: Where, entered: Any, tag: CallTag, start: int) -> Ran:
+        return _run_f(site, where, *entered, tag, start)
+
+    def failed(self, site: ShardMapped, where: Where, exc: BaseException) -> Failed:
+        return Failed(where.view.whole.failure(exc), exc)
+
+    def conclude(self, site: ShardMapped, where: Where, given: Arguments, ran: Any) -> Any:
+        """The exit over every axis, then the outputs assembled (or left as blocks, or placed as DTensors)."""
+        outcome = Outcome(ran) if isinstance(ran, Failed) else ran.outcome
+        table = conclude(site.call, where.view, where.links, where.whole, outcome)
+        flat, out_tree = tree_flatten(ran.out)
+        what = f"the outputs of {site.call}"
+        if site.opts.local or ran.out_mesh is not None:  # blocks: left as they are, or placed as DTensors
+            flat = assemble_local(flat, ran.places, where.links, what)
+            if ran.out_mesh is not None:
+                flat = dtensor.wrap_outputs(site.call, flat, ran.places, ran.out_mesh, where.view, table)
+        else:
+            flat = assemble(flat, ran.places, where.links, where.view, table, what)
+        return tree_unflatten(flat, out_tree)
+
+
+EAGER = _Eager()
+
+
 def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    opts = site.opts
-    view = resolve_mesh(site.call, opts.mesh)
-    if not view.member:
-        return None
-    comm.check_usable(view.whole, site.call)
-    if nested_in_split(view.whole.ranks):
-        raise CmapError(
-            f"{site.call}: called inside a cmap that splits its batch over ranks of this mesh, so the ranks hold "
-            f"different examples, not the same global arguments. Map the cmap over another mesh axis (group=...)."
-        )
-    leaves, tree = tree_flatten(args)
-    device = collective_device(view.whole, leaves + tree_flatten(kwargs)[0])
-    whole = link_for(view.whole, device, site.call, opts.timeout)
-    links = {n: link_for(view.axes[n], device, site.call, opts.timeout) for n in view.names}
-    where = Where(view, links, whole, _manual(site, view))
-    outcome, out, out_places, out_mesh = _run_f(site, where, args, kwargs)
-    table = conclude(site.call, view, where.links, whole, outcome)
-    flat, out_tree = tree_flatten(out)
-    what = f"the outputs of {site.call}"
-    if opts.local or out_mesh is not None:  # blocks: left as they are, or placed as DTensors
-        flat = assemble_local(flat, out_places, where.links, what)
-        if out_mesh is not None:
-            flat = dtensor.wrap_outputs(site.call, flat, out_places, out_mesh, view, table)
-    else:
-        flat = assemble(flat, out_places, where.links, view, table, what)
-    return tree_unflatten(flat, out_tree)
+    """One eager call of ``site``: the engine's eager driver on shard_map's steps."""
+    return run_eager(EAGER, site, args, kwargs)
 
 
 def _refuse_untyped_recomputation(site: ShardMapped, flat: List[Any], tag: CallTag, start: int) -> None:
@@ -243,66 +295,57 @@ def _refuse_untyped_recomputation(site: ShardMapped, flat: List[Any], tag: CallT
 
 
 def _run_f(
-    site: ShardMapped, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Tuple[Outcome, Any, List[Placement], Any]:
-    """This rank's part: check the specs, cut the blocks, run ``f``, read its outputs; never raises (but for
-    torch's own control flow), so that every rank reaches the exit."""
+    site: ShardMapped, where: Where, inputs: dtensor.Inputs, kwargs: Dict[str, Any], tag: CallTag, start: int
+) -> Ran:
+    """This rank's part, inside the engine's (an exception becomes a ``Failed`` outcome): check the specs, cut the
+    blocks, run ``f``, read its outputs."""
     opts, view, whole = site.opts, where.view, where.whole
-    tag, out_mesh = CallTag(), None
-    try:
-        inputs = dtensor.unwrap_inputs(site.call, args, opts.in_specs, view, opts.mesh, opts.out_dtensor)
-        args, out_mesh = inputs.args, inputs.out_mesh
-        entered_local = tuple(e or opts.local for e in inputs.entered_local)
-        start = next_sequence_nr()  # after to_local: the DTensors' nodes are outside f
-        places = _placements(site, "in", inputs.specs, args, view, where.manual)
-        leaves, tree = tree_flatten(args)
-        parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold
-        # a nested smap's tensors from the outer map keep the outer map's graph: no entry node, and the guard steps
-        # aside (the outer map's guard, if any, covers its backward)
-        routing = tag if parent is None else None
-        joints = MeshJoints(view.within or view, whole.device, whole.call, whole.timeout)
-        typer = (
-            vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent, joints) if opts.check_vma else None
-        )
-        blocks = _cut_blocks(leaves, _typed(places, typer), where, tag, entered_local)
-        intercept = closures.Interceptor(tag, start, whole) if tracking() and typer is None else None
-        split_over = manual_ranks(view, where.manual)
-        frames = _frames(where, joints)
-        with frames, splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
-            if typer is None:
+    args, out_mesh = inputs.args, inputs.out_mesh
+    entered_local = tuple(e or opts.local for e in inputs.entered_local)
+    places = _placements(site, "in", inputs.specs, args, view, where.manual)
+    leaves, tree = tree_flatten(args)
+    parent = vma.current() if view.within is not None else None  # a nested smap: the outer map's types hold
+    # a nested smap's tensors from the outer map keep the outer map's graph: no entry node, and the guard steps
+    # aside (the outer map's guard, if any, covers its backward)
+    routing = tag if parent is None else None
+    joints = MeshJoints(view.within or view, whole.device, whole.call, whole.timeout)
+    typer = vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent, joints) if opts.check_vma else None
+    blocks = _cut_blocks(leaves, _typed(places, typer), where, tag, entered_local)
+    intercept = closures.Interceptor(tag, start, whole) if tracking() and typer is None else None
+    split_over = manual_ranks(view, where.manual)
+    frames = _frames(where, joints)
+    with frames, splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
+        if typer is None:
+            out = site.f(*tree_unflatten(blocks, tree), **kwargs)
+        else:
+            with vma.tracking(typer):
+                for block, given, p in zip(blocks, leaves, places):  # a nested smap's: the outer type too
+                    if isinstance(block, torch.Tensor) and p.spec.axes():
+                        typer.mark(block, typer.of(given) | set(p.spec.axes()))
                 out = site.f(*tree_unflatten(blocks, tree), **kwargs)
-            else:
-                with vma.tracking(typer):
-                    for block, given, p in zip(blocks, leaves, places):  # a nested smap's: the outer type too
-                        if isinstance(block, torch.Tensor) and p.spec.axes():
-                            typer.mark(block, typer.of(given) | set(p.spec.axes()))
-                    out = site.f(*tree_unflatten(blocks, tree), **kwargs)
-        if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
-            out = tree_map(intercept.route, out)
-        if typer is not None:  # a tensor from outside f returned as it is: through the boundary too
-            out = tree_map(typer.route, out)
-        tag.running = False
-        out_places = _placements(site, "out", opts.out_specs, out, view, where.manual)
-        flat, out_tree = tree_flatten(out)
-        if typer is not None:
-            _check_vma(site, typer, flat, out_places, view)
-            _refuse_untyped_recomputation(site, flat, tag, start)
-            flat = _varied(typer, flat, out_places)
-        replay = intercept.replaying if intercept is not None else None  # a recomputation in backward
-        flat, graph_sig = _guarded(flat, typer is not None, tag, start, whole, replay)
-        out = tree_unflatten(flat, out_tree)
-        if out_mesh is not None:
-            dtensor.check_outputs(site.call, flat, out_places, view)
-        # assembled outputs and DTensors (their global shapes) need every rank's block lengths
-        lengths = None if opts.local and out_mesh is None else block_lengths(flat, out_places)
-        layout = _layout(flat, out_places)
-        outcome = Outcome(None, digest(layout), graph_sig, lengths=lengths, layout=layout)
-        return outcome, out, _typed(out_places, typer), out_mesh
-    except Exception as exc:  # every rank learns of it at the exit
-        tag.running = False
-        if isinstance(exc, CONTROL_FLOW):  # torch's own signal, raised alike on every rank
-            raise
-        return Outcome(Failed(view.whole.failure(exc), exc)), None, [], out_mesh
+    if intercept is not None:  # a closed-over tensor returned as it is: replicated, its gradient summed too
+        out = tree_map(intercept.route, out)
+    if typer is not None:  # a tensor from outside f returned as it is: through the boundary too
+        out = tree_map(typer.route, out)
+    tag.running = False
+    out_places = _placements(site, "out", opts.out_specs, out, view, where.manual)
+    flat, out_tree = tree_flatten(out)
+    if typer is not None:
+        _check_vma(site, typer, flat, out_places, view)
+        _refuse_untyped_recomputation(site, flat, tag, start)
+        flat = _varied(typer, flat, out_places)
+    replay = intercept.replaying if intercept is not None else None  # a recomputation in backward
+    # the outputs, through the guard of this rank's backward where the graph leaves f only through its entry, and
+    # the signature of the closure edges it holds otherwise (untyped: hooked; typed: nothing hooks, only found)
+    flat, graph_sig = walk_and_guard(flat, tag, start, whole, replay, walk=tracking(), hooks=typer is None)
+    out = tree_unflatten(flat, out_tree)
+    if out_mesh is not None:
+        dtensor.check_outputs(site.call, flat, out_places, view)
+    # assembled outputs and DTensors (their global shapes) need every rank's block lengths
+    lengths = None if opts.local and out_mesh is None else block_lengths(flat, out_places)
+    layout = _layout(flat, out_places)
+    outcome = Outcome(None, digest(layout), graph_sig, lengths=lengths, layout=layout)
+    return Ran(outcome, out, _typed(out_places, typer), out_mesh)
 
 
 def _manual(site: ShardMapped, view: MeshView) -> Tuple[str, ...]:
@@ -335,21 +378,6 @@ def _placements(
         leaf = Leaf(site.call, kind, path, f"args{path}" if kind == "in" else f"{what}{path}")
         out.append(placement(leaf, spec, value, view.names))
     return out
-
-
-def _guarded(
-    flat: List[Any], typed: bool, tag: CallTag, start: int, whole: Link, replay: Optional[Replay]
-) -> Tuple[List[Any], int]:
-    """The outputs, through the guard of this rank's backward where the graph leaves ``f`` only through its entry,
-    and the signature of the closure edges it holds otherwise (the ranks must agree on it)."""
-    if not typed:
-        graph_sig = closures.watch(flat, tag, start, whole) if tracking() else 0
-    else:  # nothing hooks: whether the graph leaves f other than through its entry
-        graph_sig = int(tracking() and closures.reaches_outside(flat, tag, start))
-    if graph_sig:
-        tag.take_entries()
-        return flat, graph_sig
-    return guard(flat, tag, whole, replay), graph_sig
 
 
 def _cut_blocks(
@@ -388,7 +416,9 @@ def _frames(where: Where, joints: MeshJoints) -> Iterator[None]:
         for n in where.manual:
             size, coord = view.sizes[n], view.coords[n]
             index = index_table((coord,), where.whole.device)[0].clone()  # a copy made on the device, not the host
-            frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index, mesh=joints)
+            frame = AxisFrame(
+                link=where.links[n], size=size, offset=coord, sizes=(1,) * size, mode="rank", index=index, mesh=joints
+            )
             stack.enter_context(axis_scope(n, frame))
         yield
 
@@ -440,8 +470,8 @@ def _check_vma(
         )
 
 
-# What the compiled driver takes from here: the same checks, and the eager call out of the graph.
-_COMPILED = Parts(manual=_manual, placements=_placements, eager=eager_fallbacks(_run))
+# shard_map's kind inside torch.compile: the same checks, and the eager call out of the graph, per reason.
+TRACED = Traced(eager_fallbacks(_run, "shard_map", REASONS), manual=_manual, placements=_placements)
 
 
 def _axes(names: Any) -> str:

@@ -1,7 +1,9 @@
 """A ``shard_map`` call inside ``torch.compile``: the call lowered to plain traceable ops and functional collectives,
 so that dynamo traces ``torch.compile(shard_map(f, ...), fullgraph=True)`` into one graph.
 
-The pipeline (:func:`run_compiled`), with the eager call's specs, blocks and transposes but no round of its own:
+shard_map's steps as the engine's compiled driver runs them (:class:`Traced`;
+:func:`~colossalai_cmap.engine.driver.run_compiled`), with the eager call's specs, blocks and transposes but no round
+of its own:
 
 1. Refuse what needs the eager orchestration (:func:`unsupported`): a map nested in another's ``f``, uneven blocks
    (the exit's round learns other ranks' block lengths; jax requires even ones), tensors ``f`` reads from its
@@ -34,8 +36,8 @@ import torch
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
-from ..nesting import start_splitting, stop_splitting
-from ..torch_internals import not_traced, tree_flatten, tree_map, tree_unflatten
+from ..engine.driver import Entered, TracedKind
+from ..torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..wire.group import Group
 from ..wire.link import Link
 from ..wire.roles import COPY, FIRST, ONCE, SAME, Role, first_row, is_rows
@@ -43,60 +45,80 @@ from ..wire.traced import traced_join, traced_split
 from .mesh import MeshView, manual_ranks
 from .specs import Placement
 
-Driver = Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]
+
+class Where(NamedTuple):
+    """Where a compiled call runs: the mesh as this rank sees it, the manual axes and the arguments' placements."""
+
+    view: MeshView
+    manual: Tuple[str, ...]
+    places: List[Placement]
 
 
-class Parts(NamedTuple):
-    """What the compiled driver takes from the public call (``shard.api``): the manual axes and the leaves'
-    placements, checked as eagerly, and the eager call out of the graph, per reason of :func:`unsupported`."""
+class Traced(TracedKind):
+    """shard_map's steps inside ``torch.compile``, as the engine's compiled driver runs them. It takes from the
+    public call (``shard.api``) the manual axes and the leaves' placements, checked as eagerly, and the eager call
+    out of the graph, per reason of :func:`unsupported`."""
 
-    manual: Callable[[Any, MeshView], Tuple[str, ...]]
-    placements: Callable[..., List[Placement]]
-    eager: Dict[str, Driver]
+    def __init__(
+        self,
+        eager: Dict[str, Callable[..., Any]],
+        manual: Callable[[Any, MeshView], Tuple[str, ...]],
+        placements: Callable[..., List[Placement]],
+    ) -> None:
+        super().__init__(eager)
+        self.manual, self.placements = manual, placements
 
+    def communicate(self, site: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Where]:
+        """The mesh, resolved out of the graph (a constant of it), None off it; the specs checked as eagerly."""
+        view = site.view()
+        if not view.member:
+            return None
+        manual = self.manual(site, view)
+        return Where(view, manual, self.placements(site, "in", site.opts.in_specs, args, view, manual))
 
-def run_compiled(site: Any, view: MeshView, args: Tuple[Any, ...], kwargs: Dict[str, Any], parts: Parts) -> Any:
-    """One call of the shard_map ``site`` over ``view`` as traceable ops; returns what the eager call returns on this
-    rank (None off the mesh)."""
-    opts = site.opts
-    if not view.member:
-        return None
-    manual = parts.manual(site, view)
-    places = parts.placements(site, "in", opts.in_specs, args, view, manual)
-    leaves, tree = tree_flatten(args)
-    reason = unsupported(site, view, leaves, places)
-    if reason is None and site.opts.check_vma:
-        reason = _checked(site, args, kwargs)
-    if reason is not None:
-        return parts.eager[reason](site, args, kwargs)
-    grads = torch.is_grad_enabled()
-    if opts.local:
-        blocks = [_local_block(v, p, view, grads) for v, p in zip(leaves, places)]
-    else:
-        blocks = [_cut(v, p, view, grads) for v, p in zip(leaves, places)]
-    kwargs = _whole_kwargs(kwargs, view, grads)
-    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-    device = tensors[0].device if tensors else torch.device("cpu")
-    for n in manual:
-        coord = view.coords[n]
-        link = Link(view.axes[n], device, site.call, opts.timeout)
-        index = torch.tensor(coord, dtype=torch.int64, device=device)  # a constant of the graph
-        frames.push(n, AxisFrame(link, view.sizes[n], coord, (1,) * view.sizes[n], "rank", index=index))
-    # a cmap nested in f runs eagerly and, seeing this, as plain torch.vmap over this rank's examples
-    start_splitting(manual_ranks(view, manual))
-    try:
-        out = site.f(*tree_unflatten(blocks, tree), **kwargs)
-    finally:
-        stop_splitting()
-        for n in reversed(manual):
-            frames.pop(n, finished=False)
-    out_places = parts.placements(site, "out", opts.out_specs, out, view, manual)
-    flat, out_tree = tree_flatten(out)
-    if opts.local:
-        flat = [_local_output(v, p, view) for v, p in zip(flat, out_places)]
-    else:
-        flat = [_assemble(v, p, view, opts.check_vma) for v, p in zip(flat, out_places)]
-    return tree_unflatten(flat, out_tree)
+    def unsupported(self, site: Any, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+        reason = unsupported(site, where.view, tree_flatten(args)[0], where.places)
+        if reason is None and site.opts.check_vma:
+            reason = _checked(site, args, kwargs)
+        return reason
+
+    def enter(self, site: Any, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
+        """Each argument's block (or a local one as given), the keywords whole, and a frame per manual axis."""
+        opts, view = site.opts, where.view
+        leaves, tree = tree_flatten(args)
+        grads = torch.is_grad_enabled()
+        if opts.local:
+            blocks = [_local_block(v, p, view, grads) for v, p in zip(leaves, where.places)]
+        else:
+            blocks = [_cut(v, p, view, grads) for v, p in zip(leaves, where.places)]
+        kwargs = _whole_kwargs(kwargs, view, grads)
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        opened = []
+        for n in where.manual:
+            coord, size = view.coords[n], view.sizes[n]
+            link = Link(view.axes[n], device, site.call, opts.timeout)
+            index = torch.tensor(coord, dtype=torch.int64, device=device)  # a constant of the graph
+            opened.append(
+                (n, AxisFrame(link=link, size=size, offset=coord, sizes=(1,) * size, mode="rank", index=index))
+            )
+        # a cmap nested in f runs eagerly and, seeing the marker, as plain torch.vmap over this rank's examples
+        return Entered((tree_unflatten(blocks, tree), kwargs), tuple(opened), manual_ranks(view, where.manual))
+
+    def run(self, site: Any, where: Where, entered: Entered) -> Any:
+        args, kwargs = entered.inputs
+        return site.f(*args, **kwargs)
+
+    def conclude(self, site: Any, where: Where, entered: Entered, out: Any) -> Any:
+        """Every output assembled (or with ``local=True`` left a block) as traced ``Join``s."""
+        opts, view = site.opts, where.view
+        out_places = self.placements(site, "out", opts.out_specs, out, view, where.manual)
+        flat, out_tree = tree_flatten(out)
+        if opts.local:
+            flat = [_local_output(v, p, view) for v, p in zip(flat, out_places)]
+        else:
+            flat = [_assemble(v, p, view, opts.check_vma) for v, p in zip(flat, out_places)]
+        return tree_unflatten(flat, out_tree)
 
 
 def unsupported(site: Any, view: MeshView, leaves: Sequence[Any], places: Sequence[Placement]) -> Optional[str]:
@@ -144,20 +166,6 @@ REASONS = {
         "the mesh; pass it as an argument with an in_specs entry (P() for a replicated weight)"
     ),
 }
-
-
-def eager_fallbacks(driver: Driver) -> Dict[str, Driver]:
-    """The eager ``driver`` out of the graph, once per reason: a graph break, or with ``fullgraph=True`` dynamo's
-    error, which shows the function's name, so the name says why and what to do. Made once, outside any graph."""
-
-    def made(text: str) -> Driver:
-        def run(site: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-            return driver(site, args, kwargs)
-
-        run.__name__ = run.__qualname__ = f"shard_map runs eagerly, not inside torch.compile: {text}"
-        return not_traced(run)
-
-    return {reason: made(text) for reason, text in REASONS.items()}
 
 
 def _blocks(axes: Sequence[str], view: MeshView) -> int:

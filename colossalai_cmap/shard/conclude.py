@@ -9,16 +9,18 @@ rank every failure; it also carries every rank's output block lengths, which ass
 may be uneven), so they cost no round of their own.
 """
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..call.records import Failed
-from ..errors import CmapError, by_rank, output_name
+from ..engine.exit import agreed, differing, outputs_differ, raise_failed
+from ..engine.records import Failed
+from ..errors import CmapError
 from ..torch_internals import outside_transforms
 from ..wire import rounds
-from ..wire.exchange import Exit, JoinSpec, join_values, report_failure
+from ..wire.exchange import Exit, JoinSpec, join_values
 from ..wire.link import Link
 from ..wire.roles import Rows
 from ..wire.rounds import Disagreement, Header, Kind, Status
@@ -27,7 +29,7 @@ from .mesh import MeshView
 
 @dataclass
 class Outcome:
-    """What this rank brings to the exit: its :class:`~colossalai_cmap.call.records.Failed` (or None), a digest of its outputs' structure and of the
+    """What this rank brings to the exit: its :class:`~colossalai_cmap.engine.records.Failed` (or None), a digest of its outputs' structure and of the
     closure edges its graph holds, and its outputs' block lengths (:func:`~colossalai_cmap.shard.blocks.block_lengths`).
     """
 
@@ -49,42 +51,44 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
         status = Status.FAILED if failed is not None else Status.OK
         rounds.status_round(link, Header(Kind.STATUS, status, inline=1))
     if failed is not None:
-        report_failure(JoinSpec(whole, (), kind=Kind.STATUS), failed.failure, failed.cause)
+        raise_failed(whole, failed)
     exit_ = Exit(Status.OK, 0, outcome.layout_sig, 0, outcome.graph_sig, 0, 0, False, ("digest", "graph_sig"))
     lengths = [] if outcome.lengths is None else [outcome.lengths]
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
-    try:
+    spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host=True)
+
+    def lengths_of_every_rank() -> List[List[int]]:
         with outside_transforms():  # the lengths are plain ints, whatever transform is around the call
-            got = join_values(JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host=True), lengths)
+            got = join_values(spec, lengths)
             return got[0].tolist() if got else []
-    except Disagreement as found:
-        # every rank read the same table: on this error path, every rank sends its outputs' layout (one collective)
-        layouts = rounds.gather_objects(whole, outcome.layout) if found.field == "digest" else None
-        raise CmapError(_explain(call, found, layouts)) from None
+
+    # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
+    return agreed(lengths_of_every_rank, whole, {"digest": lambda: outcome.layout}, functools.partial(_explain, call))
 
 
-def _explain(call: str, found: Disagreement, layouts: Optional[List[Tuple[Any, ...]]]) -> str:
+class Shown(NamedTuple):
+    """One output leaf as a rank returned it, for the error that says how ranks' outputs differ: its path, the words
+    for it, and what every rank's must equal (its spec, and a tensor's dtype and dims, or another leaf's type)."""
+
+    path: str
+    shown: str
+    key: Tuple[Any, ...]
+
+
+def _explain(call: str, found: Disagreement, layouts: Optional[List[Tuple[Any, ...]]]) -> CmapError:
     if found.field == "graph_sig":
-        return (
+        return CmapError(
             f"{call}: the ranks' autograd graphs reach tensors made outside f in different ways; every rank must "
             f"run the same program on its blocks."
         )
-    detail = _differ(layouts) if layouts else f"digests {[h.digest for h in found.table]}"
-    return (
+    if layouts:
+        seen = [[Shown(path, _leaf(*rest), tuple(rest)) for path, *rest in mine] for mine in layouts]
+        detail = outputs_differ(seen, differing(seen))
+    else:
+        detail = f"digests {[h.digest for h in found.table]}"
+    return CmapError(
         f"{call}: f returned outputs of different structures, dtypes or ranks on different ranks ({detail}); every "
         f"rank must return the same structure."
-    )
-
-
-def _differ(layouts: List[Tuple[Any, ...]]) -> str:
-    """Each output leaf whose ranks disagree, with what each returned; every rank's outputs where the paths differ."""
-    if len({tuple(leaf[0] for leaf in mine) for mine in layouts}) > 1:
-        return by_rank(
-            [", ".join(f"{output_name(path)} {_leaf(*rest)}" for path, *rest in mine) for mine in layouts], "; "
-        )
-    differ = [i for i in range(len(layouts[0])) if len({mine[i] for mine in layouts}) > 1]
-    return "; ".join(
-        f"{output_name(layouts[0][i][0])}: " + by_rank([_leaf(*m[i][1:]) for m in layouts]) for i in differ
     )
 
 

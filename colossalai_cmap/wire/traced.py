@@ -98,10 +98,11 @@ def gather_under_vmap(t: torch.Tensor, pg: Any) -> torch.Tensor:
 
 def out_of_graph(fn: Callable[..., Any], why: str) -> Callable[..., Any]:
     """``fn``, run eagerly outside any graph (one graph break). With ``fullgraph=True`` dynamo's error shows the
-    function's name, so it is named ``why``: the sentence that says why it cannot be traced and what to do."""
+    function's name, so it is named ``why``: the sentence that says why it cannot be traced and what to do. The one
+    such wrapper: every map, collective and maker that runs out of the graph is named by its reason here."""
 
-    def run(*args: Any) -> Any:
-        return fn(*args)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
 
     run.__name__ = run.__qualname__ = why
     return not_traced(run)
