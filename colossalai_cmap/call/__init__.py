@@ -1,20 +1,22 @@
-"""One cmap call: one pipeline of steps, and two drivers that run them.
+"""One cmap call: cmap's kind of map call, whose steps the engine's two drivers run.
 
-Imports go down, five levels at most:
+Imports go down, five levels at most from ``api``:
 
-1. leaves: ``options``, ``dims`` (``in_dims``/``out_dims`` against pytrees), ``layout``, ``module_params``, ``loop``
-   and ``records`` (the records the steps hand each other: ``Shares``, ``Inputs``, ``FastPath``, ``Outputs``,
-   ``Failed``, ``LastCall``);
+1. leaves: ``options``, ``dims`` (``in_dims``/``out_dims`` against pytrees), ``layout``, ``loop`` and ``records`` (the
+   records the steps hand each other: ``Shares``, ``Inputs``, ``FastPath``, ``Outputs``, ``LastCall``);
 2. steps: ``shares``, ``entry``, ``losses`` and ``batchnorm`` (a mean loss and training BatchNorm over the whole
-   batch), ``execute``, ``closures``, ``views``, ``checks``, ``site`` (what one cmap keeps) and ``keywords`` (mapped keyword arguments made
-   positional; the batched mode's check of whole ones);
+   batch), ``execute``, ``views``, ``checks``, ``site`` (what one cmap keeps) and ``keywords`` (mapped keyword
+   arguments made positional; the batched mode's check of whole ones);
 3. ``from_src`` (the shares with ``src=r``), ``rank`` (this rank's part: entry, stand-in, run, outputs) and
    ``conclude`` (the exit: the status round, the gather, in-place write-back, views of the caller's inputs);
-4. the drivers: ``dispatch`` (eager, on any group, and alone: a group of one with nothing to communicate) and
-   ``compiled`` (inside ``torch.compile``: each step's traced form, beside its eager form in the step's module);
-5. ``api`` (``cmap``, ``Cmapped``), which picks the driver and hands ``compiled`` the eager one.
+4. cmap's steps around this rank's part: ``dispatch`` (the group, alone or not: a group of one with nothing to
+   communicate; the shares and the fast path; what the call leaves) and ``compiled`` (inside ``torch.compile``: each
+   step's traced form, beside its eager form in the step's module);
+5. ``api`` (``cmap``, ``Cmapped``, and cmap's kinds: the steps of 3 and 4 for the engine's ``run_eager`` and
+   ``run_compiled``).
 
-May import: ``axis``, ``integration``, ``wire`` and the leaf modules (torch's internals only through
-``torch_internals``). Imported by the package's lazy public names (``cmap``), by ``tp`` (``tp/fx.py``: each traced
-linear layer is a cmap) and by ``shard`` (``shard/api.py``: the closure interceptor and walk of ``closures``).
+May import: ``engine`` (the drivers, this rank's part, the exit's shared parts, closures, module parameters and the
+``Failed`` record), ``axis``, ``integration``, ``wire`` and the leaf modules (torch's internals only through
+``torch_internals``). Imported by the package's lazy public names (``cmap``) and by ``tp`` (``tp/fx.py``: each traced
+linear layer is a cmap); never by ``shard`` or ``engine``.
 """

@@ -8,7 +8,6 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import faults
 from ..engine.driver import EagerKind, Entered, TracedKind, eager_fallbacks, run_compiled, run_eager
 from ..engine.records import Failed
 from ..integration.groups import resolve_group
@@ -18,7 +17,7 @@ from ..wire.traced import out_of_graph
 from . import compiled, dispatch, rank
 from .conclude import conclude, conclude_traced
 from .dispatch import Call, Whole
-from .keywords import as_positional, keyword_batch
+from .keywords import as_positional
 from .options import Options, make_options
 from .records import Inputs, Outputs
 from .site import CallSite
@@ -29,16 +28,8 @@ __all__ = ["cmap", "Cmapped"]
 class _Eager(EagerKind):
     """cmap's steps, as the engine's eager driver runs them: on any group, or alone (an unwired link)."""
 
-    def communicate(self, site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
-        return dispatch.communicate(site, args, kwargs)
-
-    def inputs(self, site: CallSite, call: Call, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        return dispatch.inputs(site, call, args, kwargs)
-
-    def enter(self, site: CallSite, call: Call, inputs: Any) -> Any:
-        if faults.ACTIVE:
-            faults.check("args", call.link.group)
-        return inputs
+    communicate, inputs = staticmethod(dispatch.communicate), staticmethod(dispatch.inputs)
+    enter, finish = staticmethod(dispatch.enter), staticmethod(dispatch.finish)
 
     def run(self, site: CallSite, call: Call, inputs: Any, tag: Any, start: int) -> Any:
         if isinstance(inputs, Whole):  # alone, repeated, nothing around func: the cmap's own torch.vmap
@@ -56,26 +47,12 @@ class _Eager(EagerKind):
         out: Outputs = result
         return dispatch.finished(site, call, inputs, out, conclude(site.options, inputs.shares, out, inputs, call.link))
 
-    def finish(self, site: CallSite, call: Call) -> None:
-        dispatch.finish(site, call)
-
 
 class _Traced(TracedKind):
     """cmap's steps inside ``torch.compile``, as the engine's compiled driver runs them."""
 
-    def communicate(self, site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> CallSite:
-        return site  # every rank of the group takes part; the group is resolved after the checks
-
-    def unsupported(self, site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
-        if keyword_batch(site.options, args, kwargs):
-            return "keywords"
-        return compiled.unsupported(site)
-
-    def enter(self, site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
-        return compiled.enter(site, args, kwargs)
-
-    def run(self, site: CallSite, where: Any, entered: Entered) -> Any:
-        return compiled.run(site, entered.inputs)
+    communicate, unsupported = staticmethod(compiled.communicate), staticmethod(compiled.unsupported)
+    enter, run = staticmethod(compiled.enter), staticmethod(compiled.run)
 
     def conclude(self, site: CallSite, where: Any, entered: Entered, out: Any) -> Any:
         traced = entered.inputs

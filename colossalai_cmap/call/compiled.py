@@ -35,7 +35,7 @@ from ..wire.link import Link
 from ..wire.roles import first_row
 from .entry import enter_kwargs_traced, enter_traced, first_example
 from .execute import Share, run_share_traced
-from .keywords import flatten_call
+from .keywords import flatten_call, keyword_batch
 from .options import Options
 from .shares import share_sizes
 from .site import CallSite
@@ -54,7 +54,12 @@ class Traced(NamedTuple):
     rank: int
 
 
-def enter(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
+def communicate(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> CallSite:
+    """Every rank of the group takes part; the group is resolved after the checks, in :func:`enter`."""
+    return site
+
+
+def enter(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
     """The eager call's shares, from static shapes (each rank maps the same rows), entered as traceable ops; the
     axis frame func runs in; every rank marked as splitting (this rank's group members are not known inside the
     graph, and a plain vmap, which a cmap nested in func runs as, eagerly, gives the same values)."""
@@ -84,14 +89,17 @@ def enter(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Ente
     return Entered(traced, opened, splitting)
 
 
-def run(site: CallSite, traced: Traced) -> Any:
+def run(site: CallSite, where: Any, entered: Entered) -> Any:
     """func on the share, under ``torch.vmap``'s own steps (or batched), with the frame open."""
+    traced = entered.inputs
     return run_share_traced(site.options, site.body, traced.share, traced.kwargs, traced.frame)
 
 
-def unsupported(site: CallSite) -> Optional[str]:
+def unsupported(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
     """What of this call only the eager orchestration does (a key of :data:`REASONS`), or None."""
     opts = site.options
+    if keyword_batch(opts, args, kwargs):
+        return "keywords"
     if opts.src is not None:
         return "src"
     if opts.dst != -1 and opts.dst != "local":

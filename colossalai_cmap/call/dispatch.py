@@ -100,6 +100,13 @@ def inputs(site: CallSite, call: Call, args: Tuple[Any, ...], kwargs: Dict[str, 
     return found
 
 
+def enter(site: CallSite, call: Call, inputs: Any) -> Any:
+    """Before the call's autograd sequence starts: the fault injection's first point."""
+    if faults.ACTIVE:
+        faults.check("args", call.link.group)
+    return inputs
+
+
 def raise_failed(call: Call, failed: Failed) -> None:
     """This rank's failure, raised by the exit on every rank; with ``raw`` (alone, with no group to name) as it is."""
     if call.raw:

@@ -3,7 +3,7 @@
 Mapped inputs are cut with ``narrow`` (views, no copy). With ``dst=-1``, every tensor that requires grad enters
 through one ``Split`` tagged with the call, whose backward is one ``Join`` for all of them: the rows of mapped
 inputs are gathered, the gradients of unmapped inputs, keyword tensors and the parameters of the modules func uses
-(:mod:`module_params`) are summed over the group. The tag is where the closure walk (:mod:`closures`) stops.
+(``engine.module_params``) are summed over the group. The tag is where the closure walk (``engine.closures``) stops.
 """
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple

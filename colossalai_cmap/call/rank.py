@@ -131,7 +131,7 @@ def _thread_modes(
 
 
 def _interceptor(site: CallSite, tag: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
-    """The closure interceptor, where it can matter (:mod:`closures`): unless the last call with gradients found
+    """The closure interceptor, where it can matter (``engine.closures``): unless the last call with gradients found
     no closure-captured tensor at all, and func's closures hold none now."""
     if not (link.wired and site.options.differentiable and tracking()):
         return None

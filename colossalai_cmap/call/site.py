@@ -1,6 +1,6 @@
 """What one cmap keeps between its calls: the function, its options, the fast path's cache, where func's closures live,
 and what the last call did. ``Cmapped`` (the public callable) owns one; the call path reads it and
-:func:`~colossalai_cmap.call.dispatch.dispatch` is the only writer of what a call learned."""
+:mod:`~colossalai_cmap.call.dispatch` is the only writer of what a call learned."""
 
 import dataclasses
 from collections import OrderedDict
@@ -52,11 +52,11 @@ class CallSite:
         fast_paths: the fast path's records.
         refs: where func's closures, globals and partial arguments live (modules found there enter with the args).
         captures_trainable: whether func may read a tensor that requires grad without being given it
-            (:func:`~.module_params.reaches_trainable`), read once per compiled graph.
+            (:func:`~colossalai_cmap.engine.module_params.reaches_trainable`), read once per compiled graph.
         runs_training_batchnorm: whether func may run a BatchNorm in training mode
-            (:func:`~.module_params.reaches_training_batchnorm`), read once per compiled graph.
+            (:func:`~colossalai_cmap.engine.module_params.reaches_training_batchnorm`), read once per compiled graph.
         sync_batchnorm: whether func may reach a ``torch.nn.SyncBatchNorm``
-            (:func:`~.module_params.reaches_sync_batchnorm`), found at the first call that asks (None before).
+            (:func:`~colossalai_cmap.engine.module_params.reaches_sync_batchnorm`), found at the first call that asks (None before).
         captures: whether the last call that tracked gradients met closure-captured tensors (None: no such call).
         last: what the last call did.
     """

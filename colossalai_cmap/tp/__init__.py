@@ -1,7 +1,7 @@
 """Tensor parallelism: ``shard_model(model, plan=...)`` with parallel styles, its layers, the full state dict, and
 the torch.fx form, ``shard_linears_fx``.
 
-May import: ``call``, ``axis``, ``integration``, ``wire`` and the leaf modules (torch's internals only through
+May import: ``call``, ``engine``, ``axis``, ``integration``, ``wire`` and the leaf modules (torch's internals only through
 ``torch_internals``).
 """
 
