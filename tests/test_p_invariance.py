@@ -245,3 +245,42 @@ def test_every_call_behaves_alike_at_every_group_size(worlds, drawn):
         expected = _comparable(seen["P=2"], call)
         for where, outcome in seen.items():
             assert _same(_comparable(outcome, call), expected), f"{call}\n{where}: {outcome}\nP=2: {seen['P=2']}"
+
+
+def _shard_map_calls() -> List[Any]:
+    """This rank's outcome of a few shard_map calls on a one-axis mesh over the whole world (a mesh of one at P = 1):
+    ("ok", output, the argument's gradient) or ("error", type, messages)."""
+    from shard_cases import mesh
+
+    m = mesh((dist.get_world_size(),), ("i",))
+    cases = [
+        (lambda b: b * 2 + 1, cm.P("i"), cm.P("i"), 6),
+        (lambda b: b * 2 + 1, cm.P("i"), cm.P("i"), 5),  # uneven blocks past P = 1
+        (lambda b: cm.psum(b.sum(0), "i"), cm.P("i"), cm.P(), 6),
+        (lambda b: cm.pmean(b, "i").sum(), cm.P(), cm.P(), 6),
+        (lambda b: b.sum(), cm.P("i"), cm.P(), 6),  # varies over "i", out_specs says invariant: jax's error
+        (lambda b: b.view(-1, 5), cm.P("i"), cm.P("i"), 6),  # f raises on every rank
+        (lambda b: b, cm.P("j"), cm.P("i"), 6),  # a spec naming no axis of the mesh
+    ]
+    outcomes = []
+    for f, ins, outs, B in cases:
+        x = torch.arange(B * 4, dtype=torch.float64).view(B, 4).requires_grad_()
+        try:
+            out = cm.shard_map(f, m, ins, outs)(x)
+            (out.double() ** 2).sum().backward()
+        except Exception as exc:
+            outcomes.append(("error",) + _error(exc))
+            continue
+        outcomes.append(("ok", out.detach(), x.grad))
+    return outcomes
+
+
+def test_shard_map_behaves_alike_at_every_mesh_size(worlds):
+    """shard_map on a mesh of one takes the steps it takes on any mesh: the same values, gradients and errors at
+    P = 1, 2 and 3."""
+    by_size = {P: worlds(P).run(_shard_map_calls) for P in (1, 2, 3)}
+    expected = by_size[1][0]
+    for P, per_rank in by_size.items():
+        for r, outcomes in enumerate(per_rank):
+            for k, (got, want) in enumerate(zip(outcomes, expected)):
+                assert got[0] == want[0] and _same(got[1:], want[1:]), f"case {k}, P={P}, rank {r}: {got} vs {want}"
