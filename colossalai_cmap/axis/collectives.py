@@ -59,7 +59,7 @@ def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
     joint = joint_over(axis_name) if several and RULES[op].kind is RuleKind.REDUCE else None
     if joint is not None:
         size = axis_size(axis_name)
-        frame = AxisFrame(joint.link, size, joint.index, (1,) * size, "rank")
+        frame = AxisFrame(link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode="rank")
         return lowering.reduce_rows(frame, x.unsqueeze(0), RULES[op], names_of(axis_name))
     for name in reversed(names_of(axis_name)):
         x = axes.apply(x, name, op)
@@ -130,7 +130,9 @@ def _grouped(x: torch.Tensor, axis_name: AxisName, op: str, groups: grouped.Grou
     joint = joint_over(axis_name)
     if joint is not None:
         size = axis_size(axis_name)
-        frame = AxisFrame(joint.link, size, joint.index, (1,) * size, "rank", members=joint.ranks)
+        frame = AxisFrame(
+            link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode="rank", members=joint.ranks
+        )
         return lowering.exchange(frame, x.unsqueeze(0), RULES[op], names, groups).squeeze(0)
     members = lowering.index_table(
         tuple(next(g for g in groups if i in g) for i in range(axis_size(axis_name))), x.device

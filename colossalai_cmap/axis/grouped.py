@@ -118,7 +118,7 @@ def _sub_frame(frame: AxisFrame, bucket: Bucket, sizes: Sequence[int]) -> AxisFr
     """The frame of one bucket's collective: its ranks, each holding ``sizes`` rows."""
     me = bucket.ranks.index(_me(frame))
     link = None if len(bucket.ranks) == 1 else _sub_link(frame.link, bucket.ranks)
-    return AxisFrame(link, sum(sizes), first_row(sizes, me), tuple(sizes), frame.mode)
+    return AxisFrame(link=link, size=sum(sizes), offset=first_row(sizes, me), sizes=tuple(sizes), mode=frame.mode)
 
 
 def _me(frame: AxisFrame) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..engine.driver import EagerKind, Entered, TracedKind, eager_fallbacks, run_compiled, run_eager
+from ..engine.driver import EagerKind, TracedEntry, TracedKind, eager_fallbacks, run_compiled, run_eager
 from ..engine.records import Failed
 from ..integration.groups import resolve_group
 from ..stats import CallStats, describe
@@ -54,7 +54,7 @@ class _Traced(TracedKind):
     communicate, unsupported = staticmethod(compiled.communicate), staticmethod(compiled.unsupported)
     enter, run = staticmethod(compiled.enter), staticmethod(compiled.run)
 
-    def conclude(self, site: CallSite, where: Any, entered: Entered, out: Any) -> Any:
+    def conclude(self, site: CallSite, where: Any, entered: TracedEntry, out: Any) -> Any:
         traced = entered.inputs
         return conclude_traced(site.options, out, traced.sizes, traced.pg, traced.rank)
 

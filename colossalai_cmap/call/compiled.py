@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
-from ..engine.driver import Entered
+from ..engine.driver import TracedEntry
 from ..integration.groups import resolve_group
 from ..wire.group import Group
 from ..wire.link import Link
@@ -59,7 +59,7 @@ def communicate(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -
     return site
 
 
-def enter(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
+def enter(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> TracedEntry:
     """The eager call's shares, from static shapes (each rank maps the same rows), entered as traceable ops; the
     axis frame func runs in; every rank marked as splitting (this rank's group members are not known inside the
     graph, and a plain vmap, which a cmap nested in func runs as, eagerly, gives the same values)."""
@@ -86,10 +86,10 @@ def enter(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, A
         opened = ((opts.axis_name, frame),)
     splitting = tuple(range(dist.get_world_size())) if size > 1 else ()
     traced = Traced(share, kwargs, frame, sizes, pg if size > 1 else None, rank)
-    return Entered(traced, opened, splitting)
+    return TracedEntry(traced, opened, splitting)
 
 
-def run(site: CallSite, where: Any, entered: Entered) -> Any:
+def run(site: CallSite, where: Any, entered: TracedEntry) -> Any:
     """func on the share, under ``torch.vmap``'s own steps (or batched), with the frame open."""
     traced = entered.inputs
     return run_share_traced(site.options, site.body, traced.share, traced.kwargs, traced.frame)

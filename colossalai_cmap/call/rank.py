@@ -228,7 +228,7 @@ def _frame_and_seed(
     if opts.axis_name is None:
         return None, seed, seeds
     mode = "loop" if per_example else opts.mode  # per_example runs collectives one example at a time, as loop mode
-    frame = AxisFrame(link, sum(sizes), offset, sizes, mode, empty)
+    frame = AxisFrame(link=link, size=sum(sizes), offset=offset, sizes=sizes, mode=mode, dummy=empty)
     return frame, seed, seeds
 
 

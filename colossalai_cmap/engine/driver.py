@@ -60,7 +60,7 @@ def run_eager(kind: EagerKind, site: Any, args: Tuple[Any, ...], kwargs: Dict[st
         kind.finish(site, where)
 
 
-class Entered(NamedTuple):
+class TracedEntry(NamedTuple):
     """A compiled call's inputs on this rank, the axis frames its body runs in (name, frame), and the ranks it marks
     as splitting their batch while it runs (a map nested in the body, run eagerly, maps this rank's examples)."""
 
@@ -87,15 +87,15 @@ class TracedKind:
         """What of this call only the eager orchestration does (a key of :attr:`eager`), or None."""
         raise NotImplementedError
 
-    def enter(self, site: Any, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
+    def enter(self, site: Any, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> TracedEntry:
         """This rank's inputs as traceable ops, and the frames its body runs in."""
         raise NotImplementedError
 
-    def run(self, site: Any, where: Any, entered: Entered) -> Any:
+    def run(self, site: Any, where: Any, entered: TracedEntry) -> Any:
         """The body, with the frames open."""
         raise NotImplementedError
 
-    def conclude(self, site: Any, where: Any, entered: Entered, out: Any) -> Any:
+    def conclude(self, site: Any, where: Any, entered: TracedEntry, out: Any) -> Any:
         """The exit as traceable ops, with no round: the result on this rank."""
         raise NotImplementedError
 

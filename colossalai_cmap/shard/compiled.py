@@ -36,7 +36,7 @@ import torch
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
-from ..engine.driver import Entered, TracedKind
+from ..engine.driver import TracedEntry, TracedKind
 from ..torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..wire.group import Group
 from ..wire.link import Link
@@ -82,7 +82,7 @@ class Traced(TracedKind):
             reason = _checked(site, args, kwargs)
         return reason
 
-    def enter(self, site: Any, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Entered:
+    def enter(self, site: Any, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> TracedEntry:
         """Each argument's block (or a local one as given), the keywords whole, and a frame per manual axis."""
         opts, view = site.opts, where.view
         leaves, tree = tree_flatten(args)
@@ -103,13 +103,13 @@ class Traced(TracedKind):
                 (n, AxisFrame(link=link, size=size, offset=coord, sizes=(1,) * size, mode="rank", index=index))
             )
         # a cmap nested in f runs eagerly and, seeing the marker, as plain torch.vmap over this rank's examples
-        return Entered((tree_unflatten(blocks, tree), kwargs), tuple(opened), manual_ranks(view, where.manual))
+        return TracedEntry((tree_unflatten(blocks, tree), kwargs), tuple(opened), manual_ranks(view, where.manual))
 
-    def run(self, site: Any, where: Where, entered: Entered) -> Any:
+    def run(self, site: Any, where: Where, entered: TracedEntry) -> Any:
         args, kwargs = entered.inputs
         return site.f(*args, **kwargs)
 
-    def conclude(self, site: Any, where: Where, entered: Entered, out: Any) -> Any:
+    def conclude(self, site: Any, where: Where, entered: TracedEntry, out: Any) -> Any:
         """Every output assembled (or with ``local=True`` left a block) as traced ``Join``s."""
         opts, view = site.opts, where.view
         out_places = self.placements(site, "out", opts.out_specs, out, view, where.manual)
