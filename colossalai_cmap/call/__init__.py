@@ -2,11 +2,12 @@
 
 Imports go down, five levels at most:
 
-1. leaves: ``options``, ``dims`` (``in_dims``/``out_dims`` against pytrees), ``layout``, ``module_params``, ``loop``
-   and ``records`` (the records the steps hand each other: ``Shares``, ``Inputs``, ``FastPath``, ``Outputs``,
-   ``Failed``, ``LastCall``);
+1. leaves: ``randomness`` (the ``randomness=`` choices and the generators they own), ``dims`` (``in_dims``/``out_dims``
+   against pytrees), ``layout``, ``module_params``, ``loop`` and ``records`` (the records the steps hand each other:
+   ``Shares``, ``Inputs``, ``FastPath``, ``Outputs``, ``Failed``, ``LastCall``); above them ``execute`` (the run
+   modes: how func runs on a share) and ``options``, which parses ``mode`` and ``randomness`` into their objects;
 2. steps: ``shares``, ``entry``, ``losses`` and ``batchnorm`` (a mean loss and training BatchNorm over the whole
-   batch), ``execute``, ``closures``, ``views``, ``checks``, ``site`` (what one cmap keeps) and ``keywords`` (mapped keyword arguments made
+   batch), ``closures``, ``views``, ``checks``, ``site`` (what one cmap keeps) and ``keywords`` (mapped keyword arguments made
    positional; the batched mode's check of whole ones);
 3. ``from_src`` (the shares with ``src=r``), ``rank`` (this rank's part: entry, stand-in, run, outputs) and
    ``conclude`` (the exit: the status round, the gather, in-place write-back, views of the caller's inputs);

@@ -35,7 +35,7 @@ from ..wire.link import Link
 from ..wire.roles import first_row
 from .conclude import conclude_traced
 from .entry import enter_kwargs_traced, enter_traced, first_example
-from .execute import Share, run_share_traced
+from .execute import Share, Task, run_share_traced
 from .keywords import flatten_call
 from .options import Options
 from .shares import share_sizes
@@ -75,7 +75,7 @@ def run_compiled(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
     # marked: this rank's group members are not known inside the graph, and a plain vmap gives the same values.
     start_splitting(tuple(range(dist.get_world_size())) if size > 1 else ())
     try:
-        out = run_share_traced(opts, site.body, share, kwargs, frame)
+        out = run_share_traced(Task(opts, site.body, kwargs, frame), share)
     finally:
         stop_splitting()
         if frame is not None:
@@ -90,9 +90,9 @@ def unsupported(site: CallSite) -> Optional[str]:
         return "src"
     if opts.dst != -1 and opts.dst != "local":
         return "dst"
-    if opts.mode == "loop":
+    if not opts.mode.compiles:
         return "loop"
-    if opts.randomness != "error":
+    if not opts.randomness.compiles:
         return "randomness"
     if opts.check_inputs:
         return "check_inputs"
@@ -100,7 +100,7 @@ def unsupported(site: CallSite) -> Optional[str]:
         return "nested"
     if torch.is_grad_enabled() and site.captures_trainable():
         return "captured"
-    if opts.mode == "batched" and _across(opts) and site.runs_training_batchnorm():
+    if opts.mode.holds_rows and _across(opts) and site.runs_training_batchnorm():
         return "batchnorm"
     return None
 

@@ -10,6 +10,7 @@ import torch
 from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
 from ..axis.lowering import index_table
+from ..axis.modes import RANK
 from ..call import closures
 from ..call.module_params import reaches_trainable
 from ..call.records import Failed
@@ -388,7 +389,7 @@ def _frames(where: Where, joints: MeshJoints) -> Iterator[None]:
         for n in where.manual:
             size, coord = view.sizes[n], view.coords[n]
             index = index_table((coord,), where.whole.device)[0].clone()  # a copy made on the device, not the host
-            frame = AxisFrame(where.links[n], size, coord, (1,) * size, "rank", index=index, mesh=joints)
+            frame = AxisFrame(where.links[n], size, coord, (1,) * size, RANK, index=index, mesh=joints)
             stack.enter_context(axis_scope(n, frame))
         yield
 

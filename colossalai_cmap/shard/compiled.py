@@ -34,6 +34,7 @@ import torch
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
+from ..axis.modes import RANK
 from ..nesting import start_splitting, stop_splitting
 from ..torch_internals import not_traced, tree_flatten, tree_map, tree_unflatten
 from ..wire.group import Group
@@ -81,7 +82,7 @@ def run_compiled(site: Any, view: MeshView, args: Tuple[Any, ...], kwargs: Dict[
         coord = view.coords[n]
         link = Link(view.axes[n], device, site.call, opts.timeout)
         index = torch.tensor(coord, dtype=torch.int64, device=device)  # a constant of the graph
-        frames.push(n, AxisFrame(link, view.sizes[n], coord, (1,) * view.sizes[n], "rank", index=index))
+        frames.push(n, AxisFrame(link, view.sizes[n], coord, (1,) * view.sizes[n], RANK, index=index))
     # a cmap nested in f runs eagerly and, seeing this, as plain torch.vmap over this rank's examples
     start_splitting(manual_ranks(view, manual))
     try:
