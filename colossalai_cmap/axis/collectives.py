@@ -29,6 +29,7 @@ from . import grouped, lowering
 from . import ops as axes
 from . import vma
 from .frame import AxisFrame, joint_over, lookup, names_of, native_over, on_ranks, own_chunk
+from .modes import RANK
 from .rules import AxisRule, RuleKind, Transpose, register
 
 __all__ = [
@@ -59,7 +60,7 @@ def _over(x: torch.Tensor, axis_name: AxisName, op: str) -> torch.Tensor:
     joint = joint_over(axis_name) if several and RULES[op].kind is RuleKind.REDUCE else None
     if joint is not None:
         size = axis_size(axis_name)
-        frame = AxisFrame(link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode="rank")
+        frame = AxisFrame(link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode=RANK)
         return lowering.reduce_rows(frame, x.unsqueeze(0), RULES[op], names_of(axis_name))
     for name in reversed(names_of(axis_name)):
         x = axes.apply(x, name, op)
@@ -104,7 +105,7 @@ def _grouping(op: str, axis_name: AxisName, groups: Any) -> grouped.Groups:
     """The checked groups of an ``axis_index_groups`` call: of the axis's indices, or for a tuple name of the
     index in the axes taken together (the first name major), as jax's."""
     for name in names_of(axis_name):
-        if lookup(name, op).mode == "loop":  # its examples meet at one stacked value: no per-example results
+        if lookup(name, op).mode.in_turns:  # its examples meet at one stacked value: no per-example results
             raise NotImplementedError(
                 f"{op}(x, {axis_name!r}, axis_index_groups=...): not in mode='loop'; use mode='vmap' or 'batched'."
             )
@@ -131,7 +132,7 @@ def _grouped(x: torch.Tensor, axis_name: AxisName, op: str, groups: grouped.Grou
     if joint is not None:
         size = axis_size(axis_name)
         frame = AxisFrame(
-            link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode="rank", members=joint.ranks
+            link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode=RANK, members=joint.ranks
         )
         return lowering.exchange(frame, x.unsqueeze(0), RULES[op], names, groups).squeeze(0)
     members = lowering.index_table(
@@ -393,7 +394,7 @@ def _lead(axis_name: AxisName) -> int:
 
 
 def _batched_mode(axis_name: AxisName) -> bool:
-    return lookup(names_of(axis_name)[0], "collective").mode == "batched"
+    return lookup(names_of(axis_name)[0], "collective").mode.holds_rows
 
 
 def _example_shape(axis_name: AxisName, x: torch.Tensor) -> Tuple[int, ...]:

@@ -9,6 +9,7 @@ import torch
 
 from ..torch_internals import backward_running
 from ..wire.link import Link
+from .modes import AxisMode
 
 
 class ExampleLoop(Protocol):
@@ -55,7 +56,7 @@ class AxisFrame:
         size: the global batch size B, or the mesh dimension's size.
         offset: the first global index of this rank's rows (its mesh coordinate).
         sizes: every rank's row count (all 1 along a mesh axis).
-        mode: the cmap's mode, or "rank" for a mesh axis.
+        mode: the cmap's mode, or :data:`~.modes.RANK` for a mesh axis (what the collectives ask of it).
         dummy: the shard is empty, and its one stand-in example contributes nothing to collectives.
         index: each example's global index, set while func runs (``axis_index``).
         level: the functorch level of this map's ``torch.vmap`` (mode "vmap"), set while func runs.
@@ -69,7 +70,7 @@ class AxisFrame:
     size: int
     offset: int
     sizes: Sequence[int]
-    mode: str = "vmap"
+    mode: AxisMode
     dummy: bool = False
     index: Any = None
     level: Optional[int] = None
@@ -146,7 +147,7 @@ def joint_of(names: Sequence[str], op: str) -> Optional[Joint]:
         return None
     frames = [lookup(name, op) for name in names]
     mesh = frames[0].mesh
-    if mesh is None or any(f.mode != "rank" or f.mesh is not mesh for f in frames):
+    if mesh is None or any(not f.mode.per_rank or f.mesh is not mesh for f in frames):
         return None
     return mesh.joint(tuple(names))
 
@@ -172,7 +173,7 @@ def native_over(axis_name: Any) -> bool:
     names = names_of(axis_name)
     if len(names) != 1 or torch.compiler.is_compiling():
         return False
-    return lookup(names[0], "collective").mode in ("vmap", "batched", "rank")
+    return lookup(names[0], "collective").mode.native
 
 
 def joint_over(axis_name: Any, length: int = 1) -> Optional[Joint]:
@@ -191,7 +192,7 @@ def joint_over(axis_name: Any, length: int = 1) -> Optional[Joint]:
 
 def on_ranks(axis_name: Any) -> bool:
     """Every name is a ``shard_map`` mesh axis, whose members are ranks."""
-    return all(lookup(name, "collective").mode == "rank" for name in names_of(axis_name))
+    return all(lookup(name, "collective").mode.per_rank for name in names_of(axis_name))
 
 
 def own_chunk(axis_name: Any, length: int) -> Tuple[int, int]:

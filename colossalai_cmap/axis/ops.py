@@ -88,7 +88,7 @@ def index(name: str) -> torch.Tensor:
     frame = lookup(name, "axis_index")
     if frame.index is None:
         raise RuntimeError(f"axis_index({name!r}) is only available inside the mapped function.")
-    return frame.loop.index() if frame.mode == "loop" and frame.loop is not None else frame.index
+    return frame.loop.index() if frame.mode.in_turns and frame.loop is not None else frame.index
 
 
 def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
@@ -97,13 +97,13 @@ def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
     frame = lookup(name, rule.name)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{rule.name}(x, {name!r}): x must be a Tensor, got {type(x).__name__}.")
-    if frame.mode == "rank":  # a shard_map axis: this rank is one member of it, and func holds its own value
+    if frame.mode.per_rank:  # a shard_map axis: this rank is one member of it, and func holds its own value
         out = exchange(frame, x.unsqueeze(0), rule, name, arg)
         return out.squeeze(0) if rule.per_example else out
-    if frame.mode == "batched":
+    if frame.mode.holds_rows:
         out = exchange(frame, x, rule, name, arg)
         return out if rule.per_example else out.unsqueeze(0).expand(x.shape[0], *out.shape)
-    if frame.mode == "loop" and not is_batched(x):
+    if frame.mode.in_turns and not is_batched(x):
         return frame.loop.run(x, lambda stacked: exchange(frame, stacked, rule, name))
     if torch.compiler.is_compiling():
         return traced_vmap(frame, x, rule, name, arg)

@@ -352,7 +352,7 @@ def untyped(names: Tuple[str, ...], x: Any, run: Callable[[Any], Any]) -> Any:
     tracker = current()
     if tracker is None or tracker.paused or not isinstance(x, torch.Tensor):
         return run(x)
-    if not all(lookup(n, "a collective").mode == "rank" for n in names):  # a cmap's axis inside f: its ops are typed
+    if not all(lookup(n, "a collective").mode.per_rank for n in names):  # a cmap's axis inside f: its ops are typed
         return run(x)
     x = tracker.route(x)
     with tracker.pause():

@@ -2,11 +2,13 @@
 
 Imports go down, five levels at most from ``api``:
 
-1. leaves: ``options``, ``dims`` (``in_dims``/``out_dims`` against pytrees), ``layout``, ``loop`` and ``records`` (the
-   records the steps hand each other: ``Shares``, ``Inputs``, ``FastPath``, ``Outputs``, ``LastCall``);
+1. leaves: ``randomness`` (the ``randomness=`` choices and the generators they own), ``dims`` (``in_dims``/``out_dims``
+   against pytrees), ``layout``, ``loop`` and ``records`` (the records the steps hand each other: ``Shares``,
+   ``Inputs``, ``FastPath``, ``Outputs``, ``LastCall``); above them ``execute`` (the run modes: how func runs on a
+   share) and ``options``, which parses ``mode`` and ``randomness`` into their objects;
 2. steps: ``shares``, ``entry``, ``losses`` and ``batchnorm`` (a mean loss and training BatchNorm over the whole
-   batch), ``execute``, ``views``, ``checks``, ``site`` (what one cmap keeps) and ``keywords`` (mapped keyword
-   arguments made positional; the batched mode's check of whole ones);
+   batch), ``views``, ``checks``, ``site`` (what one cmap keeps) and ``keywords`` (mapped keyword arguments made
+   positional; the batched mode's check of whole ones);
 3. ``from_src`` (the shares with ``src=r``), ``rank`` (this rank's part: entry, stand-in, run, outputs) and
    ``conclude`` (the exit: the status round, the gather, in-place write-back, views of the caller's inputs);
 4. cmap's steps around this rank's part: ``dispatch`` (the group, alone or not: a group of one with nothing to

@@ -219,7 +219,7 @@ class Cmapped:
         return _eager(self._site, args, kwargs)
 
     def __repr__(self) -> str:
-        return f"<{self.options.call}, dst={self.options.dst!r}, src={self.options.src!r}, mode={self.options.mode!r}>"
+        return f"<{self.options.call}, dst={self.options.dst!r}, src={self.options.src!r}, mode={self.options.mode.name!r}>"
 
     @property
     def stats(self) -> Optional[CallStats]:

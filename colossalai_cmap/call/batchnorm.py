@@ -51,27 +51,14 @@ _LOSS_SIGNATURES = {f: inspect.signature(f) for f in losses.MEAN_LOSSES}
 _CAUGHT = {name: getattr(F, name) for name in ("batch_norm",) + tuple(f.__name__ for f in losses.MEAN_LOSSES)}
 _BATCH_NORM = _CAUGHT["batch_norm"]
 
-# torch.vmap's refusal of a BatchNorm that updates its running statistics (functorch's batch rule)
-VMAP_REFUSAL = "Batch norm got a batched tensor as input while the running_mean or running_var"
-
-
-def vmap_remedy(call: str) -> str:
-    """What to do where torch.vmap refuses a training BatchNorm (the sentence after vmap's own)."""
-    return (
-        f"{call}: func runs a BatchNorm in training mode, which torch.vmap cannot map per example. Use "
-        f"mode='batched' to call func on the batch as it is written (cmap then takes the statistics over the whole "
-        f"batch across the group, as the model in one process), or torch.func.replace_all_batch_norm_modules_(model) "
-        f"to stop tracking running statistics (each example is then normalised alone, as vmap does)."
-    )
-
 
 def whole_batch(opts: Options, link: Optional[Link], empty: bool) -> Optional["WholeBatch"]:
     """The mode func runs under, where it changes anything: ``mode="batched"`` (at every P: its losses are returned
     alike, :mod:`.losses`), and the refusals of ``mode="loop"`` (``link``: None in a world of one)."""
-    if opts.mode == "vmap":
+    if opts.mode.under_vmap:
         return None
     across = link if link is not None and link.group.size > 1 else None
-    parted = opts.randomness == "per_example" or opts.chunk_size is not None
+    parted = opts.randomness.per_example or opts.chunk_size is not None
     return WholeBatch(opts, across, empty, parted)
 
 
@@ -82,7 +69,7 @@ def batch_scope(opts: Options, coupled: Optional["WholeBatch"], sync_reachable: 
     synchronise over its own process group, outside cmap. The refusal is a global forward pre-hook while func runs
     (the module may be anywhere func reaches), which puts every module call on torch's slower hook path, so it is
     registered only where such a module was found."""
-    if opts.mode == "vmap" or not (coupled or sync_reachable):
+    if opts.mode.under_vmap or not (coupled or sync_reachable):
         yield
         return
     hook = register_module_forward_pre_hook(functools.partial(_refuse_sync, opts.call)) if sync_reachable else None
@@ -143,7 +130,7 @@ class WholeBatch:
         if not a["training"] or current_level() != self.level:
             return func(*args, **kwargs)
         tracked = a["running_mean"] is not None or a["running_var"] is not None
-        if self.opts.mode == "loop":
+        if self.opts.mode.in_turns:
             if tracked:
                 raise RuntimeError(_loop_refusal(self.opts.call))
             return func(*args, **kwargs)  # a per-example call's own statistics, as in one process
@@ -154,7 +141,7 @@ class WholeBatch:
         return self._normalise(func, args, kwargs, a)
 
     def _loss(self, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        if self.opts.mode != "batched" or self.parted or current_level() != self.level:
+        if not self.opts.mode.holds_rows or self.parted or current_level() != self.level:
             return func(*args, **kwargs)
         a = losses.arguments(_LOSS_SIGNATURES[func], args, kwargs)
         if losses.reduction_of(a) != "mean" or not losses.batched(func, a["input"]):
@@ -261,7 +248,7 @@ def _loop_refusal(call: str) -> str:
 
 
 def _parted_refusal(opts: Options) -> str:
-    if opts.randomness == "per_example":
+    if opts.randomness.per_example:
         part, fix = "randomness='per_example' calls func on each example alone", "another randomness"
     else:
         part, fix = f"chunk_size={opts.chunk_size} calls func on chunks of the batch", "chunk_size=None"

@@ -34,7 +34,7 @@ from ..wire.group import Group
 from ..wire.link import Link
 from ..wire.roles import first_row
 from .entry import enter_kwargs_traced, enter_traced, first_example
-from .execute import Share, run_share_traced
+from .execute import Share, Task, run_share_traced
 from .keywords import flatten_call, keyword_batch
 from .options import Options
 from .shares import share_sizes
@@ -92,7 +92,7 @@ def enter(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, A
 def run(site: CallSite, where: Any, entered: TracedEntry) -> Any:
     """func on the share, under ``torch.vmap``'s own steps (or batched), with the frame open."""
     traced = entered.inputs
-    return run_share_traced(site.options, site.body, traced.share, traced.kwargs, traced.frame)
+    return run_share_traced(Task(site.options, site.body, traced.kwargs, traced.frame), traced.share)
 
 
 def unsupported(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
@@ -104,9 +104,9 @@ def unsupported(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[
         return "src"
     if opts.dst != -1 and opts.dst != "local":
         return "dst"
-    if opts.mode == "loop":
+    if not opts.mode.compiles:
         return "loop"
-    if opts.randomness != "error":
+    if not opts.randomness.compiles:
         return "randomness"
     if opts.check_inputs:
         return "check_inputs"
@@ -114,7 +114,7 @@ def unsupported(site: CallSite, where: Any, args: Tuple[Any, ...], kwargs: Dict[
         return "nested"
     if torch.is_grad_enabled() and site.captures_trainable():
         return "captured"
-    if opts.mode == "batched" and _across(opts) and site.runs_training_batchnorm():
+    if opts.mode.holds_rows and _across(opts) and site.runs_training_batchnorm():
         return "batchnorm"
     return None
 

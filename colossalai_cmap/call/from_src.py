@@ -16,9 +16,9 @@ from ..engine.records import Failed
 from ..errors import RankFailure
 from ..torch_internals import tree_flatten
 from ..wire import comm
+from ..wire.data_phase import scatter_from_source
 from ..wire.link import Link
 from ..wire.roles import first_row
-from ..wire.rounds import scatter_rows
 from .dims import KeywordCall, describe_arg, leaf_paths
 from .keywords import flatten_call
 from .options import Options
@@ -137,11 +137,11 @@ def _slot_name(func: Callable, i: int, count: int) -> str:
 def _send_shares(
     meta: SourceMeta, shares: Shares, full: Optional[List[Any]], src: int, link: Link
 ) -> Tuple[Dict[int, torch.Tensor], Optional[List[Any]]]:
-    """One scatter of every mapped leaf (:func:`~colossalai_cmap.wire.rounds.scatter_rows`); an empty share gets
+    """One scatter of every mapped leaf (:func:`~colossalai_cmap.wire.data_phase.scatter_from_source`); an empty share gets
     the first example in its block, as its stand-in."""
     mapped = [i for i, (kind, _) in enumerate(meta.kinds) if kind == _MAPPED]
     sent = None if full is None else [full[i] for i in mapped]
-    got = scatter_rows(link, src, shares.sizes, [meta.kinds[i][1] for i in mapped], sent)
+    got = scatter_from_source(link, src, shares.sizes, [meta.kinds[i][1] for i in mapped], sent)
     stand_in = None
     if got.stand_in is not None:
         stand_in = [None] * len(meta.kinds)

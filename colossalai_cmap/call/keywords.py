@@ -81,7 +81,7 @@ def _kwarg_dim(kwarg_dims: Any, name: str, value: Any, placeholders: bool) -> An
 def flatten_call(opts: Options, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> FlatArgs:
     """:func:`~.dims.flatten_args`, then (``mode="batched"``) the check of the keywords passed whole."""
     flat = flatten_args(func, args, opts.in_dims, opts.call)
-    if kwargs and opts.mode == "batched" and opts.src != "local":
+    if kwargs and opts.mode.holds_rows and opts.src != "local":
         check_whole_keywords(opts, flat, kwargs)
     return flat
 

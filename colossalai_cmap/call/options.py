@@ -1,11 +1,18 @@
-"""A cmap's options, checked once when the cmap is made; the checks that need a group run per call."""
+"""A cmap's options, checked once when the cmap is made; the checks that need a group run per call.
+
+``mode`` and ``randomness`` are parsed here, once, from the strings users write into their objects (the run modes of
+:mod:`.execute`, the choices of :mod:`.randomness`), which everything after asks what they do.
+"""
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar, Union
 
-MODES = ("vmap", "batched", "loop")
-RANDOMNESS = ("error", "different", "same", "per_example")
+from ..axis.modes import AxisMode
+from . import execute, randomness
+from .execute import RunMode
+from .randomness import Randomness
+
 Endpoint = Union[int, str, None]  # dst or src: a group rank, "local", or None (src only)
 
 
@@ -18,9 +25,9 @@ class Options:
     group: Any
     dst: Endpoint
     src: Endpoint
-    randomness: str
+    randomness: Randomness
     chunk_size: Optional[int]
-    mode: str
+    mode: RunMode
     axis_name: Optional[str]
     timeout: Optional[float]
     check_inputs: bool
@@ -42,12 +49,18 @@ class Options:
         """Whether a call that runs alone (no rank to exchange with) takes no step around func but its ``torch.vmap``:
         no axis frame, forked generator, placed outputs, refused gradient or per-call checks of the mode."""
         return (
-            self.mode == "vmap"
+            self.mode.under_vmap
             and self.axis_name is None
-            and self.randomness in ("error", "same")
+            and not self.randomness.forks
             and not self.places_outputs
             and not self.refuses_grad
         )
+
+    @property
+    def axis_mode(self) -> AxisMode:
+        """The mode of the call's axis frame: ``randomness="per_example"`` runs collectives one example at a time, as
+        loop mode."""
+        return execute.LOOP if self.randomness.per_example else self.mode
 
     @property
     def refuses_grad(self) -> bool:
@@ -73,16 +86,12 @@ def _places(out_dims: Any) -> bool:
 
 def make_options(func: Callable, **kwargs: Any) -> Options:
     """Check the options that need no group, identically on every rank; raises ValueError or TypeError."""
-    opts = Options(call=call_name(func, kwargs["in_dims"]), **kwargs)
-    call = opts.call
-    check_in_dims_type(call, opts.in_dims)
-    check_kwarg_dims(call, opts.kwarg_dims)
-    if opts.mode not in MODES:
-        raise ValueError(f"{call}: unknown mode={opts.mode!r}; expected one of {', '.join(map(repr, MODES))}.")
-    if opts.randomness not in RANDOMNESS:
-        raise ValueError(
-            f"{call}: unknown randomness={opts.randomness!r}; expected one of {', '.join(map(repr, RANDOMNESS))}."
-        )
+    call = call_name(func, kwargs["in_dims"])
+    check_in_dims_type(call, kwargs["in_dims"])
+    check_kwarg_dims(call, kwargs["kwarg_dims"])
+    mode = _parse(call, "mode", kwargs["mode"], execute.CHOICES)
+    chosen = _parse(call, "randomness", kwargs["randomness"], randomness.CHOICES)
+    opts = Options(call=call, **{**kwargs, "mode": mode, "randomness": chosen})
     size = opts.chunk_size
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise ValueError(f"{call}: vmap: chunk_size should be None or greater than 0. (got {size!r})")
@@ -98,6 +107,17 @@ def make_options(func: Callable, **kwargs: Any) -> Options:
     if opts.timeout is not None and not (isinstance(opts.timeout, (int, float)) and opts.timeout > 0):
         raise ValueError(f"{call}: timeout must be a positive number of seconds, got {opts.timeout!r}.")
     return opts
+
+
+Choice = TypeVar("Choice", RunMode, Randomness)
+
+
+def _parse(call: str, option: str, value: Any, choices: Tuple[Choice, ...]) -> Choice:
+    """The choice named ``value`` (a string users write, as ``mode="batched"``); a ValueError naming the choices."""
+    names = tuple(c.name for c in choices)
+    if value not in names:
+        raise ValueError(f"{call}: unknown {option}={value!r}; expected one of {', '.join(map(repr, names))}.")
+    return choices[names.index(value)]
 
 
 def call_name(func: Callable, in_dims: Any) -> str:

@@ -34,9 +34,10 @@ from . import views
 from .batchnorm import WholeBatch, batch_scope, whole_batch
 from .dims import flatten, flatten_out_dims, normalise_out_dim
 from .entry import Entered, enter, first_example
-from .execute import ExampleSeeds, Share, check_rows, per_example_seeds, rng_scope, run_share, with_remedy
+from .execute import Share, Task, check_rows, run_share, with_remedy
 from .layout import BATCHED, REPLICATED, OutLayout, infer_layout
 from .options import Options
+from .randomness import ExampleSeeds, per_example_seeds, rng_scope
 from .records import Inputs, Outputs, Shares
 from .site import CallSite
 
@@ -74,7 +75,7 @@ def run_rank(
         faults.check("layout", group)
     flat, spec = flatten(out)
     layout = layout_of(opts, flat, spec, hint, coupled)
-    if opts.mode == "batched":
+    if opts.mode.holds_rows:
         _check_rows(opts, flat, layout, share.rows)
     found = views.find_views(flat, layout, leaves, shares, inputs.leaves) if wired and views.applies(opts) else ()
     if extra:
@@ -124,7 +125,7 @@ def _thread_modes(
 ) -> Tuple[Any, ...]:
     """What loop mode's example threads (a loop with collectives) run under, since modes are per thread: the
     interceptor, the marker of the autograd nodes they make, and the BatchNorm mode (its refusal)."""
-    if opts.mode != "loop" or opts.axis_name is None:
+    if not opts.mode.in_turns or opts.axis_name is None:
         return ()
     found = (closures.MadeHere(tag),) + ((intercept,) if intercept is not None else ()) if tracking() else ()
     return found + ((coupled,) if coupled is not None else ())
@@ -155,12 +156,12 @@ def _call_func(
     opts = site.options
     # a cmap nested in func on these ranks runs locally; BatchNorm sees the whole batch (batchnorm.py)
     with splitting(link.group.ranks), batch_scope(
-        opts, coupled, opts.mode != "vmap" and site.may_reach_sync_batchnorm()
+        opts, coupled, not opts.mode.under_vmap and site.may_reach_sync_batchnorm()
     ):
         if frame is None and seed is None:
-            return run_share(opts, site.body, share, kwargs, None, vmapped=site.vmapped())
+            return run_share(Task(opts, site.body, kwargs), share, vmapped=site.vmapped())
         with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-            return run_share(opts, site.body, share, kwargs, frame, thread_modes=thread_modes, seeds=seeds)
+            return run_share(Task(opts, site.body, kwargs, frame, thread_modes, seeds), share)
 
 
 def _extra_rows(opts: Options, shares: Shares) -> int:
@@ -168,7 +169,7 @@ def _extra_rows(opts: Options, shares: Shares) -> int:
     or per chunk, enough to reach the largest share, so that every rank builds the same autograd graph."""
     if shares.batch == 0:
         return 0
-    per_row = opts.mode == "loop" or opts.chunk_size is not None
+    per_row = opts.mode.in_turns or opts.chunk_size is not None
     if per_row and opts.axis_name is None and opts.differentiable and shares.sizes and tracking():
         return max(shares.sizes) - shares.rows
     return 1 if shares.rows == 0 else 0
@@ -211,15 +212,15 @@ def _frame_and_seed(
     draw plus the group rank; "per_example" forks it, and seeds each example from one draw and its global index.
     Each rank draws from its own generator: the ranks' generators are in step when seeded alike (colossalai's launch).
     """
-    per_example = opts.randomness == "per_example"
+    per_example = opts.randomness.per_example
     need_sizes = (opts.axis_name is not None or per_example) and shares.sizes is None
     seed, seeds = None, None
     sizes = shares.sizes
-    if opts.randomness == "different":
+    if opts.randomness.seeded_per_rank:
         seed = int(torch.randint(0, 2**31, (), dtype=torch.int64).item())
     if need_sizes:
         sizes = agree_rows(link, shares.rows)
-    if opts.randomness == "different":
+    if opts.randomness.seeded_per_rank:
         seed = (seed + 1_000_003 * link.group.rank) % (2**63)
     offset = first_row(sizes, link.group.rank) if sizes is not None else 0
     if per_example:
@@ -227,8 +228,7 @@ def _frame_and_seed(
         seed = seeds.base
     if opts.axis_name is None:
         return None, seed, seeds
-    mode = "loop" if per_example else opts.mode  # per_example runs collectives one example at a time, as loop mode
-    frame = AxisFrame(link=link, size=sum(sizes), offset=offset, sizes=sizes, mode=mode, dummy=empty)
+    frame = AxisFrame(link=link, size=sum(sizes), offset=offset, sizes=sizes, mode=opts.axis_mode, dummy=empty)
     return frame, seed, seeds
 
 
@@ -246,7 +246,7 @@ def layout_of(
     dims = flatten_out_dims(opts.call, opts.out_dims, spec, len(flat))
     for i in whole:
         dims[i] = None
-    if opts.mode == "batched":
+    if opts.mode.holds_rows:
         _check_scalars(opts, flat, dims)
     for i, (v, d) in enumerate(zip(flat, dims)):
         if isinstance(v, torch.Tensor):

@@ -51,7 +51,7 @@ def _input_sig(
     kwargs: Dict[str, Any],
     keep_batch: bool,
 ) -> int:
-    parts: List[Any] = [spec, opts.mode]
+    parts: List[Any] = [spec, opts.mode.name]
     for leaf, d in zip(leaves, dims):
         if d is not None:
             shape = list(leaf.shape)

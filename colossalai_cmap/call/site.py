@@ -80,7 +80,7 @@ class CallSite:
             return
         original = uncompiled(self.func)
         # torch.vmap cannot run a compiled function (dynamo refuses it): vmap mode maps the original
-        self.body = original if self.options.mode == "vmap" else self.func
+        self.body = original if self.options.mode.under_vmap else self.func
         self.refs = References(original)
 
         def captures_trainable() -> bool:
@@ -127,7 +127,7 @@ class CallSite:
         if self._vmapped is None:
             o = self.options
             self._vmapped = torch.vmap(
-                self.body, o.in_dims, o.out_dims, randomness=o.randomness, chunk_size=o.chunk_size
+                self.body, o.in_dims, o.out_dims, randomness=o.randomness.name, chunk_size=o.chunk_size
             )
         return self._vmapped
 

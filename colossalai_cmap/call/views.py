@@ -50,7 +50,7 @@ def applies(opts: Options) -> bool:
     """Whether this call's outputs may be views of the caller's inputs: every rank holds them (``src=None``), the
     result is gathered (not ``dst="local"``, where each rank's output already is a view of its own rows), and vmap
     returns views (no ``chunk_size``, no loop mode: there its results are concatenated or stacked copies)."""
-    return opts.src is None and opts.dst != "local" and opts.chunk_size is None and opts.mode != "loop"
+    return opts.src is None and opts.dst != "local" and opts.chunk_size is None and opts.mode.returns_views
 
 
 def find_views(

@@ -12,6 +12,7 @@ import torch
 from ..axis import vma
 from ..axis.frame import AxisFrame, axis_scope
 from ..axis.lowering import index_table
+from ..axis.modes import RANK
 from ..digests import digest
 from ..engine import closures
 from ..engine.driver import EagerKind, eager_fallbacks, run_compiled, run_eager
@@ -417,7 +418,7 @@ def _frames(where: Where, joints: MeshJoints) -> Iterator[None]:
             size, coord = view.sizes[n], view.coords[n]
             index = index_table((coord,), where.whole.device)[0].clone()  # a copy made on the device, not the host
             frame = AxisFrame(
-                link=where.links[n], size=size, offset=coord, sizes=(1,) * size, mode="rank", index=index, mesh=joints
+                link=where.links[n], size=size, offset=coord, sizes=(1,) * size, mode=RANK, index=index, mesh=joints
             )
             stack.enter_context(axis_scope(n, frame))
         yield

@@ -36,6 +36,7 @@ import torch
 
 from ..axis import frame as frames
 from ..axis.frame import AxisFrame
+from ..axis.modes import RANK
 from ..engine.driver import TracedEntry, TracedKind
 from ..torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..wire.group import Group
@@ -99,9 +100,7 @@ class Traced(TracedKind):
             coord, size = view.coords[n], view.sizes[n]
             link = Link(view.axes[n], device, site.call, opts.timeout)
             index = torch.tensor(coord, dtype=torch.int64, device=device)  # a constant of the graph
-            opened.append(
-                (n, AxisFrame(link=link, size=size, offset=coord, sizes=(1,) * size, mode="rank", index=index))
-            )
+            opened.append((n, AxisFrame(link=link, size=size, offset=coord, sizes=(1,) * size, mode=RANK, index=index)))
         # a cmap nested in f runs eagerly and, seeing the marker, as plain torch.vmap over this rank's examples
         return TracedEntry((tree_unflatten(blocks, tree), kwargs), tuple(opened), manual_ranks(view, where.manual))
 

@@ -49,7 +49,7 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
         if link.group.pg is whole.group.pg:
             continue
         status = Status.FAILED if failed is not None else Status.OK
-        rounds.status_round(link, Header(Kind.STATUS, status, inline=1))
+        rounds.status_round(link, Header(kind=Kind.STATUS, status=status, inline=1))
     if failed is not None:
         raise_failed(whole, failed)
     exit_ = Exit(Status.OK, 0, outcome.layout_sig, 0, outcome.graph_sig, 0, 0, False, ("digest", "graph_sig"))

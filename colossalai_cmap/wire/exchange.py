@@ -2,7 +2,8 @@
 plain (not differentiable) sides.
 
 ``split_values`` takes this rank's part of global values (no communication); ``join_values`` makes per-rank values
-global in one round of the status protocol (:mod:`.rounds`), and a data phase for what does not fit it.
+global in one round of the status protocol (:mod:`.rounds`), and a data phase for what does not fit it
+(:mod:`.data_phase`).
 
 ``Split`` and ``Join`` wrap them as autograd Functions that compose with functorch: each is a
 ``torch.autograd.Function`` in the ``setup_context`` style, with ``backward``, ``jvp`` and ``vmap`` rules, so that
@@ -23,8 +24,9 @@ import torch
 from .. import faults
 from ..errors import CmapError, RankFailure
 from ..torch_internals import backward_running, current_level, in_forward_ad, transform_levels
-from . import rounds
-from .link import Link, pack_payload, unpack_payload
+from . import data_phase, rounds
+from .link import Link
+from .payload import pack_payload, route, unpack_payload
 from .roles import (
     FIRST,
     FRACTION,
@@ -201,7 +203,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
-    rt = rounds.route(link, (spec.what, spec.roles, sizes), tensors, host=spec.host)
+    rt = route(link, (spec.what, spec.roles, sizes), tensors, host=spec.host)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -213,16 +215,16 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         if rt.inline is False and rt.items:
             if faults.ACTIVE:
                 faults.check("gather", group)
-            prep = rounds.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
+            prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
     ch = link.channel()
     if spec.kind == Kind.SYNC and backward_running():
         ch.open_backward()
-    early = rounds.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
+    early = data_phase.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if spec.exit is not None:
-        rounds.meet_early(rnd, ch, link)
+        data_phase.meet_early(rnd, ch, link)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
     if spec.learned is not None:
@@ -232,7 +234,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if rt.items:
         results = _deliver(spec, rt, rnd, tensors, prep)
     if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
-        ch.backward_open, ch.last_data = False, rounds.early_shape(prep) if prep is not None else None
+        ch.backward_open, ch.last_data = False, data_phase.early_shape(prep) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 
@@ -242,14 +244,14 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = rounds.route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host)
+        rt = route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host)
         if not rnd.inline:
-            prep = rounds.prepare(rt.items, tensors, sizes, link.group, spec.dst)
+            prep = data_phase.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
         return unpack_payload(rt, spec.dst in (-1, link.group.rank))
     if all(h.early for h in rnd.table):
-        return rounds.taken_early(prep)
-    return rounds.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
+        return data_phase.taken_early(prep)
+    return data_phase.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
 
 
 def _shapes_only(
@@ -280,9 +282,9 @@ def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -
     link = spec.link
     if not link.wired:  # alone: this rank's failure is the whole table
         raise rounds.told(CmapError.from_failures(link.call, [failure], link.group.rank), link) from cause
-    header = Header(Kind.STATUS, Status.FAILED, inline=1)
+    header = Header(kind=Kind.STATUS, status=Status.FAILED, inline=1)
     rnd = rounds.status_round(link, header)
-    rounds.meet_early(rnd, link.channel(), link)
+    data_phase.meet_early(rnd, link.channel(), link)
     rounds.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 
@@ -292,21 +294,21 @@ def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Heade
     ex = spec.exit
     if ex is None:
         rows = rt.rows or spec.count
-        return Header(spec.kind, status, rows, digest=rt.digest, block=rt.block, inline=int(rt.fits))
+        return Header(kind=spec.kind, status=status, rows=rows, digest=rt.digest, block=rt.block, inline=int(rt.fits))
     status = status if status == Status.FAILED else ex.status
     return Header(
-        Kind.STATUS,
-        status,
-        rt.rows,
-        ex.input_sig,
-        ex.layout_sig,
-        ex.batch,
-        rt.block,
-        int(rt.fits),
-        ex.graph_sig,
-        ex.flags,
-        ex.values,
-        int(early),
+        kind=Kind.STATUS,
+        status=status,
+        rows=rt.rows,
+        input_sig=ex.input_sig,
+        digest=ex.layout_sig,
+        batch=ex.batch,
+        block=rt.block,
+        inline=int(rt.fits),
+        graph_sig=ex.graph_sig,
+        flags=ex.flags,
+        values=ex.values,
+        early=int(early),
     )
 
 

@@ -48,7 +48,7 @@ class GroupState:
 
     Attributes:
         group: the group's record.
-        channels: the round buffers and agreed state per device (:class:`~colossalai_cmap.wire.rounds.Channel`).
+        channels: the round buffers and agreed state per device (:class:`~colossalai_cmap.wire.link.Channel`).
         broken: why the group is unusable (a wait failed, so its collective sequence may be out of step), or None.
         failure: the error of the wait that failed on it, raised again by any later collective on it.
         track: this process's count of cmap collectives on the group (:mod:`.presence`), made by its first one.

@@ -179,7 +179,9 @@ class _Guard(torch.autograd.Function):
             failure, cause = link.group.failure(exc), exc
         _let_go_unless_retained(ctx, graph)
         if failure is not None:
-            rnd = rounds.checked_round(link, Header(Kind.SYNC, Status.FAILED, digest=rounds.GUARD_DIGEST), WHAT)
+            rnd = rounds.checked_round(
+                link, Header(kind=Kind.SYNC, status=Status.FAILED, digest=rounds.GUARD_DIGEST), WHAT
+            )
             rounds.raise_failures(rnd, failure, cause, link)
         _transposes(graph, at)
         return (None, *[at.get(id(x)) for x in graph.inputs])

@@ -1,5 +1,5 @@
 """Where an exchange communicates: its :class:`Link` (the data's group and device, and the group its rounds take),
-that group's round buffers on this rank (:class:`Channel`), and the :class:`Route` of what rides in a round's payload.
+and that group's round buffers on this rank (:class:`Channel`). :mod:`.payload` routes what rides in them.
 
 **The channel.** One group's side of the status protocol on this rank: its reusable round buffers, always in host
 memory (rounds of device data take the group's host group), and what its rounds agreed.
@@ -15,32 +15,18 @@ data takes its own collective, at its native cost: every round would carry the p
 payload grown to the size of one large call would tax every later round on the group, however small.
 
 The channel also keeps the shape of the last call exit's data phase (every rank derives it from the same table), so
-that the next exit of that shape can send its data together with its status round (:mod:`.rounds`), and whether
+that the next exit of that shape can send its data together with its status round (:mod:`.data_phase`), and whether
 this rank left a backward unfinished (then it does not send data early: a peer may still wait in that backward).
-
-**The route (the payload).** An exchange's route through its round: which tensors travel, and where each sits in
-every rank's payload.
-
-What moves depends on each tensor's role (:mod:`.roles`): rows are concatenated in group-rank order, sums and
-extrema are reduced, a first-rank value is taken from group rank 0; the other roles stay where they are. Each rank
-packs its own rows into its payload area; when every rank's fit, the round carries them and the call needs no
-other collective.
-
-A route depends only on the roles, the tensors' dtypes and shapes, and the group, so it is worked out once and kept
-with the group's round buffers: a repeated exchange copies into ready-made views of the payload area and reads out
-of ready-made views of the gathered payloads.
 """
 
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
-from ..digests import digest
 from ..torch_internals import after_backward, outside_transforms
 from .group import Group, host_of, host_plane_forced, state_of
-from .roles import COPY, FIRST, MAX, MIN, Role, is_rows
 
 # ---- the channel: one group's round buffers on this rank
 
@@ -181,175 +167,5 @@ def link_for(group: Group, device: torch.device, call: str, timeout: Optional[fl
     if cpu and "gloo" not in group.backend():
         return Link(host_of(group), device, call, timeout)
     if not cpu or host_plane_forced():
-        return Link(group, device, call, timeout, host_of(group))
+        return Link(group, device, call, timeout, host=host_of(group))
     return Link(group, device, call, timeout)
-
-
-# ---- the route: where each tensor sits in every rank's payload
-
-_ALIGN = 16
-REDUCED = (COPY, MAX, MIN)
-
-
-class Item(NamedTuple):
-    """One tensor that travels: its position among the exchanged tensors, its role, and its per-row shape."""
-
-    index: int
-    role: Role
-    dtype: torch.dtype
-    shape: Tuple[int, ...]  # per row for rows, the whole tensor otherwise
-    nbytes: int  # per row for rows, the whole tensor otherwise
-
-    @property
-    def reduced(self) -> bool:
-        return self.role in REDUCED
-
-    def rows_shape(self, rows: int) -> Tuple[int, ...]:
-        return (rows, *self.shape) if is_rows(self.role) else self.shape
-
-
-class Route(NamedTuple):
-    """One exchange's items, this rank's block, and the payload views to pack into and read from."""
-
-    items: Tuple[Item, ...]
-    sizes: Optional[Tuple[int, ...]]  # rows per rank (None: only the round knows, with src="local")
-    rows: int
-    block: int  # bytes this rank packs
-    fits: bool  # this rank's block fits its payload area
-    inline: Optional[bool]  # every rank's does (None: only the round knows)
-    digest: int  # names the exchange in OP and SYNC headers
-    send: Tuple[torch.Tensor, ...]  # per item, its view in this rank's payload area (empty unless fits)
-    recv: Tuple[Tuple[torch.Tensor, ...], ...]  # per item, every rank's view in the gathered payloads (if inline)
-
-
-def rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return t if dim == 0 else t.movedim(dim, 0)
-
-
-def travelling(roles: Sequence[Role], tensors: Sequence[torch.Tensor]) -> Tuple[Item, ...]:
-    items = []
-    for i, (role, t) in enumerate(zip(roles, tensors)):
-        if is_rows(role):
-            shape = tuple(rows_first(t, role.dim).shape[1:])
-        elif role in REDUCED or role == FIRST:
-            shape = tuple(t.shape)
-        else:
-            continue
-        items.append(Item(i, role, t.dtype, shape, numel(shape) * t.element_size()))
-    return tuple(items)
-
-
-def numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def offsets(items: Sequence[Item], rows: int) -> Tuple[List[int], int]:
-    """Byte offset of each item in a block packed for ``rows`` rows, and the block's size."""
-    found, acc = [], 0
-    for it in items:
-        found.append(acc)
-        acc += -(-it.nbytes * (rows if is_rows(it.role) else 1) // _ALIGN) * _ALIGN
-    return found, acc
-
-
-def typed(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    nbytes = numel(shape) * dtype.itemsize
-    if nbytes == 0:  # a zero-size slice may sit at an odd storage offset: view() refuses it
-        return buf.new_empty(tuple(shape), dtype=dtype)
-    return buf.narrow(0, offset, nbytes).view(dtype).view(tuple(shape))
-
-
-def cached_route(
-    cache: Dict[Any, Route],
-    rank: int,
-    views: Tuple[torch.Tensor, torch.Tensor],
-    key: Tuple[Any, ...],
-    tensors: Sequence[torch.Tensor],
-    inline: bool = True,
-) -> Route:
-    """The route for ``key = (what, roles, sizes)`` and these tensors, from ``cache`` or worked out now.
-
-    ``views`` are the group's payload area and gathered payloads ``[P, bytes]``, whose views the route keeps.
-    Without ``inline`` nothing rides in the round (its buffers are not where the tensors live): the data phase moves
-    everything.
-    """
-    full = key + (inline,) + tuple((t.dtype, t.shape) for t in tensors)
-    found = cache.get(full)
-    if found is None:
-        with torch.inference_mode(False):  # views kept for later calls under any mode are never inference tensors
-            found = cache[full] = _work_out(rank, views, key, tensors, inline)
-    return found
-
-
-def _work_out(
-    rank: int,
-    views: Tuple[torch.Tensor, torch.Tensor],
-    key: Tuple[Any, ...],
-    tensors: Sequence[torch.Tensor],
-    inline_ok: bool,
-) -> Route:
-    what, roles, sizes = key
-    payload, payloads = views
-    room = payload.numel() if inline_ok else -1
-    items = travelling(roles, tensors)
-    rows = next((t.shape[r.dim] for r, t in zip(roles, tensors) if is_rows(r)), 0)
-    mine, block = offsets(items, rows)
-    fits = block <= room
-    send = tuple(typed(payload, off, it.dtype, it.rows_shape(rows)) for it, off in zip(items, mine)) if fits else ()
-    inline = None if sizes is None else all(offsets(items, n)[1] <= room for n in sizes)
-    recv: Tuple[Tuple[torch.Tensor, ...], ...] = ()
-    if inline:
-        layouts = [offsets(items, n)[0] for n in sizes]
-        recv = tuple(
-            tuple(typed(payloads[r], layouts[r][k], it.dtype, it.rows_shape(n)) for r, n in enumerate(sizes))
-            for k, it in enumerate(items)
-        )
-    sig = digest((what, [(it.role, it.dtype, it.shape) for it in items]))
-    # block: what the round's payload would need for this rank's items (0 when none can ride in it)
-    return Route(items, sizes, rows, block if inline_ok else 0, fits, inline, sig, send, recv)
-
-
-def pack_payload(rt: Route, tensors: Sequence[torch.Tensor]) -> None:
-    """This rank's items into its payload area."""
-    for it, view in zip(rt.items, rt.send):
-        t = tensors[it.index]
-        if is_rows(it.role):
-            if rt.rows:
-                view.copy_(rows_first(t, it.role.dim))
-        else:
-            view.copy_(t)
-
-
-def unpack_payload(rt: Route, receives: bool) -> Dict[int, torch.Tensor]:
-    """The results (rows first) from the gathered payloads: rows in group-rank order, reductions in group-rank order.
-
-    They are at most P payload areas in all, so they are allocated here, after the round.
-    """
-    results: Dict[int, torch.Tensor] = {}
-    if not receives:
-        return results
-    for it, parts in zip(rt.items, rt.recv):
-        if is_rows(it.role):
-            filled = [p for p, n in zip(parts, rt.sizes) if n] or [parts[0]]
-            results[it.index] = filled[0].clone() if len(filled) == 1 else torch.cat(filled)
-        elif it.role == FIRST:
-            results[it.index] = parts[0].clone()
-        else:
-            results[it.index] = out = torch.empty_like(parts[0])
-            reduce_into(out, it.role, parts)
-    return results
-
-
-def reduce_into(out: torch.Tensor, role: Role, parts: Sequence[torch.Tensor]) -> None:
-    """Sum (or max, min) in group-rank order, so that every rank computes the very same bits."""
-    out.copy_(parts[0])
-    for p in parts[1:]:
-        if role == COPY:
-            out.add_(p)
-        elif out.dtype == torch.bool:
-            torch.logical_or(out, p, out=out) if role == MAX else torch.logical_and(out, p, out=out)
-        else:
-            torch.maximum(out, p, out=out) if role == MAX else torch.minimum(out, p, out=out)

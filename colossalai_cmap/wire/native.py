@@ -82,7 +82,7 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
         spec.link.channel().open_backward()
     # what every rank of the group shares (an all-to-all's row counts are this rank's own)
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
-    header = Header(spec.kind, Status.FAILED if failure else Status.OK, digest=sig, inline=1)
+    header = Header(kind=spec.kind, status=Status.FAILED if failure else Status.OK, digest=sig, inline=1)
     rnd = rounds.checked_round(spec.link, header, spec.what)
     if rnd.failed:
         link = spec.link._replace(call=f"{spec.link.call}: {spec.what}")

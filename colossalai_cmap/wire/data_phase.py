@@ -1,0 +1,273 @@
+"""The data phase behind a round: the exchange's tensors that did not fit the round's payload.
+
+One all-gather carries every gathered tensor, padded to the largest share because gloo aborts on unequal sizes (a
+single one travels in its own dtype, and the receive buffer's first rows are the result); one all-reduce per
+reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
+failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
+A call's exit whose data phase has the shape the group's last exit agreed on sends it right behind its round
+(:func:`early`, :func:`meet_early`). ``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
+the same way.
+"""
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .group import Group
+from .link import Channel, Link
+from .payload import Item, numel, offsets, rows_first, typed_view
+from .roles import COPY, MAX, MIN, Role, Rows, first_row, is_rows
+from .rounds import Round
+
+_REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
+_EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
+
+
+class Prepared(NamedTuple):
+    """This rank's side of a data phase, made ready before the round."""
+
+    items: Tuple[Item, ...]
+    sizes: Tuple[int, ...]
+    results: Dict[int, torch.Tensor]  # rows first for rows items; filled by run_data_phase()
+    send: Optional[torch.Tensor]  # the gathered items' send buffer
+    recv: Optional[torch.Tensor]  # their receive buffer; None off dst
+    flats: Dict[Tuple[Role, torch.dtype], torch.Tensor]  # one buffer per reduction and dtype, reduced in place
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without a lazy conjugate or negative bit: collectives send the raw memory."""
+    return t.resolve_conj().resolve_neg() if t.is_complex() or t.is_neg() else t
+
+
+def prepare(
+    items: Sequence[Item], tensors: Sequence[torch.Tensor], sizes: Sequence[int], group: Group, dst: int
+) -> Prepared:
+    receives = dst == -1 or dst == group.rank
+    device = tensors[items[0].index].device
+    gathered = [it for it in items if not it.reduced]
+    results: Dict[int, torch.Tensor] = {}
+    send = recv = None
+    if len(gathered) == 1 and is_rows(gathered[0].role):
+        send, recv = _direct_buffers(gathered[0], tensors, sizes, group, receives)
+        if recv is not None:
+            results[gathered[0].index] = cut_rows(recv, sizes, max(sizes))
+    elif gathered:
+        cap = max(sizes)
+        send = torch.zeros(offsets(gathered, cap)[1], dtype=torch.uint8, device=device)
+        pack_padded(gathered, tensors, cap, send)
+        recv = torch.empty((group.size, send.numel()), dtype=torch.uint8, device=device) if receives else None
+        if receives:
+            total = sum(sizes)
+            results.update(
+                {it.index: torch.empty(it.rows_shape(total), dtype=it.dtype, device=device) for it in gathered}
+            )
+    flats = {key: _flat(found, tensors) for key, found in _by_op(items).items()}
+    return Prepared(items=tuple(items), sizes=tuple(sizes), results=results, send=send, recv=recv, flats=flats)
+
+
+def pack_padded(items: Sequence[Item], tensors: Sequence[torch.Tensor], cap: int, out: torch.Tensor) -> None:
+    offs, _ = offsets(items, cap)
+    for it, off in zip(items, offs):
+        t = tensors[it.index]
+        if is_rows(it.role):
+            rows = rows_first(t, it.role.dim)
+            typed_view(out, off, it.dtype, (rows.shape[0], *it.shape)).copy_(rows)
+        else:
+            typed_view(out, off, it.dtype, it.shape).copy_(t)
+
+
+def _direct_buffers(
+    it: Item, tensors: Sequence[torch.Tensor], sizes: Sequence[int], group: Group, receives: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One rows tensor, in its own dtype, padded to the largest share."""
+    t = tensors[it.index]
+    cap, n = max(sizes), sizes[group.rank]
+    send = resolved(rows_first(t, it.role.dim))
+    if n < cap:
+        padded = torch.empty((cap, *it.shape), dtype=it.dtype, device=t.device)
+        padded.narrow(0, 0, n).copy_(send)
+        send = padded
+    else:
+        send = send.contiguous()
+    recv = torch.empty((group.size * cap, *it.shape), dtype=it.dtype, device=t.device) if receives else None
+    return send, recv
+
+
+def cut_rows(recv: torch.Tensor, sizes: Sequence[int], cap: int) -> torch.Tensor:
+    """The rows of ``[P * cap, ...]`` gathered blocks without their padding: a view of the first ``sum(sizes)``
+    rows when they form a prefix (blocks of ``cap`` rows, the last nonempty one short), else a new tensor."""
+    last = max((r for r, n in enumerate(sizes) if n), default=-1)
+    if all(n == cap for n in sizes[:last]):
+        return recv.narrow(0, 0, sum(sizes))
+    return torch.empty((sum(sizes), *recv.shape[1:]), dtype=recv.dtype, device=recv.device)
+
+
+def _by_op(items: Sequence[Item]) -> Dict[Tuple[Role, torch.dtype], List[Item]]:
+    found: Dict[Tuple[Role, torch.dtype], List[Item]] = {}
+    for it in items:
+        if it.reduced:
+            found.setdefault((it.role, it.dtype), []).append(it)
+    return found
+
+
+def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Same-dtype items in one buffer for one all-reduce (gloo reduces no bool; complex goes as real pairs)."""
+    flat = torch.cat([resolved(tensors[it.index]).reshape(-1) for it in items])
+    return flat.to(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat) if flat.is_complex() else flat
+
+
+# ------------------------------------------------------------------------------------------------ data sent early
+def early_shape(prep: Prepared) -> Optional[Tuple[Any, ...]]:
+    """What a data phase sends, when it is one rows tensor in its own dtype: (rows per rank, row shape, dtype)."""
+    gathered = [it for it in prep.items if not it.reduced]
+    if prep.flats or len(gathered) != 1 or not is_rows(gathered[0].role):
+        return None
+    return (max(prep.sizes), gathered[0].shape, gathered[0].dtype)
+
+
+def early(prep: Optional[Prepared], ch: Channel, link: Link) -> Optional[Callable[[], Any]]:
+    """The data phase, to issue right behind the round, when its shape is the one the last exit on this group agreed
+    (so every rank in step sends the same shape) and no backward of this rank is unfinished (no peer may wait in it).
+    Ranks that do not send early learn from the round who did, and send a stand-in of that shape (:func:`meet_early`).
+    """
+    if prep is None or ch.backward_open or ch.last_data is None or early_shape(prep) != ch.last_data:
+        return None
+    return lambda: comm.issue_all_gather(prep.recv, prep.send, link.group, link.call, _EARLY)
+
+
+def meet_early(rnd: Round, ch: Channel, link: Link) -> None:
+    """After the round: wait for this rank's early data, or, if peers sent theirs and this rank did not, send a
+    stand-in of the same shape, so that the collectives pair up (in the same order on every rank)."""
+    if rnd.early is not None:
+        comm.wait_for(rnd.early, link.group, link.call, link.timeout)
+    elif any(h.early for h in rnd.table):
+        rows, shape, dtype = ch.last_data
+        send = torch.empty((rows, *shape), dtype=dtype, device=link.device)
+        recv = torch.empty((link.group.size * rows, *shape), dtype=dtype, device=link.device)
+        comm.all_gather_into(recv, send, link.group, link.call, link.timeout, _EARLY)
+
+
+def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
+    """The results of a data phase every rank sent early: only the cut remains."""
+    it = next(it for it in prep.items if not it.reduced)
+    _fill_cut(prep.results[it.index], prep.recv, prep.sizes)
+    return prep.results
+
+
+def run_data_phase(
+    prep: Prepared, group: Group, dst: int, call: str, timeout: Optional[float]
+) -> Dict[int, torch.Tensor]:
+    """Run the data phase's collectives and fill the results (rows first)."""
+    gathered = [it for it in prep.items if not it.reduced]
+    if prep.send is not None:
+        _gather(prep.recv, prep.send, group, dst, call, timeout)
+    if prep.recv is not None and len(gathered) == 1 and is_rows(gathered[0].role):
+        _fill_cut(prep.results[gathered[0].index], prep.recv, prep.sizes)
+    elif prep.recv is not None:
+        _from_padded(prep, gathered)
+    for (role, dtype), flat in prep.flats.items():
+        comm.all_reduce(flat, group, call, timeout, op=getattr(dist.ReduceOp, _REDUCE_OPS[role]))
+        _split_flat(prep, role, dtype, flat)
+    return prep.results
+
+
+def _gather(
+    recv: Optional[torch.Tensor], send: torch.Tensor, group: Group, dst: int, call: str, timeout: Optional[float]
+) -> None:
+    """``recv`` holds every rank's ``send`` in group-rank order along dim 0 (None off ``dst``)."""
+    if dst == -1:  # gloo takes the concatenated form only
+        comm.all_gather_into(recv.view(group.size * send.shape[0], *send.shape[1:]), send, group, call, timeout)
+        return
+    outs = None if recv is None else list(recv.view(group.size, *send.shape).unbind(0))
+    comm.gather_to(send, outs, dst, group, call, timeout)
+
+
+def _fill_cut(result: torch.Tensor, recv: torch.Tensor, sizes: Sequence[int]) -> None:
+    if result.data_ptr() == recv.data_ptr():
+        return  # the prefix view: already in place
+    cap, start = max(sizes), 0
+    for r, n in enumerate(sizes):
+        if n:
+            result.narrow(0, start, n).copy_(recv.narrow(0, r * cap, n))
+        start += n
+
+
+def _from_padded(prep: Prepared, items: Sequence[Item]) -> None:
+    cap = max(prep.sizes)
+    offs, _ = offsets(items, cap)
+    for it, off in zip(items, offs):
+        out = prep.results[it.index]
+        if is_rows(it.role):
+            start = 0
+            for r, n in enumerate(prep.sizes):
+                if n:
+                    out.narrow(0, start, n).copy_(typed_view(prep.recv[r], off, it.dtype, (n, *it.shape)))
+                start += n
+        else:  # FIRST: rank 0's value
+            out.copy_(typed_view(prep.recv[0], off, it.dtype, it.shape))
+
+
+def _split_flat(prep: Prepared, role: Role, dtype: torch.dtype, flat: torch.Tensor) -> None:
+    values = flat.to(torch.bool) if dtype == torch.bool else torch.view_as_complex(flat) if dtype.is_complex else flat
+    start = 0
+    for it in prep.items:
+        if it.role == role and it.dtype == dtype:
+            n = it.nbytes // dtype.itemsize
+            prep.results[it.index] = values.narrow(0, start, n).view(it.shape)
+            start += n
+
+
+class Scattered(NamedTuple):
+    """What :func:`scatter_from_source` gives this rank: its rows of each tensor, and on an empty share each tensor's first
+    example in its block instead (the share's stand-in), else None."""
+
+    rows: List[torch.Tensor]
+    stand_in: Optional[List[torch.Tensor]]
+
+
+def scatter_from_source(
+    link: Link,
+    src: int,
+    sizes: Sequence[int],
+    kinds: Sequence[Tuple[Tuple[int, ...], torch.dtype, int]],
+    full: Optional[Sequence[torch.Tensor]],
+) -> Scattered:
+    """Group rank ``src``'s tensors (``full``, there only) cut into every rank's rows and sent in one ``scatter``,
+    all packed together per rank for the largest share. ``kinds`` gives each tensor's example shape, dtype and
+    batch dim on every rank, and ``sizes`` each rank's row count."""
+    group = link.group
+    items = [
+        Item(index=k, role=Rows(0, tuple(sizes)), dtype=dtype, shape=shape, nbytes=numel(shape) * dtype.itemsize)
+        for k, (shape, dtype, _) in enumerate(kinds)
+    ]
+    cap = max(max(sizes), 1)
+    offs, block = offsets(items, cap)
+    recv = torch.empty(block, dtype=torch.uint8, device=link.device)
+    blocks = None
+    if full is not None:
+        blocks = [torch.zeros(block, dtype=torch.uint8, device=link.device) for _ in range(group.size)]
+        for r in range(group.size):
+            pack_padded(items, [_rows_of(t, d, sizes, r) for t, (_, _, d) in zip(full, kinds)], cap, blocks[r])
+    if block:
+        comm.scatter_from(recv, blocks, src, group, link.call, link.timeout)
+    mine = sizes[group.rank]
+    rows = [
+        typed_view(recv, off, it.dtype, (mine, *it.shape)).movedim(0, d)
+        for it, off, (_, _, d) in zip(items, offs, kinds)
+    ]
+    stand_in = None
+    if mine == 0 and sum(sizes) > 0:
+        stand_in = [
+            typed_view(recv, off, it.dtype, (1, *it.shape)).movedim(0, d).clone()
+            for it, off, (_, _, d) in zip(items, offs, kinds)
+        ]
+    return Scattered(rows=rows, stand_in=stand_in)
+
+
+def _rows_of(t: torch.Tensor, dim: int, sizes: Sequence[int], r: int) -> torch.Tensor:
+    """Rank r's rows, batch dim first; the first example for an empty share (its stand-in)."""
+    n, start = sizes[r], first_row(sizes, r)
+    rows = t.narrow(dim, start, n) if n else t.narrow(dim, 0, min(1, t.shape[dim]))
+    return rows.movedim(dim, 0)
