@@ -22,13 +22,15 @@ The same mode takes a loss's mean over the whole batch in ``mode="batched"`` (:m
 world of one it only notes the losses it returned, which the exit returns alike at every P.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import inspect
 import math
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,9 @@ from ..wire.link import Link
 from ..wire.roles import COPY
 from ..wire.rounds import Kind
 from . import losses
-from .options import Options
+
+if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
+    from .options import Options
 
 WHAT = "BatchNorm's statistics over the whole batch"
 _SIGNATURE = inspect.signature(F.batch_norm)

@@ -4,13 +4,17 @@ They read only the table, which every rank holds whole, so every rank reaches th
 error, before any data moves.
 """
 
-from typing import Any, Optional, Sequence, Tuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 from ..engine.exit import differing, outputs_differ
 from ..errors import CmapError
 from ..wire.rounds import Disagreement, Header
 from .layout import LeafSeen
-from .options import Options
+
+if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
+    from .options import Options
 
 
 def agreed_fields(opts: Options) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:

@@ -12,13 +12,17 @@ Without ``kwarg_dims``, in ``mode="batched"``, a keyword tensor as long as the b
 certainly a batch the caller meant to split: :func:`check_whole_keywords` refuses it at every group size.
 """
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..torch_internals import keystr, tree_flatten, tree_flatten_with_path
 from .dims import FlatArgs, flatten_args, wrap_mappings
-from .options import Options
+
+if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
+    from .options import Options
 
 
 class KeywordBatch(NamedTuple):

@@ -6,8 +6,10 @@ have the same key reads them back instead of checking and sharing again. That ca
 itself runs the same steps either way.
 """
 
+from __future__ import annotations
+
 from functools import lru_cache
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,8 +18,10 @@ from ..torch_internals import TreeSpec, tree_flatten
 from ..wire.group import Group
 from ..wire.roles import first_row, tensor_split_sizes
 from .dims import FlatArgs
-from .options import Options
 from .records import Shares
+
+if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
+    from .options import Options
 
 
 @lru_cache(maxsize=1024)

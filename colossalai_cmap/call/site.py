@@ -2,18 +2,22 @@
 and what the last call did. ``Cmapped`` (the public callable) owns one; the call path reads it and
 :mod:`~colossalai_cmap.call.dispatch` is the only writer of what a call learned."""
 
+from __future__ import annotations
+
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from ..engine.module_params import References, reaches_sync_batchnorm, reaches_trainable, reaches_training_batchnorm
 from ..torch_internals import TreeSpec
 from .dims import KeywordCall
-from .options import Options
 from .records import FastPath, LastCall
+
+if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
+    from .options import Options
 
 _CACHE_SIZE = 64
 
