@@ -9,15 +9,19 @@ a hard deadline: on expiry the world is killed (and rebuilt on next use) and the
 import importlib
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 import traceback
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
 
 from world_env import LOCALHOST, free_port, rank_env  # noqa: F401  (free_port: also the tests' import)
 
 DEFAULT_DEADLINE = float(os.environ.get("CMAP_TEST_DEADLINE", "90"))
-# Starting a world imports torch and colossalai in every process: slow when the machine is loaded.
+# Starting a world imports torch and colossalai (in the fork server once, or in every spawned process): slow when the
+# machine is loaded.
 START_DEADLINE = float(os.environ.get("CMAP_TEST_START_DEADLINE", "240"))
 
 
@@ -30,6 +34,14 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "colossalai"]
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+class RankFailed(AssertionError):
+    """A check raised on one or more ranks; the message holds each rank's traceback."""
+
+
+class WorldTimeout(AssertionError):
+    """A check did not finish on every rank before the deadline; the world was killed."""
+
+
 def _context() -> Any:
     """Each rank is forked from a server that imported torch and colossalai once (:data:`PRELOAD`): a fresh
     interpreter per rank spent seconds of CPU on those imports alone, most of a world's start. The server is this
@@ -37,15 +49,18 @@ def _context() -> Any:
     hook's, no thread of ours), so each rank starts as clean as a spawned one."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # A fork waits for the server's imports with no bound of its own: a probe first, within the start's deadline.
+    probe = ctx.Process(target=time.sleep, args=(0,), daemon=True)
+    starter = threading.Thread(target=probe.start, daemon=True)
+    starter.start()
+    starter.join(START_DEADLINE)
+    if starter.is_alive():
+        server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if server:
+            os.kill(server, signal.SIGKILL)
+        raise WorldTimeout(f"the fork server did not import {PRELOAD} within {START_DEADLINE:.0f} s; it was killed.")
+    probe.join()
     return ctx
-
-
-class RankFailed(AssertionError):
-    """A check raised on one or more ranks; the message holds each rank's traceback."""
-
-
-class WorldTimeout(AssertionError):
-    """A check did not finish on every rank before the deadline; the world was killed."""
 
 
 def _serve(rank: int, world_size: int, port: int, conn: Connection, env: Dict[str, str]) -> None:
