@@ -9,19 +9,26 @@ a hard deadline: on expiry the world is killed (and rebuilt on next use) and the
 import importlib
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 import traceback
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
 
 from world_env import LOCALHOST, free_port, rank_env  # noqa: F401  (free_port: also the tests' import)
 
 DEFAULT_DEADLINE = float(os.environ.get("CMAP_TEST_DEADLINE", "90"))
-# Starting a world imports torch and colossalai in every process: slow when the machine is loaded.
+# Starting a world imports torch and colossalai (in the fork server once, or in every spawned process): slow when the
+# machine is loaded.
 START_DEADLINE = float(os.environ.get("CMAP_TEST_START_DEADLINE", "240"))
 
 
 DIED = "<died>"
+# What each rank would import itself, in the fork server once: colossalai.launch alone imports torch._dynamo (sympy,
+# triton), a second of CPU per rank.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "colossalai"]
 
 # torch.compile would start a pool of inductor compile workers in every rank: two cores cannot feed them.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -35,7 +42,29 @@ class WorldTimeout(AssertionError):
     """A check did not finish on every rank before the deadline; the world was killed."""
 
 
+def _context() -> Any:
+    """Each rank is forked from a server that imported torch and colossalai once (:data:`PRELOAD`): a fresh
+    interpreter per rank spent seconds of CPU on those imports alone, most of a world's start. The server is this
+    test process's, started once; it only imports (no process group, no colossalai_cmap module beyond the start-up
+    hook's, no thread of ours), so each rank starts as clean as a spawned one."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    # A fork waits for the server's imports with no bound of its own: a probe first, within the start's deadline.
+    probe = ctx.Process(target=time.sleep, args=(0,), daemon=True)
+    starter = threading.Thread(target=probe.start, daemon=True)
+    starter.start()
+    starter.join(START_DEADLINE)
+    if starter.is_alive():
+        server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if server:
+            os.kill(server, signal.SIGKILL)
+        raise WorldTimeout(f"the fork server did not import {PRELOAD} within {START_DEADLINE:.0f} s; it was killed.")
+    probe.join()
+    return ctx
+
+
 def _serve(rank: int, world_size: int, port: int, conn: Connection, env: Dict[str, str]) -> None:
+    os.environ.clear()  # the test process's environment now, as a spawned process gets it (not the fork server's)
     os.environ.update(env)
     os.environ.update(rank_env(rank, world_size, port))
     import torch
@@ -68,20 +97,25 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, env: Dict[st
 class World:
     """P worker processes joined in one gloo world."""
 
-    def __init__(self, size: int, env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, size: int, env: Optional[Dict[str, str]] = None, spawn: bool = False) -> None:
+        """With ``spawn``, each rank is a fresh interpreter, which exits as a user's script does (atexit handlers,
+        then finalization): what ``close(exit_normally=True)`` tests. A rank forked from the server leaves with
+        ``os._exit`` whatever it does."""
         self.size = size
-        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self.spawn = spawn
+        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}  # over the test process's environment at each start
         self.procs: List[mp.Process] = []
         self.conns: List[Connection] = []
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn") if self.spawn else _context()
         port = free_port()
+        env = {**os.environ, **self.env}
         self.procs, self.conns = [], []
         for rank in range(self.size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, self.size, port, child, self.env), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, self.size, port, child, env), daemon=True)
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -157,6 +191,8 @@ class World:
         By default each rank leaves with ``os._exit``; with ``exit_normally`` its pipe is closed instead, so the
         interpreter exits as a user's script does (atexit handlers, then every object destroyed, process groups
         too), which is where work left in flight could hang it."""
+        if exit_normally and not self.spawn:
+            raise ValueError("exit_normally needs World(..., spawn=True): a forked rank skips the interpreter's exit")
         start = time.monotonic()
         for conn in self.conns:
             try:

@@ -55,7 +55,7 @@ def test_every_process_exits_after_the_soak(P):
     """A world of its own, after every kind of failure (skipped calls leave work unfinished on their groups), ends
     as a user's script does: every process exits, promptly."""
     calls = LONG or 25
-    world = World(P)
+    world = World(P, spawn=True)  # a fresh interpreter per rank: its exit is a script's
     try:
         results = world.run(soak.run, SEED + 10 * P, calls, 0.15, deadline=120 + 2 * calls)
     finally:
