@@ -1,38 +1,31 @@
 """Collectives at their native algorithm's cost: a reduce-scatter, an all-gather and an all-to-all between ranks,
-each an autograd Function whose backward is its transpose.
+one autograd Function (:class:`Native`) whose spec names the collective, and whose backward is its transpose.
 
 ``Join`` and ``Split`` move *global* values (the same on every rank) to and from per-rank ones. The ops here move
-per-rank values to per-rank values, as jax's ``psum_scatter``, ``all_gather`` and ``all_to_all`` do between devices:
+per-rank values to per-rank values, as jax's ``psum_scatter``, ``all_gather`` and ``all_to_all`` do between devices.
+Each collective is one :class:`Collective` record, its plain side and its transpose together:
 
 ==================  ==============================================  ============================  ==================
-Function            this rank's result                              native collective             backward
+Collective          this rank's result                              native collective             transpose
 ==================  ==============================================  ============================  ==================
 ``ReduceScatter``   its rows (``sizes[rank]`` along ``dim``) of     ``reduce_scatter_tensor``     ``AllGather``
                     the sum over ranks
 ``AllGather``       every rank's rows along ``dim``, in order       ``all_gather_into_tensor``    ``ReduceScatter``
 ``AllToAll``        from each rank r, the rows r sent it, in order  ``all_to_all_single``         ``AllToAll``, the
                                                                                                   sizes swapped
-``RoundFreeSum``    the sum over ranks (a value every rank holds)   ``all_reduce``, no round      ``RoundFreeCopy``
-``RoundFreeCopy``   the value itself (entering per-rank work)       none                          ``RoundFreeSum``
-``GatherFrom``      every rank's rows of a sequence, no round       ``all_gather_into_tensor``    ``ReduceScatterTo``
-``Sequence``                                                                                      ``Sequence``
-``ReduceScatterTo`` its rows of the sum over ranks, no round        ``reduce_scatter_tensor``     ``GatherFrom``
-``Sequence``                                                                                      ``Sequence``
-``ScatterTo``       its rows of a replicated sequence               none                          ``GatherFrom``
-``Sequence``                                                                                      ``Sequence``
 ``all_reduce_max``  the elementwise max over ranks                  ``all_reduce`` (MAX), no      none (no
                                                                     round                         derivative)
 ==================  ==============================================  ============================  ==================
 
-``RoundFreeSum`` and ``RoundFreeCopy`` are Megatron's *g* and *f*, for tensor-parallel layers: one all-reduce and
-no status round, so a layer costs what Megatron's costs (a rank that fails between layers leaves its peers waiting
-until the timeout, which then names it). ``Join`` and ``Split`` with role ``COPY`` are the same *g* and *f* through
-a status round, for cmap's own exchanges; the names say the difference. Each of the others here is one status
-round of a fixed, small size (:mod:`.rounds`: a peer that failed or left meets this rank there, and every rank
-raises together), then the native collective on the data: only the rows the destination needs move.
-Uneven row counts are padded to the largest for the first two (gloo needs equal sizes); the all-to-all takes them
-as they are. Every rule is written with ``apply`` of these Functions, so double backward, ``torch.func`` transforms
-and an outer ``torch.vmap`` compose (the vmap dim rides along as a data dim after ``dim``).
+With ``checked=True`` (cmap's own exchanges) each is one status round of a fixed, small size (:mod:`.rounds`: a
+peer that failed or left meets this rank there, and every rank raises together), then the native collective on the
+data: only the rows the destination needs move. With ``checked=False`` (Megatron's sequence parallelism, in
+``shard_model``) the collective runs alone, as Megatron's, and so does its transpose. Megatron's *f* and *g* are
+``Split`` and ``Join`` of role ``COPY`` with ``checked=False`` (:mod:`.exchange`). Uneven row counts are padded to
+the largest for the first two (gloo needs equal sizes: :func:`~.roles.gather_padded`,
+:func:`~.roles.scatter_padded`); the all-to-all takes them as they are. Every rule is written with ``apply`` of
+:class:`Native`, so double backward, ``torch.func`` transforms and an outer ``torch.vmap`` compose (the vmap dim
+rides along as a data dim after ``dim``).
 """
 
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
