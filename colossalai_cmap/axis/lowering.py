@@ -16,7 +16,7 @@ from ..torch_internals import functional_all_reduce, outside_transforms, remove_
 from ..wire import native as wire_native
 from ..wire.exchange import JoinSpec, SplitSpec, join, split
 from ..wire.native import NativeSpec
-from ..wire.roles import COPY, Rows, first_rows, gather_padded
+from ..wire.roles import COPY, first_rows, gather_padded
 from ..wire.rounds import Kind
 from ..wire.traced import gather_under_vmap, out_of_graph, traced_join, traced_split
 from .frame import AxisFrame, Joint
@@ -329,14 +329,11 @@ def reduce_rows_traced(
 def gather_rows_traced(
     frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
 ) -> torch.Tensor:
-    """As :func:`gather_rows`: ``Split(COPY)`` of ``Join(Rows)``, whose transpose is the cotangents' sum (an
-    all-reduce), this rank's rows."""
+    """As :func:`gather_rows`, the collective's traced form."""
     real = _real(frame, rows)
     if _alone(frame):
         return real
-    group = frame.link.group
-    full = traced_join(real, Rows(0, tuple(frame.sizes)), group.pg, group.rank)
-    return traced_split(full, COPY, group.pg, group.rank)
+    return rule.collective.traced(real, tuple(frame.sizes), frame.link.group.pg, frame.link.group.rank)
 
 
 # ----------------------------------------------------------------------- traced: inside torch.compile, vmap mode

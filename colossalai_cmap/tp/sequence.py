@@ -26,9 +26,9 @@ from torch import nn
 
 from ..torch_internals import after_backward, backward_reaches, current_graph_task_id
 from ..wire.comm import default_timeout
+from ..wire.exchange import SplitSpec, all_reduce, split
 from ..wire.group import Group
 from ..wire.link import Link, link_for
-from ..wire.exchange import SplitSpec, all_reduce, split
 from ..wire.native import AllGather, NativeSpec
 from ..wire.roles import Rows, first_row, tensor_split_sizes
 

@@ -265,7 +265,7 @@ def _round_free(spec: JoinSpec, role: Role, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(link, x)
     if not is_rows(role):
         raise NotImplementedError(f"{link.call}: a {role} over ranks has no round-free Join.")
-    rows = (x if role.dim == 0 else x.movedim(role.dim, 0)).contiguous()
+    rows = x if role.dim == 0 else x.movedim(role.dim, 0)
     full = gather_padded(rows, role.sizes, lambda padded: _all_gather(link, padded, spec.what))
     return (full if role.dim == 0 else full.movedim(0, role.dim)).contiguous()
 

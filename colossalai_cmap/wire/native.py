@@ -38,8 +38,9 @@ from ..torch_internals import backward_running
 from . import comm, rounds
 from .exchange import JoinSpec, all_reduce, join_values, through
 from .link import Link
-from .roles import Rows, scatter_padded
+from .roles import COPY, Rows, scatter_padded
 from .rounds import Header, Kind, Status
+from .traced import traced_join, traced_split
 
 
 class NativeSpec(NamedTuple):
@@ -132,19 +133,27 @@ def _all_to_all(spec: "NativeSpec", x: torch.Tensor) -> torch.Tensor:
     return _back(out, spec.dim)
 
 
+def _all_gather_traced(x: torch.Tensor, sizes: Tuple[int, ...], pg: Any, rank: int) -> torch.Tensor:
+    """Inside ``torch.compile``: ``Split(COPY)`` of ``Join(Rows)`` (dim 0), whose transpose is this one's: the
+    cotangents' sum (an all-reduce), this rank's rows."""
+    return traced_split(traced_join(x, Rows(0, sizes), pg, rank), COPY, pg, rank)
+
+
 class Collective(NamedTuple):
     """One native collective's rules, registered together (as jax registers a primitive's): its plain side (the
-    status round, unless the spec is round-free, then the data), and its transpose (the collective backward runs,
-    the spec's row counts swapped where the transpose sends what it received)."""
+    status round, unless the spec is round-free, then the data), its transpose (the collective backward runs, the
+    spec's row counts swapped where the transpose sends what it received), and its form inside ``torch.compile``
+    (None: it runs eagerly, out of the graph)."""
 
     name: str
     plain: Callable[["NativeSpec", Sequence[torch.Tensor]], torch.Tensor]
     transpose: str
     swaps: bool = False
+    traced: Optional[Callable[..., torch.Tensor]] = None
 
 
 ReduceScatter = Collective("reduce_scatter", _meet_and(_reduce_scatter, "reduce_scatter"), "all_gather")
-AllGather = Collective("all_gather", _meet_and(_all_gather, "all_gather"), "reduce_scatter")
+AllGather = Collective("all_gather", _meet_and(_all_gather, "all_gather"), "reduce_scatter", traced=_all_gather_traced)
 AllToAll = Collective("all_to_all", _meet_and(_all_to_all, "all_to_all"), "all_to_all", swaps=True)
 _COLLECTIVES = {c.name: c for c in (ReduceScatter, AllGather, AllToAll)}
 
