@@ -203,7 +203,7 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
     return tuple(out)
 
 
-_TRAVELS_AS = {EVEN: FIRST, SHARE: COPY}  # the mean over ranks is their sum, over P after it
+_TRAVELS_AS = {EVEN: FIRST, SHARE: COPY}  # rank 0's value; the mean over ranks: their sum, over P after it
 
 
 def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
