@@ -216,14 +216,6 @@ def functional_all_reduce(t: torch.Tensor, reduce_op: str, pg: Any) -> torch.Ten
     return fc.all_reduce(t, reduce_op, pg)
 
 
-def functional_all_gather(t: torch.Tensor, dim: int, pg: Any) -> torch.Tensor:
-    """The all-gather along ``dim`` dynamo traces into a graph
-    (``torch.distributed._functional_collectives.all_gather_tensor``)."""
-    import torch.distributed._functional_collectives as fc
-
-    return fc.all_gather_tensor(t, dim, pg)
-
-
 def functional_broadcast(t: torch.Tensor, src: int, pg: Any) -> torch.Tensor:
     """The broadcast dynamo traces into a graph (``torch.distributed._functional_collectives.broadcast``)."""
     import torch.distributed._functional_collectives as fc

@@ -8,17 +8,17 @@ docs/collectives.md.
 """
 
 import functools
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
 import torch
 
-from ..torch_internals import functional_all_gather, functional_all_reduce, outside_transforms, remove_batch_dim
+from ..torch_internals import functional_all_reduce, outside_transforms, remove_batch_dim
 from ..wire import native as wire_native
 from ..wire.exchange import JoinSpec, SplitSpec, join, split
 from ..wire.native import NativeSpec
-from ..wire.roles import COPY, first_row, first_rows
+from ..wire.roles import COPY, first_rows, gather_padded
 from ..wire.rounds import Kind
-from ..wire.traced import gather_under_vmap, out_of_graph
+from ..wire.traced import gather_under_vmap, out_of_graph, traced_join, traced_split
 from .frame import AxisFrame, Joint
 from .rules import AxisRule
 
@@ -313,58 +313,27 @@ def permute_on_ranks(joint: Joint, x: torch.Tensor, sources: Tuple[int, ...], wh
 
 
 # ------------------------------------------------------------------------ traced: inside torch.compile (batched)
+# The eager rules' primitives in their traced form (``wire.traced``), with the same transposes.
 def reduce_rows_traced(
     frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
 ) -> torch.Tensor:
+    """As :func:`reduce_rows`: ``Split(Join(.))`` for a sum, the Join alone for max and min."""
     local = rule.local(_real(frame, rows))
     if _alone(frame):
         return local
-    return _CompiledReduce.apply(local, frame.link.group.pg, rule.reduce_op, rule.name, rule.differentiable)
+    group = frame.link.group
+    total = traced_join(local, rule.collective, group.pg, group.rank)
+    return traced_split(total, COPY, group.pg, group.rank) if rule.differentiable else total
 
 
 def gather_rows_traced(
     frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None
 ) -> torch.Tensor:
+    """As :func:`gather_rows`, the collective's traced form."""
     real = _real(frame, rows)
     if _alone(frame):
         return real
-    return _CompiledGather.apply(real, frame.link.group.pg, tuple(frame.sizes))
-
-
-class _CompiledReduce(torch.autograd.Function):
-    """Inside ``torch.compile``: a functional all-reduce, whose backward (a sum's) is one too (dynamo traces neither
-    a ``setup_context`` Function nor ``Function.apply`` in a backward)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, local: torch.Tensor, pg: Any, reduce_op: str, name: str, differentiable: bool
-    ) -> torch.Tensor:
-        ctx.pg, ctx.name, ctx.differentiable = pg, name, differentiable
-        return functional_all_reduce(local, reduce_op, pg)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None]:
-        if not ctx.differentiable:
-            raise RuntimeError(f"{ctx.name} is not differentiable.")
-        return functional_all_reduce(grad.contiguous(), "sum", ctx.pg), None, None, None, None
-
-
-class _CompiledGather(torch.autograd.Function):
-    """Inside ``torch.compile``: a padded functional all-gather; backward, the cotangents' sum, this rank's rows."""
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, pg: Any, sizes: Tuple[int, ...]) -> torch.Tensor:
-        ctx.pg, ctx.sizes = pg, sizes
-        cap, n = max(sizes), local.shape[0]
-        padded = torch.cat([local, local.new_zeros((cap - n, *local.shape[1:]))]) if n < cap else local
-        full = functional_all_gather(padded.contiguous(), 0, pg)
-        return torch.cat([full.narrow(0, r * cap, k) for r, k in enumerate(sizes) if k])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        total = functional_all_reduce(grad.contiguous(), "sum", ctx.pg)
-        rank = torch.distributed.get_rank(ctx.pg)
-        return total.narrow(0, first_row(ctx.sizes, rank), ctx.sizes[rank]), None, None
+    return rule.collective.traced(real, tuple(frame.sizes), frame.link.group.pg, frame.link.group.rank)
 
 
 # ----------------------------------------------------------------------- traced: inside torch.compile, vmap mode
@@ -395,7 +364,4 @@ def gather_rows_traced_vmap(
     real = _real(frame, rows)
     if _alone(frame):
         return real
-    cap = max(frame.sizes)
-    padded = torch.cat([real, real.new_zeros((cap - real.shape[0], *real.shape[1:]))])
-    full = gather_under_vmap(padded, frame.link.group.pg)
-    return torch.cat([full.narrow(0, r * cap, k) for r, k in enumerate(frame.sizes) if k])
+    return gather_padded(real, frame.sizes, lambda padded: gather_under_vmap(padded, frame.link.group.pg))

@@ -6,9 +6,10 @@ block's gradients summed over the replicated axes, then gathered along the split
 ``.grad`` is the whole gradient, on every rank.
 
 Assembling is a ``Join`` per axis: along an axis the spec leaves out, the value at coordinate 0 of that axis (jax
-reads a replicated output from one device too); then every block, gathered along the split axes. Its transpose is a
-``Split``: this rank's block of the output's cotangent, over the size of each replicated axis (jax splits the
-cotangent of a replicated output evenly across its copies, so an output that in fact varies gets jax's gradient).
+reads a replicated output from one device too: role ``EVEN``); then every block, gathered along the split axes. Its
+transpose is a ``Split``: this rank's block of the output's cotangent, over the size of each replicated axis (jax
+splits the cotangent of a replicated output evenly across its copies, so an output that in fact varies gets jax's
+gradient; in double backward, that split's transpose is the mean over the axis).
 Every rank holds the global output, and its cotangent counts once over the mesh: this is jax's transposition with
 ``check_vma=False``, where ``psum`` transposes to ``psum``.
 
@@ -23,9 +24,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from ..torch_internals import outside_transforms
-from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
+from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
 from ..wire.link import Link
-from ..wire.roles import COPY, FIRST, ONCE, is_rows
+from ..wire.roles import COPY, EVEN, FIRST, ONCE, is_rows
 from ..wire.rounds import Kind
 from .specs import Placement, Step
 
@@ -87,56 +88,9 @@ def assemble(
     ]
 
     def apply(axis: str, roles: Sequence[Any], xs: List[Any]) -> List[Any]:
-        spec = JoinSpec(links[axis], tuple(roles), what, Kind.SYNC)
-        even = [r == FIRST and requires_grad(x) for r, x in zip(roles, xs)]
-        if not any(even):
-            return join(spec, xs)
-        out = join(spec, [x.detach() if e else x for e, x in zip(even, xs)])
-        return [_EvenCotangent.apply(x, o, links[axis]) if e else o for e, x, o in zip(even, xs, out)]
+        return join(JoinSpec(links[axis], tuple(EVEN if r == FIRST else r for r in roles), what, Kind.SYNC), xs)
 
     return _run(list(values), steps, apply)
-
-
-class _EvenCotangent(torch.autograd.Function):
-    """A replicated output along one axis: forward, the value at coordinate 0 (joined already); backward, this
-    rank's share of the cotangent (:class:`_Shares`), as jax transposes a ``P()`` output with ``check_vma=False``
-    (coordinate 0 alone would get the whole cotangent of an output that in fact varies)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(mine: torch.Tensor, first: torch.Tensor, link: Link) -> torch.Tensor:
-        return first.view_as(first)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.link = inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _Shares.apply(grad, ctx.link), None, None
-
-
-class _Shares(torch.autograd.Function):
-    """Each rank's share of a cotangent every rank holds whole: it over the axis size, with no communication. Its
-    transpose (met in double backward, where the ranks' cotangents of the shares differ) is their mean over the
-    axis: the linear map is one value over the axis size to every rank, so its transpose is the sum over the axis
-    size (jax's second derivatives through a ``P()`` output agree)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(grad: torch.Tensor, link: Link) -> torch.Tensor:
-        return grad / link.group.size
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.link = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        spec = JoinSpec(ctx.link, (COPY,), "the double backward of a replicated output", Kind.SYNC)
-        return join(spec, [grad])[0] / ctx.link.group.size, None
 
 
 def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:

@@ -3,11 +3,12 @@ its vocabulary-parallel ``Embedding``, built on cmap's two primitives. The style
 layer keeps the style object that built it, and reads its ``name`` for messages and ``gathers`` for a gathered
 output.
 
-Megatron's two conjugate operators are the round-free native Functions (:mod:`~colossalai_cmap.wire.native`):
+Megatron's two conjugate operators are cmap's primitives of role ``COPY`` with ``checked=False``
+(:mod:`~colossalai_cmap.wire.exchange`):
 
-- *f*, entering the tensor-parallel region: ``RoundFreeCopy``, the identity forward, the sum over the group
+- *f*, entering the tensor-parallel region: ``Split(COPY)``, the identity forward, the sum over the group
   backward. A column-parallel layer applies it to its replicated input.
-- *g*, leaving it: ``RoundFreeSum``, the sum over the group forward (one ``all_reduce``), the identity backward. A
+- *g*, leaving it: ``Join(COPY)``, the sum over the group forward (one ``all_reduce``), the identity backward. A
   row-parallel layer and the vocabulary-parallel embedding apply it to their partial results.
 
 Neither takes a status round, so a layer costs what Megatron's costs; a rank that fails between layers leaves its
@@ -29,15 +30,8 @@ from ..wire.comm import default_timeout
 from ..wire.exchange import JoinSpec, SplitSpec, join, needs_function, split
 from ..wire.group import Group
 from ..wire.link import Link, link_for
-from ..wire.native import (
-    GatherFromSequence,
-    ReduceScatterToSequence,
-    RoundFreeCopy,
-    gather_sequence,
-    scatter_sequence_sum,
-    summed,
-)
-from ..wire.roles import Rows, first_row, tensor_split_sizes
+from ..wire.native import AllGather, ReduceScatter, run
+from ..wire.roles import COPY, Rows, first_row, tensor_split_sizes
 from .sequence import GradSums, LinearOnGathered, Regather, SequenceState, pad_to_sequence
 
 __all__ = [
@@ -51,6 +45,20 @@ __all__ = [
 ]
 
 CALL = "shard_model"
+
+
+def copy_to_region(x: torch.Tensor, link: Link) -> torch.Tensor:
+    """Megatron's *f*: a round-free ``Split(COPY)``, the identity forward, the sum over the group backward."""
+    if link.group.size == 1:
+        return x
+    return split(SplitSpec(link, (COPY,), checked=False), [x])[0]
+
+
+def reduce_from_region(x: torch.Tensor, link: Link) -> torch.Tensor:
+    """Megatron's *g*: a round-free ``Join(COPY)``, the sum over the group forward, the identity backward."""
+    if link.group.size == 1:
+        return x
+    return join(JoinSpec(link, (COPY,), "a sum of partial results", checked=False), [x])[0]
 
 
 class Slice(NamedTuple):
@@ -99,7 +107,7 @@ class Slice(NamedTuple):
 
 
 class Entries:
-    """The replicated inputs that entered the tensor-parallel region (``RoundFreeCopy``), shared by the column-
+    """The replicated inputs that entered the tensor-parallel region (*f*), shared by the column-
     parallel layers of one sharded model, so that layers reading the same tensor make one backward sum.
 
     An entry is reused only for the very same tensor object, unchanged (its version counter), under the same grad
@@ -129,7 +137,7 @@ class Entries:
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]
         spec = seq.spec(x, seq.length, f"the sequence gather of layer {path!r}")
-        full = GatherFromSequence.apply(spec, x) if needs_function([x]) else gather_sequence(spec, x)
+        full = run(AllGather, spec, x)
         entered = (full, Regather(spec))
         self._remember(x, state, entered)
         self.gathered[id(full)] = (full, x, entered[1])
@@ -167,7 +175,7 @@ class Entries:
         hit = self.found.get(id(x))
         if hit is not None and hit[0] is x and hit[1] == state:
             return hit[2]
-        entered = RoundFreeCopy.apply(link, x)
+        entered = copy_to_region(x, link)
         self._remember(x, state, entered)
         return entered
 
@@ -196,9 +204,7 @@ class _Sharded(nn.Module):
 
     def summed(self, partial: torch.Tensor) -> torch.Tensor:
         """Megatron's g: the sum over the group of every rank's partial result; backward is the identity."""
-        if self.group.size == 1:
-            return partial
-        return summed(self.link(partial), partial)
+        return reduce_from_region(partial, self.link(partial))
 
     def slices(self) -> Dict[str, Slice]:
         """The split of each sharded parameter, by parameter name (a replicated bias is not listed)."""
@@ -225,11 +231,9 @@ class _Sharded(nn.Module):
         if self.group.size == 1:
             return partial
         if sequence is None:
-            return summed(self.link(partial), partial)
+            return reduce_from_region(partial, self.link(partial))
         spec = sequence.spec(partial, partial.shape[1], f"the sequence reduce-scatter of layer {self.path!r}")
-        if needs_function([partial]):
-            return ReduceScatterToSequence.apply(spec, partial)
-        return scatter_sequence_sum(spec, partial)
+        return run(ReduceScatter, spec, partial)
 
     def _keep(self, name: str, full: Optional[torch.Tensor], dim: Optional[int]) -> None:
         """Register this rank's slice of ``full`` along ``dim`` (the whole of it when ``dim`` is None), a copy."""
@@ -405,9 +409,7 @@ class HeadGroupLinear(_Sharded):
         return self.column(self.entries, x, weight.narrow(0, start, self.head_dim), bias)
 
     def _copy_to_region(self, p: Optional[torch.Tensor], link: Link) -> Optional[torch.Tensor]:
-        if p is None or self.group.size == 1 or not needs_function([p]):
-            return p
-        return RoundFreeCopy.apply(link, p)
+        return p if p is None else copy_to_region(p, link)
 
     def slices(self) -> Dict[str, Slice]:
         return {}  # replicated
@@ -462,7 +464,7 @@ def sum_output(group: Group, path: str) -> Any:
         if group.size == 1:
             return out
         first = out[0] if isinstance(out, tuple) else out
-        whole = summed(link_for(group, first.device, CALL, timeout), first)
+        whole = reduce_from_region(first, link_for(group, first.device, CALL, timeout))
         return (whole, *out[1:]) if isinstance(out, tuple) else whole
 
     return hook

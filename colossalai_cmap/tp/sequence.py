@@ -4,14 +4,14 @@ Between the tensor-parallel regions (norms, residual adds, dropout) each rank ho
 rows of the sequence (dim 1). A column-parallel layer all-gathers the sequence on entry (backward: the reduce-scatter
 of its input gradient) and keeps only the sharded input for backward, where it gathers it again
 (:class:`Regather`) to form its weight gradient; a row-parallel layer and the vocabulary-parallel embedding
-reduce-scatter their partial sums to the sequence on exit (backward: the all-gather). Every exchange is a round-free
-native collective (:mod:`~colossalai_cmap.wire.native`), as in Megatron.
+reduce-scatter their partial sums to the sequence on exit (backward: the all-gather). Every exchange is a native
+collective (:mod:`~colossalai_cmap.wire.native`) with ``checked=False``: no status round, as in Megatron.
 
 The transformers model runs unmodified: a vocabulary-parallel embedding's exit puts this rank's rows into zeros of
 the whole sequence (a local pad, no communication), so the model's forward computes positions, the causal mask and
 the rotary embeddings from the whole length as unsharded; each decoder layer's forward pre-hook takes this rank's
 rows of a whole-length input (the pad's transpose). A replicated embedding's output is taken the same way, with a
-gather of its gradient in backward (``ScatterToSequence``), so its table's gradient is whole on every rank. An
+gather of its gradient in backward (a round-free ``Split`` of rows), so its table's gradient is whole on every rank. An
 attention or MLP module holding column-parallel layers gathers the sequence on entry (attention reshapes by the
 input's length). The parameters no tensor-parallel layer holds, other than the input embedding (the norms), get
 their gradients summed over the group: each rank's rows contribute a part, in one all-reduce per backward
@@ -26,10 +26,11 @@ from torch import nn
 
 from ..torch_internals import after_backward, backward_reaches, current_graph_task_id
 from ..wire.comm import default_timeout
+from ..wire.exchange import SplitSpec, all_reduce, split
 from ..wire.group import Group
 from ..wire.link import Link, link_for
-from ..wire.native import ScatterToSequence, SequenceSpec, all_reduce, gather_sequence
-from ..wire.roles import first_row, tensor_split_sizes
+from ..wire.native import AllGather, NativeSpec
+from ..wire.roles import Rows, first_row, tensor_split_sizes
 
 __all__ = ["SequenceState", "GradSums", "Regather", "LinearOnGathered", "pad_to_sequence"]
 
@@ -46,9 +47,10 @@ class SequenceState:
         self.replicated_input = True  # the decoder layers' first input is replicated (an unsharded embedding)
         self.grad_sums = GradSums(group, self.timeout)
 
-    def spec(self, t: torch.Tensor, length: int, what: str) -> SequenceSpec:
+    def spec(self, t: torch.Tensor, length: int, what: str) -> NativeSpec:
+        """The rows of a sequence of ``length`` (dim 1) over the group, for a round-free gather or reduce-scatter."""
         link = link_for(self.group, t.device, CALL, self.timeout)
-        return SequenceSpec(link, 1, tensor_split_sizes(length, self.group.size), what)
+        return NativeSpec(link, 1, tensor_split_sizes(length, self.group.size), what, checked=False)
 
     def mine(self, length: int) -> Tuple[int, int]:
         """This rank's (first row, row count) of a sequence of ``length``."""
@@ -75,7 +77,8 @@ class SequenceState:
         if self.length is None or not isinstance(x, torch.Tensor) or x.shape[1] != self.length:
             return None
         if self.replicated_input:  # backward gathers the rows' gradients: every rank holds the whole gradient
-            x = ScatterToSequence.apply(self.spec(x, self.length, "the decoder layers' input"), x)
+            spec = self.spec(x, self.length, "the decoder layers' input")
+            x = split(SplitSpec(spec.link, (Rows(1, spec.sizes),), checked=False), [x])[0]
         else:  # the embedding's pad: backward pads this rank's rows, which the pad's transpose takes
             start, count = self.mine(self.length)
             x = x.narrow(1, start, count)
@@ -156,12 +159,12 @@ class Regather:
     """The whole sequence of one sharded input, gathered again in backward once for every column-parallel layer
     that reads it (q, k and v; gate and up), and dropped after the last of them."""
 
-    def __init__(self, spec: SequenceSpec) -> None:
+    def __init__(self, spec: NativeSpec) -> None:
         self.spec, self.pending, self.full = spec, 0, None
 
     def take(self, shard: torch.Tensor) -> torch.Tensor:
         if self.full is None:
-            self.full = gather_sequence(self.spec, shard)
+            self.full = AllGather.plain(self.spec, [shard])
         full = self.full
         self.pending -= 1
         if self.pending <= 0:

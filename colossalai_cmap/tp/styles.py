@@ -167,7 +167,7 @@ class Rowwise(ParallelStyle):
     bias. The input is this rank's slice of the input features (the output a :class:`Colwise` layer left sharded);
     the output is replicated: the sum of every rank's partial product, then the bias, added once.
 
-    Forward makes one sum over the group (Megatron's *g*, ``RoundFreeSum``: one all-reduce, no round). Backward
+    Forward makes one sum over the group (Megatron's *g*, a round-free ``Join(COPY)``: one all-reduce, no round). Backward
     communicates nothing. Inside an attention module, every rank must get whole heads.
 
     ``Rowwise(parts=...)`` takes a packed weight whose input features are parts (the output of a
@@ -215,7 +215,7 @@ class Vocab(ParallelStyle):
     them. The ids are replicated; ids outside this rank's rows look up zeros, and the output is replicated: the sum
     over the group. Embeddings with ``max_norm`` or ``scale_grad_by_freq`` are refused: both need the whole table.
 
-    Forward makes one sum over the group (``RoundFreeSum``). Backward communicates nothing.
+    Forward makes one sum over the group (a round-free ``Join(COPY)``). Backward communicates nothing.
     """
 
     name = "vocab"

@@ -11,7 +11,8 @@ One module per concept, imports going down:
    its header, its kinds, and how its failures are raised on every rank);
 4. :mod:`.data_phase` (what did not fit a round: its collectives, sent after the round or right behind it);
 5. :mod:`.exchange` (``Split`` and ``Join``, the two primitives every layer above uses, and their plain sides);
-6. :mod:`.native` (collectives at their native algorithm's cost, no round) and :mod:`.guard` (the guarded backward).
+6. :mod:`.native` (collectives at their native algorithm's cost, one autograd Function) and :mod:`.guard` (the
+   guarded backward).
 
 May import: torch, and the package's leaf modules (``errors``, ``faults``, ``stats``, ``digests``, ``nesting``,
 ``torch_internals``); torch's internals only through ``torch_internals``. Never the layers above it (``call``, ``axis``,

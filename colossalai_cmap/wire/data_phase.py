@@ -18,7 +18,7 @@ from . import comm
 from .group import Group
 from .link import Channel, Link
 from .payload import Item, numel, offsets, rows_first, typed_view
-from .roles import COPY, MAX, MIN, Role, Rows, first_row, is_rows
+from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, first_row, is_rows, padded_rows
 from .rounds import Round
 
 _REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
@@ -51,8 +51,6 @@ def prepare(
     send = recv = None
     if len(gathered) == 1 and is_rows(gathered[0].role):
         send, recv = _direct_buffers(gathered[0], tensors, sizes, group, receives)
-        if recv is not None:
-            results[gathered[0].index] = cut_rows(recv, sizes, max(sizes))
     elif gathered:
         cap = max(sizes)
         send = torch.zeros(offsets(gathered, cap)[1], dtype=torch.uint8, device=device)
@@ -83,25 +81,10 @@ def _direct_buffers(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One rows tensor, in its own dtype, padded to the largest share."""
     t = tensors[it.index]
-    cap, n = max(sizes), sizes[group.rank]
-    send = resolved(rows_first(t, it.role.dim))
-    if n < cap:
-        padded = torch.empty((cap, *it.shape), dtype=it.dtype, device=t.device)
-        padded.narrow(0, 0, n).copy_(send)
-        send = padded
-    else:
-        send = send.contiguous()
+    cap = max(sizes)
+    send = padded_rows(resolved(rows_first(t, it.role.dim)), cap)
     recv = torch.empty((group.size * cap, *it.shape), dtype=it.dtype, device=t.device) if receives else None
     return send, recv
-
-
-def cut_rows(recv: torch.Tensor, sizes: Sequence[int], cap: int) -> torch.Tensor:
-    """The rows of ``[P * cap, ...]`` gathered blocks without their padding: a view of the first ``sum(sizes)``
-    rows when they form a prefix (blocks of ``cap`` rows, the last nonempty one short), else a new tensor."""
-    last = max((r for r, n in enumerate(sizes) if n), default=-1)
-    if all(n == cap for n in sizes[:last]):
-        return recv.narrow(0, 0, sum(sizes))
-    return torch.empty((sum(sizes), *recv.shape[1:]), dtype=recv.dtype, device=recv.device)
 
 
 def _by_op(items: Sequence[Item]) -> Dict[Tuple[Role, torch.dtype], List[Item]]:
@@ -152,7 +135,7 @@ def meet_early(rnd: Round, ch: Channel, link: Link) -> None:
 def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
     """The results of a data phase every rank sent early: only the cut remains."""
     it = next(it for it in prep.items if not it.reduced)
-    _fill_cut(prep.results[it.index], prep.recv, prep.sizes)
+    prep.results[it.index] = cut_padded(prep.recv, prep.sizes)
     return prep.results
 
 
@@ -164,7 +147,7 @@ def run_data_phase(
     if prep.send is not None:
         _gather(prep.recv, prep.send, group, dst, call, timeout)
     if prep.recv is not None and len(gathered) == 1 and is_rows(gathered[0].role):
-        _fill_cut(prep.results[gathered[0].index], prep.recv, prep.sizes)
+        prep.results[gathered[0].index] = cut_padded(prep.recv, prep.sizes)
     elif prep.recv is not None:
         _from_padded(prep, gathered)
     for (role, dtype), flat in prep.flats.items():
@@ -182,16 +165,6 @@ def _gather(
         return
     outs = None if recv is None else list(recv.view(group.size, *send.shape).unbind(0))
     comm.gather_to(send, outs, dst, group, call, timeout)
-
-
-def _fill_cut(result: torch.Tensor, recv: torch.Tensor, sizes: Sequence[int]) -> None:
-    if result.data_ptr() == recv.data_ptr():
-        return  # the prefix view: already in place
-    cap, start = max(sizes), 0
-    for r, n in enumerate(sizes):
-        if n:
-            result.narrow(0, start, n).copy_(recv.narrow(0, r * cap, n))
-        start += n
 
 
 def _from_padded(prep: Prepared, items: Sequence[Item]) -> None:

@@ -3,16 +3,21 @@ plain (not differentiable) sides.
 
 ``split_values`` takes this rank's part of global values (no communication); ``join_values`` makes per-rank values
 global in one round of the status protocol (:mod:`.rounds`), and a data phase for what does not fit it
-(:mod:`.data_phase`).
+(:mod:`.data_phase`). A spec with ``checked=False`` takes no round: Megatron's *f* and *g* (``Split``/``Join`` of
+``COPY``) and sequence parallelism's rows, for tensor-parallel layers, cost one collective as Megatron's do (a rank
+that fails between layers leaves its peers waiting until the timeout, which then names it). The transpose keeps the
+spec's ``checked``.
 
 ``Split`` and ``Join`` wrap them as autograd Functions that compose with functorch: each is a
 ``torch.autograd.Function`` in the ``setup_context`` style, with ``backward``, ``jvp`` and ``vmap`` rules, so that
 torch's autograd and torch.func handle everything around them: closures, higher-order gradients,
 ``grad``/``vjp``/``jvp``/``jacrev``/``jacfwd``/``hessian``, an outer ``torch.vmap`` and nesting. The backward of each
 is the other (:mod:`.roles` has the transpose of every role), built from ``apply`` calls, so double backward works.
+Inside ``torch.compile`` the same roles move through :mod:`.traced` instead.
 
-:func:`join` and :func:`split` are what the layers above call: the Functions where a derivative or a function
-transform needs them, else the plain ``join_values`` and ``split_values``, without the Function machinery.
+:func:`through` is the one choice between a Function and its plain side: the Function where a derivative or a
+function transform needs it, else the plain side, without the Function machinery. :func:`join` and :func:`split`
+are what the layers above call.
 """
 
 import weakref
@@ -24,16 +29,20 @@ import torch
 from .. import faults
 from ..errors import CmapError, RankFailure
 from ..torch_internals import backward_running, current_level, in_forward_ad, transform_levels
-from . import data_phase, rounds
+from . import comm, data_phase, rounds
 from .link import Link
 from .payload import pack_payload, route, unpack_payload
 from .roles import (
+    COPY,
+    EVEN,
     FIRST,
     FRACTION,
     IN_PLACE,
+    SHARE,
     Role,
     Rows,
     first_row,
+    gather_padded,
     is_rows,
     join_transpose,
     shifted,
@@ -86,6 +95,7 @@ class JoinSpec(NamedTuple):
     host: bool = False  # the tensors are host-side metadata (on the CPU): they may ride in a host group's round
     count: int = 0  # a host-side number this rank reports in its header's rows (a Join with no Rows role): every
     # rank's comes back in ``learned``, with no read of the tensors (the count of values a sum is over)
+    checked: bool = True  # a status round first; False: the collective alone (COPY or Rows), as Megatron's
 
     def sized_roles(self) -> Tuple[Role, ...]:
         """The roles with the row counts an exit learned from its round (``src="local"``) filled in."""
@@ -154,6 +164,7 @@ class SplitSpec(NamedTuple):
     link: Link
     roles: Tuple[Role, ...]
     tag: Optional[CallTag] = None  # a call's entry (None: any other Split)
+    checked: bool = True  # whether its transpose, a Join, takes a status round
 
 
 def local_transpose(spec: SplitSpec, role: Role, grad: torch.Tensor) -> torch.Tensor:
@@ -185,17 +196,25 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
             out.append(t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank]))
         elif role == FIRST and rank != 0:
             out.append(torch.zeros_like(t))
-        elif role == FRACTION:
+        elif role in (FRACTION, SHARE):
             out.append(t / spec.link.group.size)
         else:
             out.append(t)
     return tuple(out)
 
 
+_TRAVELS_AS = {EVEN: FIRST, SHARE: COPY}  # rank 0's value; the mean over ranks: their sum, over P after it
+
+
 def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
     """Per-rank values to global ones: one round, and a data phase for what does not fit its payload."""
     if not spec.link.wired:  # alone: every value is already global, and a round would agree with itself
         return tuple(tensors)
+    if not spec.checked:
+        return tuple(_round_free(spec, role, t) for role, t in zip(spec.roles, tensors))
+    if any(r in _TRAVELS_AS for r in spec.roles):
+        moved = join_values(spec._replace(roles=tuple(_TRAVELS_AS.get(r, r) for r in spec.roles)), tensors)
+        return tuple(t / spec.link.group.size if r == SHARE else t for r, t in zip(spec.roles, moved))
     if spec.host:
         spec = spec._replace(link=spec.link.host_side())
     link = spec.link
@@ -236,6 +255,36 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
         ch.backward_open, ch.last_data = False, data_phase.early_shape(prep) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
+
+
+def _round_free(spec: JoinSpec, role: Role, x: torch.Tensor) -> torch.Tensor:
+    """A Join with no status round: Megatron's *g* (the sum over ranks, one all-reduce), or every rank's rows (one
+    all-gather of shares padded to the largest)."""
+    link = spec.link
+    if role == COPY:
+        return all_reduce(link, x)
+    if not is_rows(role):
+        raise NotImplementedError(f"{link.call}: a {role} over ranks has no round-free Join.")
+    rows = x if role.dim == 0 else x.movedim(role.dim, 0)
+    full = gather_padded(rows, role.sizes, lambda padded: _all_gather(link, padded, spec.what))
+    return (full if role.dim == 0 else full.movedim(0, role.dim)).contiguous()
+
+
+def _all_gather(link: Link, rows: torch.Tensor, what: str) -> torch.Tensor:
+    out = rows.new_empty((rows.shape[0] * link.group.size, *rows.shape[1:]))
+    comm.all_gather_into(out, rows, link.group, link.call, link.timeout, f"all_gather ({what})")
+    return out
+
+
+def all_reduce(link: Link, x: torch.Tensor) -> torch.Tensor:
+    """The sum over the group of every rank's ``x``, with no status round: Megatron's *g*, the plain side of
+    ``Join`` of ``COPY`` with ``checked=False``. A rank that fails before it leaves its peers waiting until the
+    timeout, as in Megatron."""
+    if x.is_meta:
+        return torch.empty_like(x)
+    out = x.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(torch.view_as_real(out) if out.is_complex() else out, link.group, link.call, link.timeout)
+    return out
 
 
 def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:
@@ -340,17 +389,26 @@ def needs_function(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def through(fn: Any, plain: Callable[[Any, Sequence[torch.Tensor]], Any], spec: Any, tensors: Sequence[Any]) -> Any:
+    """``fn.apply(spec, *tensors)`` where a derivative or a function transform needs it, else ``plain(spec,
+    tensors)``, without the Function machinery: the one choice every exchange makes. Alone (an unwired link)
+    nothing moves either way, so the plain side serves."""
+    if spec.link.wired and needs_function(tensors):
+        return fn.apply(spec, *tensors)
+    return plain(spec, tensors)
+
+
 def join(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
-    """Per-rank values to global ones: :class:`Join` where a derivative or a function transform needs it (never
-    with a ``dst``: only that rank gets the result, so no backward could meet), else the plain exchange."""
-    if spec.dst == -1 and spec.link.wired and needs_function(tensors):
-        return Join.apply(spec, *tensors)
-    return join_values(spec, tensors)
+    """Per-rank values to global ones, through :func:`through` (never :class:`Join` with a ``dst``: only that rank
+    gets the result, so no backward could meet)."""
+    if spec.dst != -1:
+        return join_values(spec, tensors)
+    return through(Join, join_values, spec, tensors)
 
 
 def split(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-    """Global values to per-rank ones: :class:`Split` where a derivative or a function transform needs it."""
-    return Split.apply(spec, *tensors) if spec.link.wired and needs_function(tensors) else split_values(spec, tensors)
+    """Global values to per-rank ones, through :func:`through`."""
+    return through(Split, split_values, spec, tensors)
 
 
 def _non_differentiable(ctx: Any, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
@@ -404,14 +462,16 @@ class Join(torch.autograd.Function):
         spec, picked = ctx.spec, _wanted(ctx, grads)
         sized = spec.sized_roles()
         roles = [join_transpose(sized[i]) for i in picked]
-        out = Split.apply(SplitSpec(spec.link, tuple(roles)), *[grads[i] for i in picked]) if picked else ()
+        sub = SplitSpec(spec.link, tuple(roles), checked=spec.checked)
+        out = Split.apply(sub, *[grads[i] for i in picked]) if picked else ()
         return _spread(picked, out, len(grads))
 
     @staticmethod
     def jvp(ctx: Any, _: Any, *tangents: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         # Every rank joins every tangent (zeros where one has none): a peer's may be set where this one's is not.
         full = [t if t is not None else torch.zeros(s, dtype=d, device=v) for t, (s, d, v) in zip(tangents, ctx.like)]
-        sub = JoinSpec(ctx.spec.link, ctx.spec.sized_roles(), f"the tangents of {ctx.spec.what}", sync=True)
+        what = f"the tangents of {ctx.spec.what}"
+        sub = JoinSpec(ctx.spec.link, ctx.spec.sized_roles(), what, sync=True, checked=ctx.spec.checked)
         return tuple(Join.apply(sub, *full))
 
     @staticmethod
@@ -445,14 +505,15 @@ class Split(torch.autograd.Function):
         if spec.tag is not None and spec.tag.running:  # a gradient taken inside func: per example, here
             return _spread(picked, [local_transpose(spec, spec.roles[i], grads[i]) for i in picked], len(grads))
         roles = tuple(split_transpose(spec.roles[i]) for i in picked)
-        out = Join.apply(JoinSpec(spec.link, roles), *[grads[i] for i in picked]) if picked else ()
+        sub = JoinSpec(spec.link, roles, checked=spec.checked)
+        out = Join.apply(sub, *[grads[i] for i in picked]) if picked else ()
         return _spread(picked, out, len(grads))
 
     @staticmethod
     def jvp(ctx: Any, _: Any, *tangents: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         spec = ctx.spec
         picked = [i for i, t in enumerate(tangents) if t is not None]
-        sub = SplitSpec(spec.link, tuple(spec.roles[i] for i in picked))
+        sub = SplitSpec(spec.link, tuple(spec.roles[i] for i in picked), checked=spec.checked)
         out = Split.apply(sub, *[tangents[i] for i in picked]) if picked else ()
         return _spread(picked, out, len(tangents))[1:]
 
@@ -484,4 +545,4 @@ def not_differentiable(value: Any, message: str) -> Any:
     return _Refused.apply(message, value.detach().requires_grad_())
 
 
-__all__ = ["Join", "Split", "join", "split", "requires_grad", "not_differentiable"]
+__all__ = ["Join", "Split", "join", "split", "through", "all_reduce", "requires_grad", "not_differentiable"]

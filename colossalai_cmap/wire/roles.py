@@ -15,6 +15,8 @@ FIRST      the value on rank 0, zeros elsewhere   rank 0's value
 SAME       (as FIRST)                             this rank's value, equal on every rank
 FRACTION   the value over P, on every rank        (as ONCE)
 ONCE       (as FRACTION)                          this rank's value, equal on every rank (the mean)
+SHARE      the value over P, on every rank        the mean over ranks
+EVEN       (as SHARE)                             rank 0's value
 MAX, MIN   (none: not differentiable)             the elementwise extremum over ranks
 =========  =====================================  ==========================================
 
@@ -24,10 +26,16 @@ P times. ``ONCE`` is the same value left on each rank (an ``out_dims=None`` outp
 replicated ``shard_map`` output with ``local=True``): every rank backpropagates its own cotangent, and backward
 gives each rank its cotangent over P, so the ranks' parts add up to the mean cotangent, counted once. It is the
 mean over ranks of values that are equal; ``FRACTION`` is its transpose, with no communication either way.
+
+``EVEN`` is a replicated ``shard_map`` output (``P()``): rank 0's value, as ``FIRST``, but its cotangent split evenly
+over the ranks (``SHARE``), as jax transposes one with ``check_vma=False``. ``SHARE`` is ``FRACTION`` for cotangents
+that may differ between ranks (in double backward): its transpose is the real mean over ranks, one exchange.
 """
 
 import itertools
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
 
 
 class Rows(NamedTuple):
@@ -59,12 +67,51 @@ def first_rows(sizes: Sequence[int]) -> List[int]:
     return [0, *itertools.accumulate(sizes)][:-1]
 
 
+def gather_padded(
+    rows: torch.Tensor, sizes: Sequence[int], all_gather: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Every rank's rows (dim 0), in rank order, when rank r holds ``sizes[r]``: this rank's padded to the largest
+    share (collectives take equal sizes), ``all_gather`` of them (``[P * largest, ...]``), the padding cut."""
+    return cut_padded(all_gather(padded_rows(rows, max(sizes))), sizes)
+
+
+def padded_rows(rows: torch.Tensor, cap: int) -> torch.Tensor:
+    """``rows`` (dim 0) with zero rows after them up to ``cap``, contiguous: this rank's share of a gather."""
+    if rows.shape[0] < cap:
+        rows = torch.cat([rows, rows.new_zeros((cap - rows.shape[0], *rows.shape[1:]))])
+    return rows.contiguous()
+
+
+def cut_padded(gathered: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """The rows of ``[P * max(sizes), ...]`` gathered blocks without their padding: a view of the first
+    ``sum(sizes)`` rows when they form a prefix (full blocks, then one short, then empty ones), else a copy."""
+    cap = max(sizes)
+    last = max((r for r, n in enumerate(sizes) if n), default=-1)
+    if all(n == cap for n in sizes[:last]):
+        return gathered.narrow(0, 0, sum(sizes))
+    return torch.cat([gathered.narrow(0, r * cap, n) for r, n in enumerate(sizes) if n])
+
+
+def scatter_padded(
+    rows: torch.Tensor, sizes: Sequence[int], rank: int, reduce_scatter: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """This rank's rows (``sizes[rank]`` of dim 0) of the sum over ranks: each rank's rows padded to the largest
+    share, ``reduce_scatter`` of them (``[largest, ...]``), the padding cut."""
+    cap = max(sizes)
+    if any(n != cap for n in sizes):
+        padded = rows.new_zeros((cap * len(sizes), *rows.shape[1:]))
+        for r, (start, n) in enumerate(zip(first_rows(sizes), sizes)):
+            padded.narrow(0, r * cap, n).copy_(rows.narrow(0, start, n))
+        rows = padded
+    return reduce_scatter(rows.contiguous()).narrow(0, 0, sizes[rank])
+
+
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"
-FRACTION, ONCE = "fraction", "once"
+FRACTION, ONCE, SHARE, EVEN = "fraction", "once", "share", "even"
 Role = Union[Rows, str]
 
-_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST, ONCE: FRACTION}
-_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, FRACTION: ONCE}
+_JOIN_TO_SPLIT = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, SAME: FIRST, ONCE: FRACTION, SHARE: SHARE, EVEN: SHARE}
+_SPLIT_TO_JOIN = {COPY: COPY, KEEP: KEEP, FIRST: FIRST, FRACTION: ONCE, SHARE: SHARE}
 IN_PLACE = (KEEP, SAME, ONCE)  # Join roles whose result is this rank's own value: nothing travels
 
 

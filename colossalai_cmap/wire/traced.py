@@ -1,6 +1,8 @@
 """``Split`` and ``Join`` inside ``torch.compile``: each role of :mod:`.roles` written with functional collectives
-(``torch_internals.functional_*``), which dynamo traces into the graph, as an autograd Function whose
-backward is the other one's role (its transpose), so a compiled cmap's gradients are the eager ones.
+(``torch_internals.functional_*``), which dynamo traces into the graph, as one autograd Function whose
+backward is the other one's role (its transpose), so a compiled cmap's gradients are the eager ones. The named-axis
+collectives lower to them there too (``axis.lowering``): a sum is ``Split(COPY)`` of ``Join(COPY)``, an all-gather
+``Split(COPY)`` of ``Join(Rows)``, whose transposes are the eager Functions' (an all-reduce and this rank's rows).
 
 No status round, no bounded wait, no presence tracking and no count of collectives: inside a graph a collective is
 one op on the process group, waiting as long as the group's own timeout. Every rank must reach every collective; a
@@ -18,34 +20,36 @@ from ..torch_internals import (
     functional_broadcast,
     not_traced,
 )
-from .roles import COPY, FIRST, FRACTION, IN_PLACE, Role, first_row, is_rows, join_transpose, split_transpose
+from .roles import (
+    COPY,
+    FIRST,
+    FRACTION,
+    IN_PLACE,
+    MAX,
+    MIN,
+    Role,
+    first_row,
+    gather_padded,
+    is_rows,
+    join_transpose,
+    split_transpose,
+)
 
 SPLIT, JOIN = "split", "join"
-
-
-def _gather_rows(t: torch.Tensor, dim: int, sizes: Tuple[int, ...], pg: Any) -> torch.Tensor:
-    """Every rank's rows along ``dim``, in rank order: one all-gather of shares padded to the largest."""
-    cap, n = max(sizes), t.shape[dim]
-    if n < cap:
-        pad = list(t.shape)
-        pad[dim] = cap - n
-        t = torch.cat([t, t.new_zeros(pad)], dim)
-    full = functional_all_gather_op(t.movedim(dim, 0).contiguous(), len(sizes), pg).movedim(0, dim)
-    full_ranks = len(sizes) - len([k for k in sizes if k < cap])
-    if all(k == cap for k in sizes[:full_ranks]) and all(k == 0 for k in sizes[full_ranks + 1 :]):
-        # torch.chunk's shares (full ones, then one short, then empty): the result is the buffer's first rows
-        return full.narrow(dim, 0, sum(sizes))
-    return torch.cat([full.narrow(dim, r * cap, k) for r, k in enumerate(sizes) if k], dim)
+_REDUCE_OPS = {COPY: "sum", MAX: "max", MIN: "min"}
 
 
 def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Tensor:
-    """``t`` through a ``Split`` (global to per rank) or a ``Join`` (per rank to global) of ``role`` on ``pg``."""
+    """``t`` through a ``Split`` (global to per rank) or a ``Join`` (per rank to global) of ``role`` on ``pg``: the
+    traced form of each role of :mod:`.roles`."""
     if is_rows(role):
         if way == JOIN:
-            return _gather_rows(t, role.dim, tuple(role.sizes), pg)
+            size = len(role.sizes)
+            rows = t.movedim(role.dim, 0)
+            return gather_padded(rows, role.sizes, lambda p: functional_all_gather_op(p, size, pg)).movedim(0, role.dim)
         return t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank])
-    if way == JOIN and role == COPY:
-        return functional_all_reduce(t.contiguous(), "sum", pg)
+    if way == JOIN and role in _REDUCE_OPS:
+        return functional_all_reduce(t.contiguous(), _REDUCE_OPS[role], pg)
     if way == JOIN and role == FIRST:  # rank 0's value, on every rank
         return functional_broadcast(t.contiguous(), 0, pg)
     if role == FIRST:
@@ -57,9 +61,11 @@ def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Ten
     raise RuntimeError(f"a {role} over ranks has no traced {way}.")
 
 
-class _Moved(torch.autograd.Function):
-    """One tensor through a traced Split or Join; backward is the other, of the transposed role. ``forward(ctx, ...)``
-    style with plain calls in backward: dynamo traces neither ``setup_context`` nor ``Function.apply`` there."""
+class Traced(torch.autograd.Function):
+    """One tensor through a traced Split or Join, every role: the one autograd Function inside ``torch.compile``;
+    backward is the other, of the transposed role (:mod:`.roles`). ``forward(ctx, ...)`` style with plain calls in
+    backward: dynamo traces neither ``setup_context`` nor ``Function.apply`` there, so this cannot be the eager
+    ``Split``/``Join`` (whose ``apply`` in backward makes double backward and function transforms compose)."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, way: str, role: Role, pg: Any, rank: int) -> torch.Tensor:
@@ -77,12 +83,12 @@ class _Moved(torch.autograd.Function):
 
 def traced_split(t: torch.Tensor, role: Role, pg: Any, rank: int) -> torch.Tensor:
     """A global value's per-rank part (``narrow`` for rows, the value itself otherwise); backward is the Join."""
-    return _Moved.apply(t, SPLIT, role, pg, rank)
+    return Traced.apply(t, SPLIT, role, pg, rank)
 
 
 def traced_join(t: torch.Tensor, role: Role, pg: Any, rank: int) -> torch.Tensor:
     """Per-rank values to the global one (rows all-gathered, sums all-reduced); backward is the Split."""
-    return _Moved.apply(t, JOIN, role, pg, rank)
+    return Traced.apply(t, JOIN, role, pg, rank)
 
 
 def gather_under_vmap(t: torch.Tensor, pg: Any) -> torch.Tensor:
