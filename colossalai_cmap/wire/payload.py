@@ -11,13 +11,15 @@ with the group's round buffers (:class:`~.link.Channel`): a repeated exchange co
 payload area and reads out of ready-made views of the gathered payloads.
 """
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..digests import digest
-from .link import Link
 from .roles import COPY, FIRST, MAX, MIN, Role, is_rows
+
+if TYPE_CHECKING:  # a route is kept in the link's channel; it only names the link's type
+    from .link import Link
 
 _ALIGN = 16
 REDUCED = (COPY, MAX, MIN)
@@ -203,7 +205,7 @@ _ROUTES_MAX = 512
 
 
 def route(
-    link: Link, key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], after: Optional[Any] = None, host: bool = False
+    link: "Link", key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], after: Optional[Any] = None, host: bool = False
 ) -> Route:
     """The route of an exchange on this group (:class:`Route`), kept with the group's round buffers; or, ``after`` a
     round (when only the round told the row counts), through that round's payloads, whatever buffers come next.
