@@ -49,6 +49,6 @@ def nested_in_split(ranks: Sequence[int]) -> bool:
     return any(len(mine.intersection(outer)) > 1 for outer in _SPLITTING)
 
 
-def tracking() -> bool:
+def gradients_tracked() -> bool:
     """Whether gradients may be taken of what runs now: grad mode, or inside a ``torch.func`` transform."""
     return torch.is_grad_enabled() or current_level() is not None

@@ -134,7 +134,7 @@ def _grouped(x: torch.Tensor, axis_name: AxisName, op: str, groups: grouped.Grou
         frame = AxisFrame(
             link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode=RANK, members=joint.ranks
         )
-        return lowering.exchange(frame, x.unsqueeze(0), RULES[op], names, groups).squeeze(0)
+        return lowering.lower_rows(frame, x.unsqueeze(0), RULES[op], names, groups).squeeze(0)
     members = lowering.index_table(
         tuple(next(g for g in groups if i in g) for i in range(axis_size(axis_name))), x.device
     )

@@ -38,7 +38,7 @@ def _kept_table(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def exchange(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None) -> torch.Tensor:
+def lower_rows(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str, arg: Any = None) -> torch.Tensor:
     """``rule``'s exchange of this run's rows: its traced form inside ``torch.compile``, else its eager one."""
     if not torch.compiler.is_compiling():
         return rule.rows(frame, rows, rule, name, arg)

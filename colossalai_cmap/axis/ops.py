@@ -18,7 +18,7 @@ import torch
 
 from ..torch_internals import current_level, is_batched, level_of, transform_levels
 from .frame import AxisFrame, lookup
-from .lowering import exchange, traced_vmap
+from .lowering import lower_rows, traced_vmap
 from .rules import rule_of
 
 
@@ -70,7 +70,7 @@ class AxisOp(torch.autograd.Function):
             # another map's vmap level: its dim rides along while the op goes on to its own axis's level
             inner_arg, out_dim = rule.batching(arg)
             return AxisOp.apply(rows, name, op, inner_arg), out_dim
-        out = exchange(frame, rows, rule, name, arg)
+        out = lower_rows(frame, rows, rule, name, arg)
         return out, (0 if rule.per_example else None)
 
 
@@ -98,13 +98,13 @@ def apply(x: torch.Tensor, name: str, op: str, arg: Any = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{rule.name}(x, {name!r}): x must be a Tensor, got {type(x).__name__}.")
     if frame.mode.per_rank:  # a shard_map axis: this rank is one member of it, and func holds its own value
-        out = exchange(frame, x.unsqueeze(0), rule, name, arg)
+        out = lower_rows(frame, x.unsqueeze(0), rule, name, arg)
         return out.squeeze(0) if rule.per_example else out
     if frame.mode.holds_rows:
-        out = exchange(frame, x, rule, name, arg)
+        out = lower_rows(frame, x, rule, name, arg)
         return out if rule.per_example else out.unsqueeze(0).expand(x.shape[0], *out.shape)
     if frame.mode.in_turns and not is_batched(x):
-        return frame.loop.run(x, lambda stacked: exchange(frame, stacked, rule, name))
+        return frame.loop.run(x, lambda stacked: lower_rows(frame, stacked, rule, name))
     if torch.compiler.is_compiling():
         return traced_vmap(frame, x, rule, name, arg)
     if rule.per_example:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..engine import module_params
-from ..nesting import tracking
+from ..nesting import gradients_tracked
 from ..torch_internals import tree_flatten, tree_unflatten
 from ..wire.exchange import SplitSpec, requires_grad, split
 from ..wire.link import Link
@@ -40,7 +40,9 @@ def enter(
     opts: Options, refs: module_params.References, shares: Shares, inputs: Inputs, link: Link, tag: object
 ) -> Entered:
     leaves, kwargs, modules, aliases = list(inputs.leaves), inputs.kwargs, [], {}
-    if link.wired and opts.differentiable and tracking():  # alone, gradients cross no rank: func's graph is vmap's
+    if (
+        link.wired and opts.differentiable and gradients_tracked()
+    ):  # alone, gradients cross no rank: func's graph is vmap's
         kw_leaves, kw_spec = tree_flatten(kwargs) if kwargs else ([], None)
         modules = module_params.modules_of(refs) if refs else []
         params = module_params.trainable(modules) if modules else []

@@ -24,7 +24,7 @@ from ..axis.frame import AxisFrame, axis_scope
 from ..engine import closures, module_params
 from ..engine.part import walk_and_guard
 from ..engine.records import Failed
-from ..nesting import splitting, tracking
+from ..nesting import gradients_tracked, splitting
 from ..torch_internals import TreeSpec, sequence_nr, version_counter
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.link import Link
@@ -127,14 +127,14 @@ def _thread_modes(
     interceptor, the marker of the autograd nodes they make, and the BatchNorm mode (its refusal)."""
     if not opts.mode.in_turns or opts.axis_name is None:
         return ()
-    found = (closures.MadeHere(tag),) + ((intercept,) if intercept is not None else ()) if tracking() else ()
+    found = (closures.MadeHere(tag),) + ((intercept,) if intercept is not None else ()) if gradients_tracked() else ()
     return found + ((coupled,) if coupled is not None else ())
 
 
 def _interceptor(site: CallSite, tag: CallTag, start: int, link: Link) -> Optional[closures.Interceptor]:
     """The closure interceptor, where it can matter (``engine.closures``): unless the last call with gradients found
     no closure-captured tensor at all, and func's closures hold none now."""
-    if not (link.wired and site.options.differentiable and tracking()):
+    if not (link.wired and site.options.differentiable and gradients_tracked()):
         return None
     if site.captures is False and not closures.may_capture(site.refs):
         return None
@@ -170,7 +170,7 @@ def _extra_rows(opts: Options, shares: Shares) -> int:
     if shares.batch == 0:
         return 0
     per_row = opts.mode.in_turns or opts.chunk_size is not None
-    if per_row and opts.axis_name is None and opts.differentiable and shares.sizes and tracking():
+    if per_row and opts.axis_name is None and opts.differentiable and shares.sizes and gradients_tracked():
         return max(shares.sizes) - shares.rows
     return 1 if shares.rows == 0 else 0
 

@@ -21,7 +21,7 @@ from ..engine.part import walk_and_guard
 from ..engine.records import Failed
 from ..errors import CmapError
 from ..integration.groups import collective_device
-from ..nesting import nested_in_split, splitting, tracking
+from ..nesting import gradients_tracked, nested_in_split, splitting
 from ..torch_internals import tree_flatten, tree_map, tree_unflatten
 from ..wire import comm
 from ..wire.comm import default_timeout
@@ -248,7 +248,7 @@ class _Eager(EagerKind):
     def inputs(self, site: ShardMapped, where: Where, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Arguments:
         return Arguments(args, kwargs)  # every rank holds the global arguments: cut inside this rank's part
 
-    def enter(self, site: ShardMapped, where: Where, given: Arguments) -> Tuple[dtensor.Inputs, Dict[str, Any]]:
+    def enter(self, site: ShardMapped, where: Where, given: Arguments) -> Tuple[dtensor.Unwrapped, Dict[str, Any]]:
         """DTensor arguments checked against the mesh and made local tensors, before the call's sequence starts
         (their nodes are outside ``f``)."""
         opts = site.opts
@@ -287,7 +287,7 @@ def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> An
 def _refuse_untyped_recomputation(site: ShardMapped, flat: List[Any], tag: CallTag, start: int) -> None:
     """A reentrant checkpoint inside a typed f recomputes it in backward on detached inputs, which carry no
     varying-axis types: refused, on every rank (the exit carries the error)."""
-    if tracking() and closures.recomputes(flat, tag, start):
+    if gradients_tracked() and closures.recomputes(flat, tag, start):
         raise ValueError(
             f"{site.call}: torch.utils.checkpoint(..., use_reentrant=True) inside f recomputes it in backward "
             f"on detached inputs, which carry no varying-axis types; use use_reentrant=False (as jax's "
@@ -296,7 +296,7 @@ def _refuse_untyped_recomputation(site: ShardMapped, flat: List[Any], tag: CallT
 
 
 def _run_f(
-    site: ShardMapped, where: Where, inputs: dtensor.Inputs, kwargs: Dict[str, Any], tag: CallTag, start: int
+    site: ShardMapped, where: Where, inputs: dtensor.Unwrapped, kwargs: Dict[str, Any], tag: CallTag, start: int
 ) -> Ran:
     """This rank's part, inside the engine's (an exception becomes a ``Failed`` outcome): check the specs, cut the
     blocks, run ``f``, read its outputs."""
@@ -312,7 +312,7 @@ def _run_f(
     joints = MeshJoints(view.within or view, whole.device, whole.call, whole.timeout)
     typer = vma.Tracker({n: where.links[n] for n in where.manual}, routing, parent, joints) if opts.check_vma else None
     blocks = _cut_blocks(leaves, _typed(places, typer), where, tag, entered_local)
-    intercept = closures.Interceptor(tag, start, whole) if tracking() and typer is None else None
+    intercept = closures.Interceptor(tag, start, whole) if gradients_tracked() and typer is None else None
     split_over = manual_ranks(view, where.manual)
     frames = _frames(where, joints)
     with frames, splitting(split_over), running(view, where.manual), intercept or contextlib.nullcontext():
@@ -338,7 +338,7 @@ def _run_f(
     replay = intercept.replaying if intercept is not None else None  # a recomputation in backward
     # the outputs, through the guard of this rank's backward where the graph leaves f only through its entry, and
     # the signature of the closure edges it holds otherwise (untyped: hooked; typed: nothing hooks, only found)
-    flat, graph_sig = walk_and_guard(flat, tag, start, whole, replay, walk=tracking(), hooks=typer is None)
+    flat, graph_sig = walk_and_guard(flat, tag, start, whole, replay, walk=gradients_tracked(), hooks=typer is None)
     out = tree_unflatten(flat, out_tree)
     if out_mesh is not None:
         dtensor.check_outputs(site.call, flat, out_places, view)

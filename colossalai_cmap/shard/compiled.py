@@ -215,7 +215,7 @@ def _whole_kwargs(kwargs: Dict[str, Any], view: MeshView, grads: bool) -> Dict[s
     )
 
 
-def _assemble(v: Any, p: Placement, view: MeshView, typed: bool) -> Any:
+def _assemble(v: Any, p: Placement, view: MeshView, check_vma: bool) -> Any:
     """A block's global value on every rank: the eager assembly's steps, every rank's blocks taken as one length (the
     calls with uneven input blocks run eagerly)."""
     if not isinstance(v, torch.Tensor):
@@ -225,7 +225,7 @@ def _assemble(v: Any, p: Placement, view: MeshView, typed: bool) -> Any:
         group = _on(view, step.axis)
         if group.size == 1:
             continue
-        role = SAME if step.role == FIRST and typed else step.role
+        role = SAME if step.role == FIRST and check_vma else step.role
         v = traced_join(v, role, group.pg, group.rank)
     return v
 

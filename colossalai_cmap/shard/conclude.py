@@ -55,7 +55,7 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
     exit_ = Exit(Status.OK, 0, outcome.layout_sig, 0, outcome.graph_sig, 0, 0, False, ("digest", "graph_sig"))
     lengths = [] if outcome.lengths is None else [outcome.lengths]
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
-    spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host=True)
+    spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host_metadata=True)
 
     def lengths_of_every_rank() -> List[List[int]]:
         with outside_transforms():  # the lengths are plain ints, whatever transform is around the call

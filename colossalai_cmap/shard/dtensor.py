@@ -30,7 +30,7 @@ def has_dtensor(leaves: Sequence[Any]) -> bool:
     return cls is not None and any(isinstance(v, cls) for v in leaves)
 
 
-class Inputs(NamedTuple):
+class Unwrapped(NamedTuple):
     """The arguments with each DTensor as its local tensor, the ``in_specs`` with every DTensor's spec filled in
     (a full pytree, one ``P`` per leaf), which leaves were DTensors (those enter as blocks), and the DeviceMesh
     that DTensor outputs go on (None: no DTensor output)."""
@@ -46,11 +46,11 @@ def mesh_of(mesh: Any) -> Any:
     return mesh if type(mesh).__name__ == "DeviceMesh" else None
 
 
-def unwrap_inputs(call: str, args: Tuple[Any, ...], in_specs: Any, view: Any, mesh: Any, out_dtensor: Any) -> Inputs:
+def unwrap_inputs(call: str, args: Tuple[Any, ...], in_specs: Any, view: Any, mesh: Any, out_dtensor: Any) -> Unwrapped:
     """Each DTensor argument checked against the mesh and ``in_specs`` and replaced by its local tensor."""
     cls, leaves = dtensor_type(), tree_flatten(args)[0]
     if in_specs is not None and not out_dtensor and not has_dtensor(leaves):
-        return Inputs(args, in_specs, (False,) * len(leaves), None)  # no DTensor: nothing to do
+        return Unwrapped(args, in_specs, (False,) * len(leaves), None)  # no DTensor: nothing to do
     flat, tree = _flatten(args)
     given = _given_specs(call, in_specs, args)
     specs, local, values, out_mesh = [], [], [], mesh_of(mesh)
@@ -88,7 +88,7 @@ def unwrap_inputs(call: str, args: Tuple[Any, ...], in_specs: Any, view: Any, me
             f"{call}: out_dtensor=True makes DTensors on a torch DeviceMesh, but the mesh is {mesh!r} and no argument "
             f"is a DTensor; pass mesh=init_device_mesh(...) or DTensor arguments."
         )
-    return Inputs(
+    return Unwrapped(
         tree_unflatten(values, tree),
         tree_unflatten(specs, tree),
         tuple(local),

@@ -109,7 +109,7 @@ class Smapped:
         name = self.axis_name
         in_specs = self._in_specs(args)
         out_axes: List[Any] = []  # each output leaf's axis, as f returned it (for the negative ones)
-        typed: List[Any] = []  # each output leaf's type inside f (a nested smap's outputs keep the others' axes)
+        output_types: List[Any] = []  # each output leaf's type inside f (a nested smap's outputs keep the others' axes)
 
         @functools.wraps(self.f)
         def block_fn(*blocks: Any) -> Any:
@@ -119,7 +119,7 @@ class Smapped:
             if axes is None:  # shard_map says so, with its message
                 return out
             inner = vma.current()
-            typed[:] = [inner.of(v) if inner is not None else frozenset() for v in leaves]
+            output_types[:] = [inner.of(v) if inner is not None else frozenset() for v in leaves]
             out_axes[:] = axes
             moved = [_to_front(v, a) for v, a in zip(leaves, axes)]
             return tree_unflatten(moved, tree)
@@ -137,7 +137,7 @@ class Smapped:
         leaves, tree = tree_flatten(out)
         leaves = [_from_front(v, a) for v, a in zip(leaves, out_axes)]
         if outer is not None:
-            for v, t in zip(leaves, typed):
+            for v, t in zip(leaves, output_types):
                 if isinstance(v, torch.Tensor):
                     outer.mark(v, t - {name})
         return tree_unflatten(leaves, tree)

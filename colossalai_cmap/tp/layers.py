@@ -15,7 +15,7 @@ Neither takes a status round, so a layer costs what Megatron's costs; a rank tha
 peers waiting until the timeout, which then names it. A gathered column-parallel output is ``Join(Rows)`` along the
 last dim, whose backward takes this rank's slice: that exchange is a round of the status protocol.
 
-Layers that read the same input tensor (q, k and v; gate and up) enter it once: they share one :class:`Entries`
+Layers that read the same input tensor (q, k and v; gate and up) enter it once: they share one :class:`RegionInputs`
 per sharded model, so autograd adds their input gradients before the single backward sum.
 """
 
@@ -106,7 +106,7 @@ class Slice(NamedTuple):
         return out
 
 
-class Entries:
+class RegionInputs:
     """The replicated inputs that entered the tensor-parallel region (*f*), shared by the column-
     parallel layers of one sharded model, so that layers reading the same tensor make one backward sum.
 
@@ -202,7 +202,7 @@ class _Sharded(nn.Module):
     def link(self, t: torch.Tensor) -> Link:
         return link_for(self.group, t.device, CALL, self.timeout)
 
-    def summed(self, partial: torch.Tensor) -> torch.Tensor:
+    def sum_partials(self, partial: torch.Tensor) -> torch.Tensor:
         """Megatron's g: the sum over the group of every rank's partial result; backward is the identity."""
         return reduce_from_region(partial, self.link(partial))
 
@@ -211,7 +211,7 @@ class _Sharded(nn.Module):
         raise NotImplementedError
 
     def column(
-        self, entries: Entries, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+        self, entries: RegionInputs, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     ) -> torch.Tensor:
         """A column-parallel product: the replicated input entered through f, or under sequence parallelism
         this rank's rows gathered (kept sharded for backward, gathered again there)."""
@@ -259,7 +259,7 @@ class ColumnParallelLinear(_Sharded):
         bias: this rank's slice of the full bias, or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any) -> None:
+    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: RegionInputs, style: Any) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts = style.part_lengths(linear.out_features)
@@ -302,7 +302,7 @@ class RowParallelLinear(_Sharded):
         bias: the full bias (every rank holds it; added after the sum), or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any, entries: Entries) -> None:
+    def __init__(self, linear: nn.Linear, group: Group, path: str, style: Any, entries: RegionInputs) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.parts = style.part_lengths(linear.in_features)
@@ -347,7 +347,7 @@ class VocabParallelEmbedding(_Sharded):
         weight: this rank's rows of the full ``[num_embeddings, embedding_dim]`` weight.
     """
 
-    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any, entries: Entries) -> None:
+    def __init__(self, embedding: nn.Embedding, group: Group, path: str, style: Any, entries: RegionInputs) -> None:
         super().__init__(group, path, style)
         self.sequence = entries.sequence
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
@@ -368,7 +368,7 @@ class VocabParallelEmbedding(_Sharded):
         else:  # more ranks than vocabulary rows: this rank holds none
             rows = self.weight.new_zeros((*ids.shape, self.embedding_dim))
         if self.sequence is None or self.group.size == 1 or ids.dim() < 2:
-            return self.summed(rows)
+            return self.sum_partials(rows)
         # sequence parallelism: this rank's rows of the sum, in zeros of the whole length (see tp/sequence.py)
         return pad_to_sequence(self.sequence, self.scatter_sum(rows, self.sequence), ids.shape[1])
 
@@ -394,7 +394,9 @@ class HeadGroupLinear(_Sharded):
         bias: the full bias (replicated), or None.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group, path: str, entries: Entries, style: Any, head_dim: int) -> None:
+    def __init__(
+        self, linear: nn.Linear, group: Group, path: str, entries: RegionInputs, style: Any, head_dim: int
+    ) -> None:
         super().__init__(group, path, style)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.heads, self.head_dim, self.entries = linear.out_features // head_dim, head_dim, entries
@@ -434,7 +436,7 @@ class SequenceRows:
         self.sizes: Optional[Tuple[int, ...]] = None
         if group.size > 1:
             module.register_forward_pre_hook(self.split_rows)
-            module.register_forward_hook(self.gather_rows)
+            module.register_forward_hook(self.gather_sequence)
             sums = GradSums(group, self.timeout)
             for p in module.parameters():
                 if p.requires_grad:
@@ -449,7 +451,7 @@ class SequenceRows:
         mine = split(SplitSpec(self.link(x), (Rows(1, self.sizes),)), [x])[0]
         return (mine, *args[1:])
 
-    def gather_rows(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
+    def gather_sequence(self, module: nn.Module, args: Tuple[Any, ...], out: Any) -> Any:
         first = out[0] if isinstance(out, tuple) else out
         spec = JoinSpec(self.link(first), (Rows(1, self.sizes),), f"the gather of sequence-parallel {self.path!r}")
         whole = join(spec, [first])[0]

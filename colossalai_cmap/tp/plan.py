@@ -24,7 +24,7 @@ from ..wire.exchange import JoinSpec, join
 from ..wire.group import Group
 from ..wire.link import link_for
 from ..wire.roles import Rows, tensor_split_sizes
-from .layers import CALL, PARALLEL_LAYERS, Entries, HeadGroupLinear, RowParallelLinear
+from .layers import CALL, PARALLEL_LAYERS, HeadGroupLinear, RegionInputs, RowParallelLinear
 from .loss import CausalLMLoss
 from .rng import RegionRandom
 from .sequence import SequenceState
@@ -171,7 +171,7 @@ def shard_model(
         layers = _check_sequence(model, assignments)
         sequence = SequenceState(group_)
         sequence.replicated_input = not any(isinstance(a.style, Vocab) for a in assignments)
-    entries = Entries(sequence)
+    entries = RegionInputs(sequence)
     heads = _head_counts(model, assignments, group_)
     for a in assignments:
         if a.head_dim:
@@ -195,7 +195,7 @@ def shard_model(
 
 
 def _hook_sequence_parallel(
-    model: nn.Module, sequence: Any, layers: Any, assignments: List[Assignment], entries: Entries
+    model: nn.Module, sequence: Any, layers: Any, assignments: List[Assignment], entries: RegionInputs
 ) -> None:
     """Sequence parallelism's hooks: the sequence length read on entry, each decoder layer entered with its rows, the
     colwise layers' parents gathering their input once, and the replicated parameters' gradients summed."""
@@ -445,7 +445,9 @@ class InputCheck:
         # the checksum is host-side metadata, wherever the inputs are: it rides in the round, over the host group
         mine = torch.tensor([_checksum(leaves)], dtype=torch.int64)
         link = link_for(self.group, mine.device, CALL, default_timeout())
-        spec = JoinSpec(link, (Rows(0, (1,) * self.group.size),), "the input check (check_inputs=True)", host=True)
+        spec = JoinSpec(
+            link, (Rows(0, (1,) * self.group.size),), "the input check (check_inputs=True)", host_metadata=True
+        )
         sums = join(spec, [mine])[0].tolist()
         if len(set(sums)) > 1:
             seen = ", ".join(f"group rank {r}: crc32 {s:#010x}" for r, s in enumerate(sums))

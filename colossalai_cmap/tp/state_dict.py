@@ -44,7 +44,7 @@ def sharded_parameters(model: nn.Module) -> Dict[str, Slice]:
 def full_state_dict(model: nn.Module, dst: int = -1) -> Optional[Dict[str, torch.Tensor]]:
     """The unsharded state dict of a tensor-parallel model, gathered over its group.
 
-    Every rank of the group must call it. Entries of unsharded modules are this rank's own (the same on every rank).
+    Every rank of the group must call it. RegionInputs of unsharded modules are this rank's own (the same on every rank).
 
     Args:
         model: a model sharded with ``shard_model(model, plan=...)`` (or one with no sharded layer).

@@ -15,7 +15,7 @@ from ..wire.group import Group
 from .layers import (
     CALL,
     ColumnParallelLinear,
-    Entries,
+    RegionInputs,
     RowParallelLinear,
     SequenceRows,
     VocabParallelEmbedding,
@@ -76,7 +76,7 @@ class ParallelStyle:
         (``"input"`` or ``"output"``); None when the style splits no such features."""
         return None
 
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: RegionInputs) -> nn.Module:
         """The tensor-parallel layer that replaces ``module`` (already checked), holding this rank's slices.
 
         Args:
@@ -141,7 +141,7 @@ class Colwise(ParallelStyle):
     def __repr__(self) -> str:
         return _parts_repr(self)
 
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: RegionInputs) -> nn.Module:
         return ColumnParallelLinear(module, group, path, entries, self)
 
 
@@ -203,7 +203,7 @@ class Rowwise(ParallelStyle):
     def __repr__(self) -> str:
         return _parts_repr(self)
 
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: RegionInputs) -> nn.Module:
         return RowParallelLinear(module, group, path, self, entries)
 
 
@@ -229,7 +229,7 @@ class Vocab(ParallelStyle):
                 f"batch against the whole table; a vocabulary-split table cannot keep them."
             )
 
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: RegionInputs) -> nn.Module:
         return VocabParallelEmbedding(module, group, path, self, entries)
 
 
@@ -279,7 +279,7 @@ class Gather(ParallelStyle):
     def _check(self, path: str, module: nn.Module, pattern: str) -> None:
         pass  # any module: only its output is touched
 
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: RegionInputs) -> nn.Module:
         module.register_forward_hook(sum_output(group, path))
         return module
 
@@ -294,7 +294,7 @@ class Local(ParallelStyle):
     def _check(self, path: str, module: nn.Module, pattern: str) -> None:
         pass
 
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: RegionInputs) -> nn.Module:
         return module
 
 
@@ -319,7 +319,7 @@ class Sequence(ParallelStyle):
                 f"norm, dropout)."
             )
 
-    def _apply(self, module: nn.Module, group: Group, path: str, entries: Entries) -> nn.Module:
+    def _apply(self, module: nn.Module, group: Group, path: str, entries: RegionInputs) -> nn.Module:
         SequenceRows(module, group, path, self)  # its hooks, on the module
         return module
 

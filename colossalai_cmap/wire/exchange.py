@@ -92,7 +92,9 @@ class JoinSpec(NamedTuple):
     exit: Optional[Exit] = None
     sync: bool = False  # a round even when nothing travels on this rank (its peers may have something)
     learned: Optional[Learned] = None  # filled in by its round (with an exit, or to read ``count``)
-    host: bool = False  # the tensors are host-side metadata (on the CPU): they may ride in a host group's round
+    host_metadata: bool = (
+        False  # the tensors are host-side metadata (on the CPU): they may ride in a host group's round
+    )
     count: int = 0  # a host-side number this rank reports in its header's rows (a Join with no Rows role): every
     # rank's comes back in ``learned``, with no read of the tensors (the count of values a sum is over)
     checked: bool = True  # a status round first; False: the collective alone (COPY or Rows), as Megatron's
@@ -215,14 +217,14 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if any(r in _TRAVELS_AS for r in spec.roles):
         moved = join_values(spec._replace(roles=tuple(_TRAVELS_AS.get(r, r) for r in spec.roles)), tensors)
         return tuple(t / spec.link.group.size if r == SHARE else t for r, t in zip(spec.roles, moved))
-    if spec.host:
+    if spec.host_metadata:
         spec = spec._replace(link=spec.link.host_side())
     link = spec.link
     group = link.group
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
-    rt = route(link, (spec.what, spec.roles, sizes), tensors, host=spec.host)
+    rt = route(link, (spec.what, spec.roles, sizes), tensors, host_metadata=spec.host_metadata)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -293,7 +295,7 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host)
+        rt = route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host_metadata)
         if not rnd.inline:
             prep = data_phase.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:

@@ -205,14 +205,18 @@ _ROUTES_MAX = 512
 
 
 def route(
-    link: "Link", key: Tuple[Any, ...], tensors: Sequence[torch.Tensor], after: Optional[Any] = None, host: bool = False
+    link: "Link",
+    key: Tuple[Any, ...],
+    tensors: Sequence[torch.Tensor],
+    after: Optional[Any] = None,
+    host_metadata: bool = False,
 ) -> Route:
     """The route of an exchange on this group (:class:`Route`), kept with the group's round buffers; or, ``after`` a
     round (when only the round told the row counts), through that round's payloads, whatever buffers come next.
 
-    Over a host group, only ``host`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
+    Over a host group, only ``host_metadata`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
     own collective on the data's group, so the round never copies device memory."""
-    ch, inline = link.channel(), host or link.host is None
+    ch, inline = link.channel(), host_metadata or link.host is None
     if after is not None:
         return cached_route(
             {}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors, inline
