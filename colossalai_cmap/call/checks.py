@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
-from ..engine.exit import differing, outputs_differ
+from ..engine.exit import differing, graphs_differ, outputs_differ
 from ..errors import CmapError
 from ..wire.rounds import Disagreement, Header
 from .layout import LeafSeen
@@ -35,7 +35,7 @@ def explain(opts: Options, found: Disagreement, every: Any = None) -> CmapError:
         return _layout_error(opts, found.table, every)
     if found.field == "values":
         return _replicated_error(opts, every)
-    return _graph_error(opts, found.table)
+    return graphs_differ(opts.call, found.table, "func")
 
 
 def _inputs_error(opts: Options, table: Sequence[Header]) -> CmapError:
@@ -71,15 +71,6 @@ def _layout_error(opts: Options, table: Sequence[Header], seen: Optional[Sequenc
         f"{opts.call}: ranks returned outputs of different per-example shapes, dtypes or structures ({detail}). "
         f"cmap joins every rank's rows into one result, so every example's output needs one shape, dtype and "
         f"structure, as in one process. {fix}"
-    )
-
-
-def _graph_error(opts: Options, table: Sequence[Header]) -> CmapError:
-    sigs = ", ".join(f"group rank {r}: {h.graph_sig:#x}" for r, h in enumerate(table))
-    return CmapError(
-        f"{opts.call}: ranks built different autograd graphs around closure-captured tensors ({sigs}): func read "
-        f"different tensors that require grad on different ranks, so their backward collectives would not meet. "
-        f"Make func read the same tensors on every rank (no data-dependent choice of parameters)."
     )
 
 

@@ -99,16 +99,16 @@ def _exit(opts: Options, shares: Shares, out: Outputs, inputs: Inputs) -> Exit:
     early = opts.axis_name is None  # no collective inside func that a peer could still be waiting in
     agree, agree_nonempty = agreed_fields(opts)
     return Exit(
-        status,
-        input_sig,
-        signature(out.layout.digest, out.views),
-        shares.batch,
-        out.graph_sig,
-        out.mutated,
-        values,
-        early,
-        agree,
-        agree_nonempty,
+        status=status,
+        input_sig=input_sig,
+        layout_sig=signature(out.layout.digest, out.views),
+        batch=shares.batch,
+        graph_sig=out.graph_sig,
+        flags=out.mutated,
+        values=values,
+        early=early,
+        agree=agree,
+        agree_nonempty=agree_nonempty,
     )
 
 

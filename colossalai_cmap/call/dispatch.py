@@ -92,7 +92,7 @@ def inputs(site: CallSite, call: Call, args: Tuple[Any, ...], kwargs: Dict[str, 
         call.link = fast.link
         return Whole(args, kwargs)
     if fast is not None:
-        call.link, found = fast.link, Inputs(fast.shares, call.leaves, kwargs)
+        call.link, found = fast.link, Inputs(shares=fast.shares, leaves=call.leaves, kwargs=kwargs)
     else:
         call.link = link_for(on, collective_device(on, call.leaves), opts.call, opts.timeout)
         found = _make_inputs(site, group, args, kwargs, call.leaves, call.link)
@@ -125,14 +125,20 @@ def finished(site: CallSite, call: Call, inputs: Inputs, result: Outputs, out: A
     if result.captures is not None:  # what this call found decides whether the next one intercepts
         site.captures = result.captures
     if call.key is not None and (call.fast is None or call.fast.layout is not result.layout):
-        site.fast_paths.put(call.key, FastPath(call.shares, call.link, result.layout))
+        site.fast_paths.put(call.key, FastPath(shares=call.shares, link=call.link, layout=result.layout))
     return out
 
 
 def finish(site: CallSite, call: Call) -> None:
     """What the call did, returned or raised (``Cmapped.stats``)."""
     stats.close_log(call.log)
-    site.last = LastCall(call.log, call.group.size, call.local, call.fast is not None, call.shares)
+    site.last = LastCall(
+        log=call.log,
+        group_size=call.group.size,
+        local=call.local,
+        fast_path=call.fast is not None,
+        shares=call.shares,
+    )
 
 
 _ALONE: Dict[int, Group] = {}
@@ -166,7 +172,7 @@ def _make_inputs(
         shares = make_shares(opts, flat, group if link.wired else link.group, kwargs)
         if isinstance(opts.src, int):  # alone, as the scatter gives every rank (the source too): copies of the rows
             leaves = [v if d is None else v.clone() for v, d in zip(leaves, shares.dims)]
-        return Inputs(shares, list(leaves), kwargs)
+        return Inputs(shares=shares, leaves=list(leaves), kwargs=kwargs)
     except CmapError:  # a wait failed (the source's broadcast or scatter): the group is out of step, no more rounds
         raise
     except Exception as exc:

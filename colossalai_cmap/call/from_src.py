@@ -64,7 +64,16 @@ def shares_from_src(
     sizes = share_sizes(meta.batch, group.size, opts.gathers)
     mapped = tuple(i for i, d in enumerate(meta.dims) if d is not None)
     rows, offset = sizes[group.rank], first_row(sizes, group.rank)
-    shares = Shares(meta.spec, meta.dims, meta.batch, sizes, rows, offset, digest(meta), mapped)
+    shares = Shares(
+        spec=meta.spec,
+        dims=meta.dims,
+        batch=meta.batch,
+        sizes=sizes,
+        rows=rows,
+        offset=offset,
+        input_sig=digest(meta),
+        mapped=mapped,
+    )
     try:
         leaves = list(local.leaves) if is_src else _merge(opts, func, meta, args)
     except Exception as exc:
@@ -77,7 +86,8 @@ def shares_from_src(
             failure = Failed(group.failure(exc), exc)
     if failure is not None:
         return failure
-    return Inputs(shares, [share.get(i, v) for i, v in enumerate(leaves)], kwargs, stand_in, meta.needs_grad)
+    leaves = [share.get(i, v) for i, v in enumerate(leaves)]
+    return Inputs(shares=shares, leaves=leaves, kwargs=kwargs, stand_in=stand_in, source_needs_grad=meta.needs_grad)
 
 
 def _meta_of(flat: Any) -> SourceMeta:

@@ -93,7 +93,16 @@ def run_rank(
     if joined is not None:
         _keep_changes(shares, inputs.leaves, leaves, joined)
     mutated = _mutated(versions, inputs.leaves, shares)
-    return Outputs(flat, spec, layout, empty, graph_sig, mutated, captures, found)
+    return Outputs(
+        flat=flat,
+        spec=spec,
+        layout=layout,
+        empty=empty,
+        graph_sig=graph_sig,
+        mutated=mutated,
+        captures=captures,
+        views=found,
+    )
 
 
 def failed(site: CallSite, link: Link, exc: BaseException) -> Failed:

@@ -44,7 +44,16 @@ def make_shares(opts: Options, flat: FlatArgs, group: Group, kwargs: Dict[str, A
         rows, offset, batch = sizes[group.rank], first_row(sizes, group.rank), flat.batch_size
     sig = _input_sig(opts, flat.spec, flat.leaves, flat.dims, kwargs, keep_batch=not local)
     mapped = tuple(i for i, d in enumerate(flat.dims) if d is not None)
-    return Shares(flat.spec, tuple(flat.dims), batch, sizes, rows, offset, sig, mapped)
+    return Shares(
+        spec=flat.spec,
+        dims=tuple(flat.dims),
+        batch=batch,
+        sizes=sizes,
+        rows=rows,
+        offset=offset,
+        input_sig=sig,
+        mapped=mapped,
+    )
 
 
 def _input_sig(

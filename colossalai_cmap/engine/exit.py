@@ -4,10 +4,10 @@ agreement on the exit's table, and the words for outputs that differ across rank
 import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
-from ..errors import by_rank, output_name
+from ..errors import CmapError, by_rank, output_name
 from ..wire.exchange import JoinSpec, report_failure
 from ..wire.link import Link
-from ..wire.rounds import Disagreement, Kind, gather_objects
+from ..wire.rounds import Disagreement, Header, Kind, gather_objects
 from .records import Failed
 
 T = TypeVar("T")
@@ -51,3 +51,15 @@ def outputs_differ(seen: Sequence[Sequence[Any]], differ: Optional[Sequence[int]
     if differ is None:
         return by_rank([", ".join(f"{output_name(leaf.path)} {leaf.shown}" for leaf in mine) for mine in seen], "; ")
     return "; ".join(f"{output_name(seen[0][i].path)}: " + by_rank([mine[i].shown for mine in seen]) for i in differ)
+
+
+def graphs_differ(call: str, table: Sequence[Header], body: str) -> CmapError:
+    """The ranks' local autograd graphs reach tensors made before the call through different edges (their
+    ``graph_sig`` in the exit's table): their backward collectives would not meet. ``body`` names the function the
+    map ran (``func``, ``f``)."""
+    sigs = ", ".join(f"group rank {r}: {h.graph_sig:#x}" for r, h in enumerate(table))
+    return CmapError(
+        f"{call}: ranks built different autograd graphs around tensors made before the call ({sigs}): {body} read "
+        f"different tensors that require grad on different ranks, so their backward collectives would not meet. "
+        f"Make {body} read the same tensors on every rank (no data-dependent choice of parameters)."
+    )

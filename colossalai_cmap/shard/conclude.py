@@ -15,7 +15,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..engine.exit import agreed, differing, outputs_differ, raise_failed
+from ..engine.exit import agreed, differing, graphs_differ, outputs_differ, raise_failed
 from ..engine.records import Failed
 from ..errors import CmapError
 from ..torch_internals import outside_transforms
@@ -52,7 +52,17 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
         rounds.status_round(link, Header(kind=Kind.STATUS, status=status, inline=1))
     if failed is not None:
         raise_failed(whole, failed)
-    exit_ = Exit(Status.OK, 0, outcome.layout_sig, 0, outcome.graph_sig, 0, 0, False, ("digest", "graph_sig"))
+    exit_ = Exit(
+        status=Status.OK,
+        input_sig=0,
+        layout_sig=outcome.layout_sig,
+        batch=0,
+        graph_sig=outcome.graph_sig,
+        flags=0,
+        values=0,
+        early=False,
+        agree=("digest", "graph_sig"),
+    )
     lengths = [] if outcome.lengths is None else [outcome.lengths]
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
     spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host_metadata=True)
@@ -77,10 +87,7 @@ class Shown(NamedTuple):
 
 def _explain(call: str, found: Disagreement, layouts: Optional[List[Tuple[Any, ...]]]) -> CmapError:
     if found.field == "graph_sig":
-        return CmapError(
-            f"{call}: the ranks' autograd graphs reach tensors made outside f in different ways; every rank must "
-            f"run the same program on its blocks."
-        )
+        return graphs_differ(call, found.table, "f")
     if layouts:
         seen = [[Shown(path, _leaf(*rest), tuple(rest)) for path, *rest in mine] for mine in layouts]
         detail = outputs_differ(seen, differing(seen))
