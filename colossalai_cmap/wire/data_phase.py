@@ -18,7 +18,7 @@ from . import comm
 from .group import Group
 from .link import Channel, Link
 from .payload import Item, numel, offsets, rows_first, typed_view
-from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, first_row, is_rows, padded_rows
+from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
 
 if TYPE_CHECKING:  # the round only names its type here: the data phase sits beside it, not above
     from .rounds import Round
@@ -53,6 +53,8 @@ def prepare(
     send = recv = None
     if len(gathered) == 1 and is_rows(gathered[0].role):
         send, recv = _direct_buffers(gathered[0], tensors, sizes, group, receives)
+        if recv is not None:
+            results[gathered[0].index] = cut_target(recv, sizes)
     elif gathered:
         cap = max(sizes)
         send = torch.zeros(offsets(gathered, cap)[1], dtype=torch.uint8, device=device)
@@ -137,7 +139,7 @@ def meet_early(rnd: "Round", ch: Channel, link: Link) -> None:
 def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
     """The results of a data phase every rank sent early: only the cut remains."""
     it = next(it for it in prep.items if not it.reduced)
-    prep.results[it.index] = cut_padded(prep.recv, prep.sizes)
+    cut_padded(prep.recv, prep.sizes, out=prep.results[it.index])
     return prep.results
 
 
@@ -149,7 +151,7 @@ def run_data_phase(
     if prep.send is not None:
         _gather(prep.recv, prep.send, group, dst, call, timeout)
     if prep.recv is not None and len(gathered) == 1 and is_rows(gathered[0].role):
-        prep.results[gathered[0].index] = cut_padded(prep.recv, prep.sizes)
+        cut_padded(prep.recv, prep.sizes, out=prep.results[gathered[0].index])
     elif prep.recv is not None:
         _from_padded(prep, gathered)
     for (role, dtype), flat in prep.flats.items():

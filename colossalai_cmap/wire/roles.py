@@ -82,14 +82,32 @@ def padded_rows(rows: torch.Tensor, cap: int) -> torch.Tensor:
     return rows.contiguous()
 
 
-def cut_padded(gathered: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+def cut_padded(gathered: torch.Tensor, sizes: Sequence[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rows of ``[P * max(sizes), ...]`` gathered blocks without their padding: a view of the first
-    ``sum(sizes)`` rows when they form a prefix (full blocks, then one short, then empty ones), else a copy."""
+    ``sum(sizes)`` rows when they form a prefix (full blocks, then one short, then empty ones), else a copy, into
+    ``out`` where given (:func:`cut_target`, allocated before the collective)."""
+    if _is_prefix(sizes):
+        return gathered.narrow(0, 0, sum(sizes))
+    if out is None:
+        return torch.cat([gathered.narrow(0, r * max(sizes), n) for r, n in enumerate(sizes) if n])
+    for r, (start, n) in enumerate(zip(first_rows(sizes), sizes)):
+        if n:
+            out.narrow(0, start, n).copy_(gathered.narrow(0, r * max(sizes), n))
+    return out
+
+
+def cut_target(gathered: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Where :func:`cut_padded` puts the rows: the prefix view of ``gathered``, or a tensor allocated now, so that
+    whatever can fail on one rank happens before the collective (the data phase's rule)."""
+    if _is_prefix(sizes):
+        return gathered.narrow(0, 0, sum(sizes))
+    return gathered.new_empty((sum(sizes), *gathered.shape[1:]))
+
+
+def _is_prefix(sizes: Sequence[int]) -> bool:
     cap = max(sizes)
     last = max((r for r, n in enumerate(sizes) if n), default=-1)
-    if all(n == cap for n in sizes[:last]):
-        return gathered.narrow(0, 0, sum(sizes))
-    return torch.cat([gathered.narrow(0, r * cap, n) for r, n in enumerate(sizes) if n])
+    return all(n == cap for n in sizes[:last])
 
 
 def scatter_padded(
