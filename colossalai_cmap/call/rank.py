@@ -167,32 +167,20 @@ def _call_func(
     coupled: Optional[WholeBatch] = None,
 ) -> Any:
     opts = site.options
-    # a cmap nested in func on these ranks runs locally (a start/stop pair: no generator per call)
-    start_splitting(link.group.ranks)
+    # under vmap no BatchNorm mode or SyncBatchNorm refusal applies: no batch scope (a generator) is made
+    scope = _NO_SCOPE if opts.mode.under_vmap else batch_scope(opts, coupled, site.may_reach_sync_batchnorm())
+    start_splitting(link.group.ranks)  # a cmap nested in func on these ranks runs locally
     try:
-        if opts.mode.under_vmap:  # no BatchNorm mode or SyncBatchNorm refusal under vmap (batch_scope's no-op)
-            return _run_share(site, share, kwargs, frame, seed, link, thread_modes, seeds)
-        with batch_scope(opts, coupled, site.may_reach_sync_batchnorm()):  # BatchNorm sees the whole batch
-            return _run_share(site, share, kwargs, frame, seed, link, thread_modes, seeds)
+        with scope:  # BatchNorm sees the whole batch (batchnorm.py)
+            if frame is None and seed is None:
+                return run_share(Task(opts, site.body, kwargs), share, vmapped=site.vmapped())
+            with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
+                return run_share(Task(opts, site.body, kwargs, frame, thread_modes, seeds), share)
     finally:
         stop_splitting()
 
 
-def _run_share(
-    site: CallSite,
-    share: Share,
-    kwargs: Dict[str, Any],
-    frame: Any,
-    seed: Optional[int],
-    link: Link,
-    thread_modes: Tuple[Any, ...],
-    seeds: Optional[ExampleSeeds],
-) -> Any:
-    opts = site.options
-    if frame is None and seed is None:
-        return run_share(Task(opts, site.body, kwargs), share, vmapped=site.vmapped())
-    with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-        return run_share(Task(opts, site.body, kwargs, frame, thread_modes, seeds), share)
+_NO_SCOPE = contextlib.nullcontext()
 
 
 def _extra_rows(opts: Options, shares: Shares) -> int:
