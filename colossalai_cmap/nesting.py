@@ -45,6 +45,8 @@ def splitting(ranks: Sequence[int]) -> Iterator[None]:
 def nested_in_split(ranks: Sequence[int]) -> bool:
     """Whether a map already splitting a batch shares more than one rank with ``ranks``: then a map over ``ranks``
     cannot split again and runs as plain ``torch.vmap``."""
+    if not _SPLITTING:  # the common case: no map is running a share here
+        return False
     mine = set(ranks)
     return any(len(mine.intersection(outer)) > 1 for outer in _SPLITTING)
 

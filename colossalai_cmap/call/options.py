@@ -62,13 +62,13 @@ class Options:
         loop mode."""
         return execute.LOOP if self.randomness.per_example else self.mode
 
-    @property
+    @cached_property  # read several times per call: the options are frozen
     def refuses_grad(self) -> bool:
         """Whether the output is not differentiable: with ``dst=r`` only one rank holds it (no backward could meet on
         every rank), and with ``src=r`` the inputs were copied from one rank."""
         return isinstance(self.src, int) or (isinstance(self.dst, int) and self.dst != -1)
 
-    @property
+    @cached_property  # read several times per call: the options are frozen
     def differentiable(self) -> bool:
         """Whether gradients cross ranks: every rank holds its result (the whole one, or its share's with
         ``dst="local"``), so backward meets on every rank, and a value every rank holds whole gets its total

@@ -15,6 +15,7 @@ every rank raises together. The steps:
 """
 
 import contextlib
+import functools
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,7 +25,7 @@ from ..axis.frame import AxisFrame, axis_scope
 from ..engine import closures, module_params
 from ..engine.part import walk_and_guard
 from ..engine.records import Failed
-from ..nesting import gradients_tracked, splitting
+from ..nesting import gradients_tracked, start_splitting, stop_splitting
 from ..torch_internals import TreeSpec, sequence_nr, version_counter
 from ..wire.exchange import CallTag, requires_grad
 from ..wire.link import Link
@@ -118,15 +119,18 @@ def _replay(
     """The context func ran in, for a recomputation of part of it in its backward (reentrant checkpointing): its
     modules' parameters replaced by their aliases again, and the tensors it read made before the call routed
     through theirs, so that their gradients reach the call's entry, as the first run's do, instead of accumulating
-    this rank's share alone into ``.grad``; and a BatchNorm recomputed over the whole batch again."""
+    this rank's share alone into ``.grad``; and a BatchNorm recomputed over the whole batch again. (A partial of one
+    module-level context manager: most calls never replay, so none is built per call.)"""
+    return functools.partial(_replaying, entered, intercept, coupled)
 
-    @contextlib.contextmanager
-    def replay() -> Iterator[None]:
-        with module_params.substituted(entered.modules, entered.aliases), coupled or contextlib.nullcontext():
-            with intercept.replaying() if intercept is not None else contextlib.nullcontext():
-                yield
 
-    return replay
+@contextlib.contextmanager
+def _replaying(
+    entered: Entered, intercept: Optional[closures.Interceptor], coupled: Optional[WholeBatch]
+) -> Iterator[None]:
+    with module_params.substituted(entered.modules, entered.aliases), coupled or contextlib.nullcontext():
+        with intercept.replaying() if intercept is not None else contextlib.nullcontext():
+            yield
 
 
 def _thread_modes(
@@ -163,14 +167,20 @@ def _call_func(
     coupled: Optional[WholeBatch] = None,
 ) -> Any:
     opts = site.options
-    # a cmap nested in func on these ranks runs locally; BatchNorm sees the whole batch (batchnorm.py)
-    with splitting(link.group.ranks), batch_scope(
-        opts, coupled, not opts.mode.under_vmap and site.may_reach_sync_batchnorm()
-    ):
-        if frame is None and seed is None:
-            return run_share(Task(opts, site.body, kwargs), share, vmapped=site.vmapped())
-        with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
-            return run_share(Task(opts, site.body, kwargs, frame, thread_modes, seeds), share)
+    # under vmap no BatchNorm mode or SyncBatchNorm refusal applies: no batch scope (a generator) is made
+    scope = _NO_SCOPE if opts.mode.under_vmap else batch_scope(opts, coupled, site.may_reach_sync_batchnorm())
+    start_splitting(link.group.ranks)  # a cmap nested in func on these ranks runs locally
+    try:
+        with scope:  # BatchNorm sees the whole batch (batchnorm.py)
+            if frame is None and seed is None:
+                return run_share(Task(opts, site.body, kwargs), share, vmapped=site.vmapped())
+            with axis_scope(opts.axis_name, frame), rng_scope(seed, [link.device]):
+                return run_share(Task(opts, site.body, kwargs, frame, thread_modes, seeds), share)
+    finally:
+        stop_splitting()
+
+
+_NO_SCOPE = contextlib.nullcontext()
 
 
 def _extra_rows(opts: Options, shares: Shares) -> int:
@@ -222,6 +232,8 @@ def _frame_and_seed(
     Each rank draws from its own generator: the ranks' generators are in step when seeded alike (colossalai's launch).
     """
     per_example = opts.randomness.per_example
+    if opts.axis_name is None and not per_example and not opts.randomness.seeded_per_rank:
+        return None, None, None  # the common case: no frame, no fork
     need_sizes = (opts.axis_name is not None or per_example) and shares.sizes is None
     seed, seeds = None, None
     sizes = shares.sizes

@@ -18,7 +18,7 @@ of ``chunk_size`` or loop mode, which vmap itself returns as copies (stacked or 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,13 +66,17 @@ def find_views(
     sources = [j for j, x in enumerate(inputs) if plain(x) and not x.requires_grad]
     if not sources:
         return ()
-    storages = {j: _storage(inputs[j]) for j in sources}
+    storages: Dict[int, Optional[int]] = {}  # the inputs' storages, read once an output may view one
     for i, (v, leaf) in enumerate(zip(flat, layout.leaves)):
         if leaf.kind != BATCHED or not plain(v) or v.requires_grad:
             continue
         where = _storage(v)
+        if where is None:
+            continue
+        if not storages:
+            storages = {j: _storage(inputs[j]) for j in sources}
         for j in sources:
-            if where is not None and where == storages[j]:
+            if where == storages[j]:
                 view = _geometry(i, j, v, leaf.out_dim, given[j], shares=shares, x=inputs[j])
                 if view is not None:  # else another input over the same storage may fit
                     found.append(view)

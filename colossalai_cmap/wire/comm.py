@@ -131,8 +131,10 @@ def _twin(out: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(out)
 
 
-def _landing(outs: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[Any]]:
+def _landing(outs: Sequence[torch.Tensor]) -> Tuple[Sequence[torch.Tensor], List[Any]]:
     """The buffers a collective writes into (a twin for each inference tensor), and the (out, twin) pairs."""
+    if not any(out.is_inference() for out in outs):  # the common case: the buffers themselves
+        return outs, []
     pairs = [(out, _twin(out)) for out in outs if out.is_inference()]
     twins = {id(out): twin for out, twin in pairs}
     return [twins.get(id(out), out) for out in outs], pairs

@@ -28,7 +28,7 @@ import torch
 
 from .. import faults
 from ..errors import CmapError, RankFailure
-from ..torch_internals import backward_running, current_level, in_forward_ad, transform_levels
+from ..torch_internals import backward_running, current_level, in_forward_ad, is_wrapped, transform_levels
 from . import comm, data_phase, rounds
 from .link import Link
 from .payload import pack_payload, route, unpack_payload
@@ -381,6 +381,8 @@ def requires_grad(t: Any) -> bool:
     """Whether ``t`` requires grad at any autograd level (a vmap wrapper hides its inner tensor's flag)."""
     if not isinstance(t, torch.Tensor):
         return False
+    if t.requires_grad or not is_wrapped(t):  # a plain tensor (the common case) has one level: its own
+        return t.requires_grad
     return any(level.requires_grad for level in transform_levels(t))
 
 

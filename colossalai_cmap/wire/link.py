@@ -67,6 +67,7 @@ class Channel:
         with torch.inference_mode(False), outside_transforms():
             self.send = torch.zeros(total, dtype=torch.uint8, device=self.device)
             self.recv = torch.empty((self.size, total), dtype=torch.uint8, device=self.device)
+            self.recv_flat = self.recv.view(-1)  # what a round's all-gather writes into, made once
             self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
             self.payloads = self.recv.narrow(1, HEADER_BYTES, self.payload_bytes)
             self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)

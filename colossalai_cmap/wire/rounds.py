@@ -125,7 +125,7 @@ def run_round(
     ch, group = link.channel(), link.round_group
     ch.write_header(pack_header(header))
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
-    work = comm.issue_all_gather(ch.recv.view(-1), ch.send, group, link.call, name)
+    work = comm.issue_all_gather(ch.recv_flat, ch.send, group, link.call, name)
     early = also() if also is not None else None
     comm.wait_for(work, group, link.call, link.timeout)
     if link.host is None:  # the table sits in the data's own buffers
