@@ -120,6 +120,33 @@ def check_divergent_inputs(kind):
     return True
 
 
+def check_graphs_differ(kind):
+    """func takes a gradient of a closure-captured tensor on rank 0 only: the ranks' graphs reach it differently,
+    so their backward collectives would not meet. Every rank raises the same CmapError at the exit, which names
+    each rank's graph signature, and the group stays usable."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3)
+
+    def f(v):
+        if dist.get_rank() == 0:
+            return v * torch.func.grad(lambda p: (p * v).sum() ** 2)(w)
+        return w * v
+
+    if kind == "cmap":
+        call = cm.cmap(f)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("i",))
+        call = cm.shard_map(f, mesh=mesh, in_specs=cm.P("i"), out_specs=cm.P("i"), check_vma=False)
+    with pytest.raises(cm.CmapError, match="ranks built different autograd graphs around tensors made before") as err:
+        call(x)
+    assert "group rank 0: 0x" in str(err.value) and "group rank 1: 0x0" in str(err.value)
+    assert torch.equal(cm.cmap(torch.sum)(torch.ones(6, 3)), torch.full((6,), 3.0))
+    return str(err.value)
+
+
 def check_rank_death(victim, timeout, how="exit"):
     """The victim exits (os._exit) or is SIGKILLed inside func; survivors raise CmapError within the bound."""
 
@@ -237,6 +264,12 @@ def test_argument_error_on_one_rank(worlds):
 @pytest.mark.parametrize("kind", ["batch", "shape", "dtype", "values"])
 def test_divergent_inputs_are_reported(worlds, kind):
     assert worlds(2).run(check_divergent_inputs, kind) == [True] * 2
+
+
+@pytest.mark.parametrize("kind", ["cmap", "shard_map"])
+def test_graphs_that_differ_are_reported(worlds, kind):
+    messages = worlds(2).run(check_graphs_differ, kind)
+    assert messages[0] == messages[1], messages
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])

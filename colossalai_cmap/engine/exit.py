@@ -59,7 +59,8 @@ def graphs_differ(call: str, table: Sequence[Header], body: str) -> CmapError:
     map ran (``func``, ``f``)."""
     sigs = ", ".join(f"group rank {r}: {h.graph_sig:#x}" for r, h in enumerate(table))
     return CmapError(
-        f"{call}: ranks built different autograd graphs around tensors made before the call ({sigs}): {body} read "
-        f"different tensors that require grad on different ranks, so their backward collectives would not meet. "
-        f"Make {body} read the same tensors on every rank (no data-dependent choice of parameters)."
+        f"{call}: ranks built different autograd graphs around tensors made before the call ({sigs}): {body} "
+        f"reached tensors that require grad in different ways on different ranks (different tensors, or a gradient "
+        f"of one taken inside {body} on some ranks only), so their backward collectives would not meet. Make {body} "
+        f"reach the same tensors the same way on every rank (no rank-dependent choice of parameters or gradients)."
     )
