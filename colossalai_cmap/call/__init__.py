@@ -2,10 +2,11 @@
 
 Imports go down, five levels at most from ``api``:
 
-1. leaves: ``randomness`` (the ``randomness=`` choices and the generators they own), ``dims`` (``in_dims``/``out_dims``
-   against pytrees), ``layout``, ``loop`` and ``records`` (the records the steps hand each other: ``Shares``,
-   ``Inputs``, ``FastPath``, ``Outputs``, ``LastCall``); above them ``execute`` (the run modes: how func runs on a
-   share) and ``options``, which parses ``mode`` and ``randomness`` into their objects;
+1. leaves: ``options`` (the ``Options`` record; it parses ``mode`` and ``randomness`` into the objects ``cmap()``
+   hands it, importing neither), ``randomness`` (the ``randomness=`` choices and the generators they own), ``dims``
+   (``in_dims``/``out_dims`` against pytrees), ``layout``, ``loop`` and ``records`` (the records the steps hand each
+   other: ``Shares``, ``Inputs``, ``FastPath``, ``Outputs``, ``LastCall``); above them ``execute`` (the run modes:
+   how func runs on a share);
 2. steps: ``shares``, ``entry``, ``losses`` and ``batchnorm`` (a mean loss and training BatchNorm over the whole
    batch), ``views``, ``checks``, ``site`` (what one cmap keeps) and ``keywords`` (mapped keyword arguments made
    positional; the batched mode's check of whole ones);

@@ -14,11 +14,12 @@ from ..integration.groups import resolve_group
 from ..stats import CallStats, describe
 from ..wire.comm import default_timeout
 from ..wire.traced import out_of_graph
-from . import compiled, dispatch, rank
+from . import compiled, dispatch, execute, rank
 from .conclude import conclude, conclude_traced
 from .dispatch import Call, Whole
 from .keywords import as_positional
-from .options import Options, make_options
+from .options import Choices, Options, make_options
+from .randomness import CHOICES as RANDOMNESS_CHOICES
 from .records import Inputs, Outputs
 from .site import CallSite
 
@@ -77,6 +78,9 @@ def _eager(site: CallSite, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any
 
 # The eager call, out of the graph, for what only it does (made once, outside any graph: dynamo only calls it).
 TRACED = _Traced(eager_fallbacks(_eager, "cmap", compiled.REASONS))
+
+
+_CHOICES = Choices(modes=execute.CHOICES, randomness=RANDOMNESS_CHOICES)  # what mode= and randomness= may name
 
 
 def cmap(
@@ -181,7 +185,11 @@ def cmap(
         return functools.partial(cmap, **options)
     if not callable(func):
         raise TypeError(f"cmap: expected a callable or nn.Module as func, got {type(func).__name__}.")
-    opts = make_options(func, **{**options, "timeout": timeout if timeout is not None else default_timeout()})
+    opts = make_options(
+        func,
+        _CHOICES,
+        **{**options, "timeout": timeout if timeout is not None else default_timeout()},
+    )
     if isinstance(group, tuple) and dist.is_available() and dist.is_initialized():
         # Creating a mesh's groups is a collective over the whole world: do it now, when every rank creates this
         # cmap, not at a first call that some ranks may never make (e.g. an inner cmap on an empty outer share).

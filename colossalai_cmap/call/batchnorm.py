@@ -30,7 +30,7 @@ import inspect
 import math
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +43,7 @@ from ..wire.link import Link
 from ..wire.roles import COPY
 from ..wire.rounds import Kind
 from . import losses
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
+from .options import Options
 
 WHAT = "BatchNorm's statistics over the whole batch"
 _SIGNATURE = inspect.signature(F.batch_norm)

@@ -6,15 +6,13 @@ error, before any data moves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from ..engine.exit import differing, graphs_differ, outputs_differ
 from ..errors import CmapError
 from ..wire.rounds import Disagreement, Header
 from .layout import LeafSeen
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
+from .options import Options
 
 
 def agreed_fields(opts: Options) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:

@@ -8,7 +8,7 @@ inputs are gathered, the gradients of unmapped inputs, keyword tensors and the p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,10 +21,8 @@ from ..wire.link import Link
 from ..wire.roles import COPY, KEEP, Role, Rows, first_row
 from ..wire.traced import traced_split
 from .dims import flatten, unflatten
+from .options import Options
 from .records import Inputs, Shares
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
 
 
 class Entered(NamedTuple):

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,10 +29,8 @@ from ..torch_internals import (
 )
 from .dims import KeywordCall, flatten, flatten_out_dims, normalise_out_dim, unflatten
 from .loop import LoopBarrier
+from .options import Options
 from .randomness import DIFFERENT, ExampleSeeds, seed_generators
-
-if TYPE_CHECKING:  # the options hold the modes: imported for their type only
-    from .options import Options
 
 
 class Share(NamedTuple):
@@ -74,7 +72,7 @@ class Task(NamedTuple):
         seeds: ``randomness="per_example"``'s seeds for the share's examples.
     """
 
-    opts: "Options"
+    opts: Options
     func: Callable
     kwargs: Dict[str, Any]
     frame: Optional[AxisFrame] = None
@@ -112,7 +110,7 @@ def run_share_traced(task: Task, share: Share) -> Any:
     return task.opts.mode.run_traced(task, share)
 
 
-def with_remedy(opts: "Options", func: Callable, exc: Exception) -> Exception:
+def with_remedy(opts: Options, func: Callable, exc: Exception) -> Exception:
     """``exc`` with cmap's way out added, where the mode can tell what went wrong (:meth:`RunMode.remedied`)."""
     return opts.mode.remedied(opts, func, exc)
 
@@ -153,10 +151,10 @@ class RunMode(AxisMode):
         for no example)."""
         raise NotImplementedError
 
-    def check_alone_with_axis(self, opts: "Options") -> None:
+    def check_alone_with_axis(self, opts: Options) -> None:
         """Refuse what cannot run one example at a time with collectives (``randomness="per_example"``)."""
 
-    def remedied(self, opts: "Options", func: Callable, exc: Exception) -> Exception:
+    def remedied(self, opts: Options, func: Callable, exc: Exception) -> Exception:
         """``exc`` with cmap's way out added, torch's sentence kept first (users search for it), where the mode can
         tell what went wrong; any other exception as it is."""
         return exc
@@ -190,7 +188,7 @@ class VmapMode(RunMode):
         opts = dataclasses.replace(task.opts, randomness=DIFFERENT, chunk_size=None)
         return _vmap(task._replace(opts=opts, frame=None), share, None)
 
-    def remedied(self, opts: "Options", func: Callable, exc: Exception) -> Exception:
+    def remedied(self, opts: Options, func: Callable, exc: Exception) -> Exception:
         """vmap's refusal of a mapped tensor's Python value (``.item()``, ``range(n)``, ``if x > 0``) or of a
         BatchNorm in training mode, or a shape, dim or index error from an ``nn.Module`` func, which vmap calls on one
         example without its batch dim."""
@@ -248,7 +246,7 @@ class BatchedMode(RunMode):
     def run_empty(self, task: Task, share: Share) -> Any:
         return task.apply(share.args())
 
-    def check_alone_with_axis(self, opts: "Options") -> None:
+    def check_alone_with_axis(self, opts: Options) -> None:
         raise ValueError(
             f"{opts.call}: randomness='per_example' with mode='batched' and axis_name={opts.axis_name!r}: func "
             f"takes its rows at once, so its collectives cannot run one example at a time; use mode='vmap' or "
@@ -437,7 +435,7 @@ def _vmap(task: Task, share: Share, indices: Any) -> Any:
     return _place(opts, out, seen, share) if place else out
 
 
-def _refuse_batched_none(opts: "Options", flat: Sequence[Any], dims: Sequence[Any]) -> None:
+def _refuse_batched_none(opts: Options, flat: Sequence[Any], dims: Sequence[Any]) -> None:
     """Inside vmap: an out_dims=None output must not depend on this map's examples."""
     level = current_level()
     for i, (v, dim) in enumerate(zip(flat, dims)):
@@ -453,7 +451,7 @@ def _refuse_batched_none(opts: "Options", flat: Sequence[Any], dims: Sequence[An
             )
 
 
-def _place(opts: "Options", tensors: List[torch.Tensor], seen: Dict[str, Any], share: Share) -> Any:
+def _place(opts: Options, tensors: List[torch.Tensor], seen: Dict[str, Any], share: Share) -> Any:
     """The outputs, from the tensors vmap returned at dim 0: each at its out_dim, or for out_dims=None its one copy;
     non-tensor leaves as func returned them. An output that is func's mapped input itself, placed where that input
     has its batch dim, is the input itself (an in-place op), as vmap returns it."""
@@ -473,7 +471,7 @@ def _place(opts: "Options", tensors: List[torch.Tensor], seen: Dict[str, Any], s
     return tree_unflatten(placed, seen["spec"])
 
 
-def _place_traced(opts: "Options", out: Any, level: int, rows: int) -> Any:
+def _place_traced(opts: Options, out: Any, level: int, rows: int) -> Any:
     """:func:`_place` inside ``torch.compile``: vmap's outputs at ``out_dims``, as ``torch.vmap`` returns them. An
     ``out_dims=None`` output must not depend on the example: dynamo cannot ask whether a tensor is batched, so its rows
     are read as a view, which is a broadcast (stride 0) exactly when every example holds the same value."""
@@ -498,12 +496,12 @@ def _place_traced(opts: "Options", out: Any, level: int, rows: int) -> Any:
     return unflatten(placed, spec)
 
 
-def _name(opts: "Options") -> str:
+def _name(opts: Options) -> str:
     """func's name as the call's name shows it."""
     return opts.call.split("(", 1)[-1].split(",", 1)[0]
 
 
-def check_rows(opts: "Options", i: int, v: torch.Tensor, out_dim: int, rows: int) -> None:
+def check_rows(opts: Options, i: int, v: torch.Tensor, out_dim: int, rows: int) -> None:
     """In batched mode func must return one row per example it was given, along each mapped output's out_dim."""
     if v.shape[out_dim] != rows:
         raise ValueError(
@@ -513,7 +511,7 @@ def check_rows(opts: "Options", i: int, v: torch.Tensor, out_dim: int, rows: int
         )
 
 
-def _rows_checked(opts: "Options", out: Any, rows: int) -> Any:
+def _rows_checked(opts: Options, out: Any, rows: int) -> Any:
     """A chunk's outputs, checked as the share's are (:func:`check_rows`) before the chunks are joined, so that the
     error does not depend on how the rows fell into chunks."""
     flat, spec = tree_flatten(out)
@@ -528,7 +526,7 @@ def _chunks(share: Share, size: int) -> Iterator[Share]:
         yield share.take(start, min(size, share.rows - start))
 
 
-def _combine(results: List[Any], opts: "Options", how: Callable) -> Any:
+def _combine(results: List[Any], opts: Options, how: Callable) -> Any:
     """Chunks concatenated (``torch.cat``) or examples stacked (``torch.stack``) along each output's out-dim."""
     flats, spec = [], None
     for r in results:
@@ -550,7 +548,7 @@ def _combine(results: List[Any], opts: "Options", how: Callable) -> Any:
     return tree_unflatten(out, spec)
 
 
-def _check_same(opts: "Options", i: int, first: Any, others: List[Any]) -> None:
+def _check_same(opts: Options, i: int, first: Any, others: List[Any]) -> None:
     """An ``out_dims=None`` output must not depend on the example: vmap refuses it, so a loop or chunks must too."""
     for other in others:
         same = torch.equal(first, other) if isinstance(first, torch.Tensor) else first == other

@@ -8,7 +8,7 @@ record as sharing with the other placements, and the call goes on along the one 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -23,11 +23,9 @@ from ..wire.link import Link
 from ..wire.roles import first_row
 from .dims import KeywordCall, describe_arg, leaf_paths
 from .keywords import flatten_call
+from .options import Options
 from .records import Inputs, Shares
 from .shares import share_sizes
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
 

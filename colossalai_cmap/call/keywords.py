@@ -14,15 +14,13 @@ certainly a batch the caller meant to split: :func:`check_whole_keywords` refuse
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..torch_internals import keystr, tree_flatten, tree_flatten_with_path
 from .dims import FlatArgs, flatten_args, wrap_mappings
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
+from .options import Options
 
 
 class KeywordBatch(NamedTuple):

@@ -1,17 +1,15 @@
 """A cmap's options, checked once when the cmap is made; the checks that need a group run per call.
 
 ``mode`` and ``randomness`` are parsed here, once, from the strings users write into their objects (the run modes of
-:mod:`.execute`, the choices of :mod:`.randomness`), which everything after asks what they do.
+:mod:`.execute` and the choices of :mod:`.randomness`, which ``cmap()`` hands in), which everything after asks what
+they do. The record imports neither: it sits below every step that reads it, :mod:`.execute` included.
 """
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..axis.modes import AxisMode
-from . import execute, randomness
-from .execute import RunMode
-from .randomness import Randomness
 
 Endpoint = Union[int, str, None]  # dst or src: a group rank, "local", or None (src only)
 
@@ -25,14 +23,16 @@ class Options:
     group: Any
     dst: Endpoint
     src: Endpoint
-    randomness: Randomness
+    randomness: Any  # a randomness.Randomness
     chunk_size: Optional[int]
-    mode: RunMode
+    mode: Any  # an execute.RunMode
     axis_name: Optional[str]
     timeout: Optional[float]
     check_inputs: bool
     kwarg_dims: Any
     call: str
+    axis_mode: AxisMode  # the mode of the call's axis frame: ``randomness="per_example"`` runs collectives one
+    # example at a time, as loop mode
 
     @property
     def gathers(self) -> bool:
@@ -56,12 +56,6 @@ class Options:
             and not self.refuses_grad
         )
 
-    @property
-    def axis_mode(self) -> AxisMode:
-        """The mode of the call's axis frame: ``randomness="per_example"`` runs collectives one example at a time, as
-        loop mode."""
-        return execute.LOOP if self.randomness.per_example else self.mode
-
     @cached_property  # read several times per call: the options are frozen
     def refuses_grad(self) -> bool:
         """Whether the output is not differentiable: with ``dst=r`` only one rank holds it (no backward could meet on
@@ -84,14 +78,23 @@ def _places(out_dims: Any) -> bool:
     return out_dims != 0
 
 
-def make_options(func: Callable, **kwargs: Any) -> Options:
+class Choices(NamedTuple):
+    """What ``mode`` and ``randomness`` may name: :data:`.execute.CHOICES` and :data:`.randomness.CHOICES`."""
+
+    modes: Tuple[AxisMode, ...]
+    randomness: Tuple[Any, ...]
+
+
+def make_options(func: Callable, choices: Choices, **kwargs: Any) -> Options:
     """Check the options that need no group, identically on every rank; raises ValueError or TypeError."""
     call = call_name(func, kwargs["in_dims"])
     check_in_dims_type(call, kwargs["in_dims"])
     check_kwarg_dims(call, kwargs["kwarg_dims"])
-    mode = _parse(call, "mode", kwargs["mode"], execute.CHOICES)
-    chosen = _parse(call, "randomness", kwargs["randomness"], randomness.CHOICES)
-    opts = Options(call=call, **{**kwargs, "mode": mode, "randomness": chosen})
+    mode = _parse(call, "mode", kwargs["mode"], choices.modes)
+    chosen = _parse(call, "randomness", kwargs["randomness"], choices.randomness)
+    in_turns = next(m for m in choices.modes if m.in_turns)
+    axis_mode = in_turns if chosen.per_example else mode
+    opts = Options(call=call, axis_mode=axis_mode, **{**kwargs, "mode": mode, "randomness": chosen})
     size = opts.chunk_size
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise ValueError(f"{call}: vmap: chunk_size should be None or greater than 0. (got {size!r})")
@@ -109,10 +112,7 @@ def make_options(func: Callable, **kwargs: Any) -> Options:
     return opts
 
 
-Choice = TypeVar("Choice", RunMode, Randomness)
-
-
-def _parse(call: str, option: str, value: Any, choices: Tuple[Choice, ...]) -> Choice:
+def _parse(call: str, option: str, value: Any, choices: Tuple[Any, ...]) -> Any:
     """The choice named ``value`` (a string users write, as ``mode="batched"``); a ValueError naming the choices."""
     names = tuple(c.name for c in choices)
     if value not in names:

@@ -87,7 +87,7 @@ def run_rank(
     graph_sig = 0
     if wired:  # the closure walk, or this rank's backward through func, guarded
         walk = _walks(opts, flat, layout, start, link)
-        flat, graph_sig = walk_and_guard(flat, tag, start, link, _replay(entered, intercept, coupled), walk)
+        flat, graph_sig = walk_and_guard(flat, tag, start, link, replay=_replay(entered, intercept, coupled), walk=walk)
     captures = None  # what this call found decides whether the next one intercepts
     if intercept is not None or graph_sig:
         captures = bool(graph_sig or (intercept is not None and intercept.met()))

@@ -9,7 +9,7 @@ itself runs the same steps either way.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,10 +18,8 @@ from ..torch_internals import TreeSpec, tree_flatten
 from ..wire.group import Group
 from ..wire.roles import first_row, tensor_split_sizes
 from .dims import FlatArgs
+from .options import Options
 from .records import Shares
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
 
 
 @lru_cache(maxsize=1024)

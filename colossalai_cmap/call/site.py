@@ -7,17 +7,15 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from ..engine.module_params import References, reaches_sync_batchnorm, reaches_trainable, reaches_training_batchnorm
 from ..torch_internals import TreeSpec
 from .dims import KeywordCall
+from .options import Options
 from .records import FastPath, LastCall
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
 
 _CACHE_SIZE = 64
 

@@ -18,17 +18,15 @@ of ``chunk_size`` or loop mode, which vmap itself returns as copies (stacked or 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..digests import digest
 from ..torch_internals import is_wrapped, neg_view
 from .layout import BATCHED, OutLayout
+from .options import Options
 from .records import Shares
-
-if TYPE_CHECKING:  # the options hold the run modes: imported for their type only
-    from .options import Options
 
 # the input seen as another dtype: through view_as_real, view_as_complex (of its storage as pairs), or view(dtype)
 REAL, COMPLEX, CAST = "real", "complex", "cast"

@@ -34,6 +34,7 @@ def walk_and_guard(
     tag: CallTag,
     start: int,
     link: Link,
+    *,
     replay: Optional[Callable[[], ContextManager[Any]]],
     walk: bool = True,
     hooks: bool = True,

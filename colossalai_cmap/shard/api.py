@@ -338,7 +338,9 @@ def _run_f(
     replay = intercept.replaying if intercept is not None else None  # a recomputation in backward
     # the outputs, through the guard of this rank's backward where the graph leaves f only through its entry, and
     # the signature of the closure edges it holds otherwise (untyped: hooked; typed: nothing hooks, only found)
-    flat, graph_sig = walk_and_guard(flat, tag, start, whole, replay, walk=gradients_tracked(), hooks=typer is None)
+    flat, graph_sig = walk_and_guard(
+        flat, tag, start, whole, replay=replay, walk=gradients_tracked(), hooks=typer is None
+    )
     out = tree_unflatten(flat, out_tree)
     if out_mesh is not None:
         dtensor.check_outputs(site.call, flat, out_places, view)

@@ -9,7 +9,7 @@ A call's exit whose data phase has the shape the group's last exit agreed on sen
 the same way.
 """
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,9 +19,6 @@ from .group import Group
 from .link import Channel, Link
 from .payload import Item, numel, offsets, rows_first, typed_view
 from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
-
-if TYPE_CHECKING:  # the round only names its type here: the data phase sits beside it, not above
-    from .rounds import Round
 
 _REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
 _EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
@@ -124,12 +121,13 @@ def early(prep: Optional[Prepared], ch: Channel, link: Link) -> Optional[Callabl
     return lambda: comm.issue_all_gather(prep.recv, prep.send, link.group, link.call, _EARLY)
 
 
-def meet_early(rnd: "Round", ch: Channel, link: Link) -> None:
-    """After the round: wait for this rank's early data, or, if peers sent theirs and this rank did not, send a
-    stand-in of the same shape, so that the collectives pair up (in the same order on every rank)."""
-    if rnd.early is not None:
-        comm.wait_for(rnd.early, link.group, link.call, link.timeout)
-    elif any(h.early for h in rnd.table):
+def meet_early(mine: Any, sent_early: bool, ch: Channel, link: Link) -> None:
+    """After the round: wait for this rank's early data (``mine``, the round's ``early``), or, if peers sent theirs
+    (``sent_early``, from the round's table) and this rank did not, send a stand-in of the same shape, so that the
+    collectives pair up (in the same order on every rank)."""
+    if mine is not None:
+        comm.wait_for(mine, link.group, link.call, link.timeout)
+    elif sent_early:
         rows, shape, dtype = ch.last_data
         send = torch.empty((rows, *shape), dtype=dtype, device=link.device)
         recv = torch.empty((link.group.size * rows, *shape), dtype=dtype, device=link.device)

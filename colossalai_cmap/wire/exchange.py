@@ -31,7 +31,7 @@ from ..errors import CmapError, RankFailure
 from ..torch_internals import backward_running, current_level, in_forward_ad, is_wrapped, transform_levels
 from . import comm, data_phase, rounds
 from .link import Link
-from .payload import pack_payload, route, unpack_payload
+from .payload import Route, cached_route, pack_payload, unpack_payload
 from .roles import (
     COPY,
     EVEN,
@@ -224,7 +224,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
-    rt = route(link, (spec.what, spec.roles, sizes), tensors, host_metadata=spec.host_metadata)
+    rt = _route(link, (spec.what, spec.roles, sizes), tensors, host_metadata=spec.host_metadata)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -245,7 +245,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     early = data_phase.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if spec.exit is not None:
-        data_phase.meet_early(rnd, ch, link)
+        data_phase.meet_early(rnd.early, any(h.early for h in rnd.table), ch, link)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
     if spec.learned is not None:
@@ -289,13 +289,38 @@ def all_reduce(link: Link, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_ROUTES_MAX = 512
+
+
+def _route(
+    link: Link,
+    key: Tuple[Any, ...],
+    tensors: Sequence[torch.Tensor],
+    after: Optional[Any] = None,
+    host_metadata: bool = False,
+) -> Route:
+    """The route of an exchange on this group (:class:`Route`), kept with the group's round buffers; or, ``after`` a
+    round (when only the round told the row counts), through that round's payloads, whatever buffers come next.
+
+    Over a host group, only ``host_metadata`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
+    own collective on the data's group, so the round never copies device memory."""
+    ch, inline = link.channel(), host_metadata or link.host is None
+    if after is not None:
+        return cached_route(
+            {}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors, inline
+        )
+    if len(ch.routes) > _ROUTES_MAX:
+        ch.routes.clear()
+    return cached_route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors, inline)
+
+
 def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:
     """After the round: the payloads into the results, or the data phase (the row counts come from the round
     when only it knew them, with ``src="local"``)."""
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host_metadata)
+        rt = _route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host_metadata)
         if not rnd.inline:
             prep = data_phase.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
@@ -335,7 +360,7 @@ def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -
         raise rounds.told(CmapError.from_failures(link.call, [failure], link.group.rank), link) from cause
     header = Header(kind=Kind.STATUS, status=Status.FAILED, inline=1)
     rnd = rounds.status_round(link, header)
-    data_phase.meet_early(rnd, link.channel(), link)
+    data_phase.meet_early(rnd.early, any(h.early for h in rnd.table), link.channel(), link)
     rounds.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 

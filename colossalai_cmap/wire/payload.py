@@ -7,19 +7,16 @@ packs its own rows into its payload area; when every rank's fit, the round carri
 other collective.
 
 A route depends only on the roles, the tensors' dtypes and shapes, and the group, so it is worked out once and kept
-with the group's round buffers (:class:`~.link.Channel`): a repeated exchange copies into ready-made views of the
+with the group's round buffers (:class:`~.link.Channel`, :func:`~.exchange.join_values` picks it): a repeated exchange copies into ready-made views of the
 payload area and reads out of ready-made views of the gathered payloads.
 """
 
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..digests import digest
 from .roles import COPY, FIRST, MAX, MIN, Role, is_rows
-
-if TYPE_CHECKING:  # a route is kept in the link's channel; it only names the link's type
-    from .link import Link
 
 _ALIGN = 16
 REDUCED = (COPY, MAX, MIN)
@@ -199,28 +196,3 @@ def reduce_into(out: torch.Tensor, role: Role, parts: Sequence[torch.Tensor]) ->
             torch.logical_or(out, p, out=out) if role == MAX else torch.logical_and(out, p, out=out)
         else:
             torch.maximum(out, p, out=out) if role == MAX else torch.minimum(out, p, out=out)
-
-
-_ROUTES_MAX = 512
-
-
-def route(
-    link: "Link",
-    key: Tuple[Any, ...],
-    tensors: Sequence[torch.Tensor],
-    after: Optional[Any] = None,
-    host_metadata: bool = False,
-) -> Route:
-    """The route of an exchange on this group (:class:`Route`), kept with the group's round buffers; or, ``after`` a
-    round (when only the round told the row counts), through that round's payloads, whatever buffers come next.
-
-    Over a host group, only ``host_metadata`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
-    own collective on the data's group, so the round never copies device memory."""
-    ch, inline = link.channel(), host_metadata or link.host is None
-    if after is not None:
-        return cached_route(
-            {}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors, inline
-        )
-    if len(ch.routes) > _ROUTES_MAX:
-        ch.routes.clear()
-    return cached_route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors, inline)
