@@ -20,12 +20,11 @@ from ..torch_internals import tree_flatten
 from ..wire import comm
 from ..wire.data_phase import scatter_from_source
 from ..wire.link import Link
-from ..wire.roles import first_row
 from .dims import KeywordCall, describe_arg, leaf_paths
 from .keywords import flatten_call
 from .options import Options
 from .records import Inputs, Shares
-from .shares import share_sizes
+from .shares import split_batch
 
 _MAPPED, _TENSOR, _CONST = "mapped", "tensor", "const"
 
@@ -59,19 +58,7 @@ def shares_from_src(
     meta = comm.broadcast_object(meta, src, link.round_group, opts.call, opts.timeout, link.round_device)
     if meta.failure is not None:
         return failure or Failed(None, None)
-    sizes = share_sizes(meta.batch, group.size, opts.gathers)
-    mapped = tuple(i for i, d in enumerate(meta.dims) if d is not None)
-    rows, offset = sizes[group.rank], first_row(sizes, group.rank)
-    shares = Shares(
-        spec=meta.spec,
-        dims=meta.dims,
-        batch=meta.batch,
-        sizes=sizes,
-        rows=rows,
-        offset=offset,
-        input_sig=digest(meta),
-        mapped=mapped,
-    )
+    shares = split_batch(opts, meta.spec, meta.dims, meta.batch, group, digest(meta))
     try:
         leaves = list(local.leaves) if is_src else _merge(opts, func, meta, args)
     except Exception as exc:

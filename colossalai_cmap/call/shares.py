@@ -35,22 +35,36 @@ def share_sizes(batch: int, world: int, gathered: bool) -> Tuple[int, ...]:
 def make_shares(opts: Options, flat: FlatArgs, group: Group, kwargs: Dict[str, Any]) -> Shares:
     """The shares of the arguments ``flat`` (checked against ``in_dims``: :func:`~.keywords.flatten_call`)."""
     local = opts.src == "local"
-    if local:
-        sizes, rows, offset, batch = None, flat.batch_size, 0, -1
-    else:
-        sizes = share_sizes(flat.batch_size, group.size, opts.gathers)
-        rows, offset, batch = sizes[group.rank], first_row(sizes, group.rank), flat.batch_size
     sig = _input_sig(opts, flat.spec, flat.leaves, flat.dims, kwargs, keep_batch=not local)
-    mapped = tuple(i for i, d in enumerate(flat.dims) if d is not None)
+    if local:  # only the round knows the other ranks' rows
+        mapped = tuple(i for i, d in enumerate(flat.dims) if d is not None)
+        return Shares(
+            spec=flat.spec,
+            dims=tuple(flat.dims),
+            batch=-1,
+            sizes=None,
+            rows=flat.batch_size,
+            offset=0,
+            input_sig=sig,
+            mapped=mapped,
+        )
+    return split_batch(opts, flat.spec, tuple(flat.dims), flat.batch_size, group, sig)
+
+
+def split_batch(
+    opts: Options, spec: TreeSpec, dims: Tuple[Optional[int], ...], batch: int, group: Group, input_sig: int
+) -> Shares:
+    """A batch of ``batch`` examples split over ``group`` (:func:`share_sizes`): every rank's rows, and this one's."""
+    sizes = share_sizes(batch, group.size, opts.gathers)
     return Shares(
-        spec=flat.spec,
-        dims=tuple(flat.dims),
+        spec=spec,
+        dims=dims,
         batch=batch,
         sizes=sizes,
-        rows=rows,
-        offset=offset,
-        input_sig=sig,
-        mapped=mapped,
+        rows=sizes[group.rank],
+        offset=first_row(sizes, group.rank),
+        input_sig=input_sig,
+        mapped=tuple(i for i, d in enumerate(dims) if d is not None),
     )
 
 
