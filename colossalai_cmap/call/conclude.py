@@ -96,7 +96,6 @@ def _exit(opts: Options, shares: Shares, out: Outputs, inputs: Inputs) -> Exit:
         if not out.empty:
             values = digest(replicated_checksums(out.flat, out.layout))
     status = Status.EMPTY if out.empty else Status.OK
-    early = opts.axis_name is None  # no collective inside func that a peer could still be waiting in
     agree, agree_nonempty = agreed_fields(opts)
     return Exit(
         status=status,
@@ -106,7 +105,6 @@ def _exit(opts: Options, shares: Shares, out: Outputs, inputs: Inputs) -> Exit:
         graph_sig=out.graph_sig,
         flags=out.mutated,
         values=values,
-        early=early,
         agree=agree,
         agree_nonempty=agree_nonempty,
     )

@@ -60,7 +60,6 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
         graph_sig=outcome.graph_sig,
         flags=0,
         values=0,
-        early=False,
         agree=("digest", "graph_sig"),
     )
     lengths = [] if outcome.lengths is None else [outcome.lengths]

@@ -4,24 +4,22 @@ One all-gather carries every gathered tensor, padded to the largest share becaus
 single one travels in its own dtype, and the receive buffer's first rows are the result); one all-reduce per
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
 failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
-A call's exit whose data phase has the shape the group's last exit agreed on sends it right behind its round
-(:func:`early`, :func:`meet_early`). ``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
+``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
 the same way.
 """
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import comm
 from .group import Group
-from .link import Channel, Link
+from .link import Link
 from .payload import Item, numel, offsets, rows_first, typed_view
 from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
 
 _REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
-_EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
 
 
 class Prepared(NamedTuple):
@@ -100,45 +98,6 @@ def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tenso
     """Same-dtype items in one buffer for one all-reduce (gloo reduces no bool; complex goes as real pairs)."""
     flat = torch.cat([resolved(tensors[it.index]).reshape(-1) for it in items])
     return flat.to(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat) if flat.is_complex() else flat
-
-
-# ------------------------------------------------------------------------------------------------ data sent early
-def early_shape(prep: Prepared) -> Optional[Tuple[Any, ...]]:
-    """What a data phase sends, when it is one rows tensor in its own dtype: (rows per rank, row shape, dtype)."""
-    gathered = [it for it in prep.items if not it.reduced]
-    if prep.flats or len(gathered) != 1 or not is_rows(gathered[0].role):
-        return None
-    return (max(prep.sizes), gathered[0].shape, gathered[0].dtype)
-
-
-def early(prep: Optional[Prepared], ch: Channel, link: Link) -> Optional[Callable[[], Any]]:
-    """The data phase, to issue right behind the round, when its shape is the one the last exit on this group agreed
-    (so every rank in step sends the same shape) and no backward of this rank is unfinished (no peer may wait in it).
-    Ranks that do not send early learn from the round who did, and send a stand-in of that shape (:func:`meet_early`).
-    """
-    if prep is None or ch.backward_open or ch.last_data is None or early_shape(prep) != ch.last_data:
-        return None
-    return lambda: comm.issue_all_gather(prep.recv, prep.send, link.group, link.call, _EARLY)
-
-
-def meet_early(mine: Any, sent_early: bool, ch: Channel, link: Link) -> None:
-    """After the round: wait for this rank's early data (``mine``, the round's ``early``), or, if peers sent theirs
-    (``sent_early``, from the round's table) and this rank did not, send a stand-in of the same shape, so that the
-    collectives pair up (in the same order on every rank)."""
-    if mine is not None:
-        comm.wait_for(mine, link.group, link.call, link.timeout)
-    elif sent_early:
-        rows, shape, dtype = ch.last_data
-        send = torch.empty((rows, *shape), dtype=dtype, device=link.device)
-        recv = torch.empty((link.group.size * rows, *shape), dtype=dtype, device=link.device)
-        comm.all_gather_into(recv, send, link.group, link.call, link.timeout, _EARLY)
-
-
-def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
-    """The results of a data phase every rank sent early: only the cut remains."""
-    it = next(it for it in prep.items if not it.reduced)
-    cut_padded(prep.recv, prep.sizes, out=prep.results[it.index])
-    return prep.results
 
 
 def run_data_phase(

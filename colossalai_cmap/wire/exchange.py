@@ -28,10 +28,10 @@ import torch
 
 from .. import faults
 from ..errors import CmapError, RankFailure
-from ..torch_internals import backward_running, current_level, in_forward_ad, is_wrapped, transform_levels
+from ..torch_internals import current_level, in_forward_ad, is_wrapped, transform_levels
 from . import comm, data_phase, rounds
 from .link import Link
-from .payload import Route, cached_route, pack_payload, unpack_payload
+from .payload import Room, Route, cached_route, pack_payload, unpack_payload
 from .roles import (
     COPY,
     EVEN,
@@ -68,7 +68,6 @@ class Exit(NamedTuple):
     graph_sig: int
     flags: int
     values: int
-    early: bool  # data may be sent right behind the status round (no collective inside func can be pending)
     agree: Tuple[str, ...] = ()
     agree_nonempty: Tuple[str, ...] = ()
 
@@ -224,7 +223,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
-    rt = _route(link, (spec.what, spec.roles, sizes), tensors, host_metadata=spec.host_metadata)
+    rt = _route(link, (spec.what, spec.roles, sizes, spec.dst), tensors, host_metadata=spec.host_metadata)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -239,13 +238,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    ch = link.channel()
-    if spec.kind == Kind.SYNC and backward_running():
-        ch.open_backward()
-    early = data_phase.early(prep, ch, link) if spec.exit is not None and spec.exit.early and spec.dst == -1 else None
-    rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
-    if spec.exit is not None:
-        data_phase.meet_early(rnd.early, any(h.early for h in rnd.table), ch, link)
+    rnd = _round(spec, _header(spec, rt, failure))
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
     if spec.learned is not None:
@@ -254,8 +247,6 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results = _deliver(spec, rt, rnd, tensors, prep)
-    if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
-        ch.backward_open, ch.last_data = False, data_phase.early_shape(prep) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 
@@ -304,14 +295,12 @@ def _route(
 
     Over a host group, only ``host_metadata`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
     own collective on the data's group, so the round never copies device memory."""
-    ch, inline = link.channel(), host_metadata or link.host is None
+    ch, inline, rank = link.channel(), host_metadata or link.host is None, link.group.rank
     if after is not None:
-        return cached_route(
-            {}, link.group.rank, (after.payloads[link.group.rank], after.payloads), key, tensors, inline
-        )
+        return cached_route({}, rank, Room(after.payloads[rank], after.payloads, 0, 0), key, tensors, inline)
     if len(ch.routes) > _ROUTES_MAX:
         ch.routes.clear()
-    return cached_route(ch.routes, link.group.rank, (ch.payload, ch.payloads), key, tensors, inline)
+    return cached_route(ch.routes, rank, Room(ch.payload, ch.payloads, ch.max, ch.fuse_max), key, tensors, inline)
 
 
 def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:
@@ -320,13 +309,11 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
-        rt = _route(link, (spec.what, spec.roles, sizes), tensors, rnd, spec.host_metadata)
+        rt = _route(link, (spec.what, spec.roles, sizes, spec.dst), tensors, rnd, spec.host_metadata)
         if not rnd.inline:
             prep = data_phase.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
         return unpack_payload(rt, spec.dst in (-1, link.group.rank))
-    if all(h.early for h in rnd.table):
-        return data_phase.taken_early(prep)
     return data_phase.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
 
 
@@ -360,12 +347,11 @@ def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -
         raise rounds.told(CmapError.from_failures(link.call, [failure], link.group.rank), link) from cause
     header = Header(kind=Kind.STATUS, status=Status.FAILED, inline=1)
     rnd = rounds.status_round(link, header)
-    data_phase.meet_early(rnd.early, any(h.early for h in rnd.table), link.channel(), link)
     rounds.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 
 
-def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Header:
+def _header(spec: JoinSpec, rt: Any, failure: Any) -> Header:
     status = Status.FAILED if failure is not None else Status.OK
     ex = spec.exit
     if ex is None:
@@ -384,14 +370,13 @@ def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Heade
         graph_sig=ex.graph_sig,
         flags=ex.flags,
         values=ex.values,
-        early=int(early),
     )
 
 
-def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = None) -> Round:
+def _round(spec: JoinSpec, header: Header) -> Round:
     link = spec.link
     if spec.kind == Kind.STATUS:
-        return rounds.status_round(link, header, early)
+        return rounds.status_round(link, header)
     return rounds.checked_round(link, header, spec.what)
 
 

@@ -1,22 +1,28 @@
 """Where an exchange communicates: its :class:`Link` (the data's group and device, and the group its rounds take),
 and that group's round buffers on this rank (:class:`Channel`). :mod:`.payload` routes what rides in them.
 
-**The channel.** One group's side of the status protocol on this rank: its reusable round buffers, always in host
-memory (rounds of device data take the group's host group), and what its rounds agreed.
+**The channel.** One group's side of the status protocol on this rank: its round buffers, always in host memory
+(rounds of device data take the group's host group), and what its rounds agreed.
 
-Every round on a group has the same size on every rank, whatever each rank is doing. The size adapts, but only as a
-function of the tables every rank has seen, in the same order, so every rank always agrees on it: it grows at once
-to fit the largest block any rank needed (up to :data:`PAYLOAD_MAX`, 1 KiB), and shrinks by half after
-:data:`_QUIET_ROUNDS` rounds in a row that needed a quarter of it or less. A round is an all-gather, so each rank
-sends P - 1 headers and payloads: on larger groups the payload is capped lower (:func:`payload_bounds`) so that a
-round stays within :data:`ROUND_BUDGET` bytes per rank up to P = 64. Repeated calls with outputs up to 1 KiB
-per rank then make one collective, and a group that goes back to small outputs goes back to small rounds. Larger
-data takes its own collective, at its native cost: every round would carry the payload area of every rank, so a
-payload grown to the size of one large call would tax every later round on the group, however small.
+Every round on a group has the same size on every rank, whatever each rank is doing: the size of the next round is
+a function of the tables of the rounds before it, which every rank has seen in the same order. Two rules make it:
 
-The channel also keeps the shape of the last call exit's data phase (every rank derives it from the same table), so
-that the next exit of that shape can send its data together with its status round (:mod:`.data_phase`), and whether
-this rank left a backward unfinished (then it does not send data early: a peer may still wait in that backward).
+- **Learned transitions.** After each round the channel notes how many payload bytes the round needed (the largest
+  block any rank asked for) under the name of the round before it, and sizes the next round by what followed a
+  round of the current one's name the last times. A loop of calls, forward or forward and backward, repeats its
+  sequence of rounds, so from its third pass every round is sized for the data it carries: an output gathered to
+  every rank rides in the exit round, up to :data:`FUSE_BYTES` received in all, and the call costs that one
+  collective. A round larger than the small payload is made only for a transition seen twice in a row, so a loop
+  whose calls alternate unpredictably rarely pays for a large round it does not use.
+  Exchanges whose data would cost more bytes in an all-gather than in their own collective (sums at P > 2, rows to
+  one rank) ask for room only while the difference stays small (:func:`~.payload.may_grow`).
+- **Otherwise, a small payload** (:data:`PAYLOAD_BASE` to :data:`PAYLOAD_MAX`): it grows at once to fit the largest
+  small block any rank needed, and shrinks by half after :data:`_QUIET_ROUNDS` rounds in a row that needed a quarter
+  of it or less. On larger groups it is capped lower (:func:`payload_bounds`) so that a round stays within
+  :data:`ROUND_BUDGET` bytes per rank up to P = 64.
+
+A round whose ranks were at different kinds of round (a peer still inside ``func`` or in a backward) changes
+nothing: the round a rank repeats after it has the same size, and so does the one its peer makes next.
 """
 
 import os
@@ -25,7 +31,7 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 import numpy
 import torch
 
-from ..torch_internals import after_backward, outside_transforms
+from ..torch_internals import outside_transforms
 from .group import Group, host_of, host_plane_forced, state_of
 
 # ---- the channel: one group's round buffers on this rank
@@ -35,44 +41,65 @@ HEADER_BYTES = HEADER_LEN * 8  # keeps the payload 16-byte aligned
 PAYLOAD_BASE = max(16, int(os.environ.get("COLOSSALAI_CMAP_ROUND_BYTES", "256")) // 16 * 16)
 PAYLOAD_MAX = max(PAYLOAD_BASE, int(os.environ.get("COLOSSALAI_CMAP_ROUND_MAX", "1024")) // 16 * 16)
 ROUND_BUDGET = 4096  # bytes one rank sends in a round, (P - 1) (header + payload), held up to P = 64
+FUSE_BYTES = int(os.environ.get("COLOSSALAI_CMAP_FUSE_BYTES", str(4 << 20)))  # most a round receives, P payloads
 _QUIET_ROUNDS = 8
+_TRANSITIONS_MAX = 256
 
 
 def payload_bounds(size: int) -> Tuple[int, int]:
-    """A group of ``size`` ranks' first and largest payload per rank: :data:`PAYLOAD_BASE` and :data:`PAYLOAD_MAX`,
-    capped so that a round sends at most :data:`ROUND_BUDGET` bytes per rank (16 bytes at least)."""
+    """A group of ``size`` ranks' first and largest small payload per rank: :data:`PAYLOAD_BASE` and
+    :data:`PAYLOAD_MAX`, capped so that a round sends at most :data:`ROUND_BUDGET` bytes per rank (16 at least)."""
     fit = max(16, (ROUND_BUDGET // max(size - 1, 1) - HEADER_BYTES) // 16 * 16)
     return min(PAYLOAD_BASE, fit), min(PAYLOAD_MAX, fit)
 
 
 class Channel:
-    """The round buffers (this rank's header and payload, everyone's as received), the routes through them, and the
-    agreed state: the payload size, the last data phase's shape, and whether a backward was left unfinished."""
+    """The round buffers (this rank's header and payload, everyone's as received, for the current round's size), the
+    routes through them, and the agreed state: the next round's payload size and what it was learned from."""
 
     def __init__(self, group: Group, device: torch.device) -> None:
         if device.type != "cpu":  # link_for sends the rounds of device data over the host group
             raise ValueError(f"status rounds run in host memory, not on {device}")
         self.size, self.device = group.size, device
         self.base, self.max = payload_bounds(group.size)
-        self.payload_bytes = self.base
-        self.quiet = 0  # rounds in a row that needed a quarter of the payload or less
-        self.last_data: Optional[Tuple[Any, ...]] = None  # (rows per rank, row shape, dtype) of the last exit's data
-        self.backward_open = False  # this rank started a backward exchange that has not finished
-        self._allocate()
+        self.fuse_max = max(self.max, FUSE_BYTES // group.size // 16 * 16)  # per rank
+        self.small = self.base  # the small payload (second rule)
+        self.quiet = 0  # rounds in a row that needed a quarter of the small payload or less
+        self.after: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # a round's name -> (the bytes the round after it
+        # needed, how many times in a row)
+        self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
+        self.stored = 0  # payload bytes the backing buffers hold
+        self.views: Dict[int, Tuple[Any, ...]] = {}  # payload size -> its buffers and routes
+        self._use(self.base)
 
-    def _allocate(self) -> None:
-        total = HEADER_BYTES + self.payload_bytes
+    def _use(self, size: int) -> None:
+        """Make the round buffers those of a ``size``-byte payload (views of one backing store per direction)."""
+        found = self.views.get(size)
+        if found is None:
+            if size > self.stored:
+                self._store(size)
+            found = self.views[size] = self._views(size)
+        self.payload_bytes = size
+        self.send, self.recv_flat, self.payload, self.payloads, self.head, self.table, self.routes = found
+
+    def _store(self, size: int) -> None:
         # written later under any mode, so never an inference tensor, and plain even when a round resizes them
         # inside a torch.func transform (a functorch-wrapped buffer has no storage to read the table from)
         with torch.inference_mode(False), outside_transforms():
-            self.send = torch.zeros(total, dtype=torch.uint8, device=self.device)
-            self.recv = torch.empty((self.size, total), dtype=torch.uint8, device=self.device)
-            self.recv_flat = self.recv.view(-1)  # what a round's all-gather writes into, made once
-            self.payload = self.send.narrow(0, HEADER_BYTES, self.payload_bytes)
-            self.payloads = self.recv.narrow(1, HEADER_BYTES, self.payload_bytes)
-            self.head = self.send.numpy()[:HEADER_BYTES].view(numpy.int64)
-            self.table = self.recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
-        self.routes: Dict[Any, Any] = {}  # views into these buffers (:class:`Route`)
+            self._send = torch.zeros(HEADER_BYTES + size, dtype=torch.uint8, device=self.device)
+            self._recv = torch.empty(self.size * (HEADER_BYTES + size), dtype=torch.uint8, device=self.device)
+        self.stored, self.views = size, {}  # a returned round still holds views of the old buffers
+
+    def _views(self, size: int) -> Tuple[Any, ...]:
+        total = HEADER_BYTES + size
+        with torch.inference_mode(False), outside_transforms():
+            send = self._send.narrow(0, 0, total)
+            recv_flat = self._recv.narrow(0, 0, self.size * total)
+            recv = recv_flat.view(self.size, total)
+            head = send.numpy()[:HEADER_BYTES].view(numpy.int64)
+            table = recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
+            payload, payloads = send.narrow(0, HEADER_BYTES, size), recv.narrow(1, HEADER_BYTES, size)
+        return send, recv_flat, payload, payloads, head, table, {}  # the routes: views into these buffers
 
     def write_header(self, header: Sequence[int]) -> None:
         self.head[:] = header
@@ -80,30 +107,42 @@ class Channel:
     def read_rows(self) -> list:
         return self.table.tolist()
 
-    def open_backward(self) -> None:
-        """Inside a backward: until it finishes, a peer may be left waiting in one of its exchanges if this rank's
-        backward raises, so this rank must not send data ahead of its next round."""
-        self.backward_open = True
+    def agree(self, names: Sequence[Tuple[int, ...]], need: int) -> None:
+        """After a round, from its table alone: ``names`` is every rank's (kind, digest, input signature), ``need``
+        the largest block any rank asked for. Sizes the next round (the module docstring has the rules)."""
+        if any(n[0] != names[0][0] for n in names):
+            return  # ranks at different kinds of round: the next round (a repeat) keeps this size
+        if need <= self.max:
+            self._small(need)
+        name = names[0]
+        if self.last is not None:
+            if len(self.after) >= _TRANSITIONS_MAX:
+                self.after.clear()
+            before = self.after.get(self.last)
+            self.after[self.last] = (need, before[1] + 1 if before is not None and before[0] == need else 1)
+        self.last = name
+        size = self._fit(*self.after.get(name, (0, 0)))
+        if size != self.payload_bytes:
+            self._use(size)
 
-        def closed() -> None:
-            self.backward_open = False
+    def _fit(self, need: int, times: int) -> int:
+        if need <= self.small:
+            return self.small
+        if need <= self.max:
+            return min(self.max, 1 << (need - 1).bit_length())
+        if need <= self.fuse_max and times >= 2:  # a large round only for a transition seen twice in a row
+            return -(-need // 16) * 16
+        return self.small
 
-        after_backward(closed)
-
-    def agree(self, need: int) -> None:
-        """After a round: the payload size of the next one, from the largest block any rank needed in this one."""
-        size = self.payload_bytes
-        if size < need <= self.max:
-            size = min(self.max, max(self.base, 1 << (need - 1).bit_length()))
-        elif need <= self.payload_bytes // 4 and self.payload_bytes > self.base:
+    def _small(self, need: int) -> None:
+        if self.small < need:
+            self.small, self.quiet = min(self.max, max(self.base, 1 << (need - 1).bit_length())), 0
+        elif need <= self.small // 4 and self.small > self.base:
             self.quiet += 1
             if self.quiet >= _QUIET_ROUNDS:
-                size = max(self.base, self.payload_bytes // 2)
+                self.small, self.quiet = max(self.base, self.small // 2), 0
         else:
             self.quiet = 0
-        if size != self.payload_bytes:
-            self.payload_bytes, self.quiet = size, 0
-            self._allocate()  # a returned round still holds views of the old buffers
 
 
 def channel(group: Group, device: torch.device) -> Channel:

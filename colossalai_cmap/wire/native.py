@@ -34,7 +34,6 @@ import torch
 
 from .. import faults
 from ..digests import digest
-from ..torch_internals import backward_running
 from . import comm, rounds
 from .exchange import JoinSpec, all_reduce, join_values, through
 from .link import Link
@@ -77,8 +76,6 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
             faults.check("backward" if spec.kind == Kind.SYNC else "pack", group)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    if spec.kind == Kind.SYNC and backward_running():
-        spec.link.channel().open_backward()
     # what every rank of the group shares (an all-to-all's row counts are this rank's own)
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
     header = Header(kind=spec.kind, status=Status.FAILED if failure else Status.OK, digest=sig, inline=1)

@@ -45,7 +45,7 @@ class Route(NamedTuple):
     items: Tuple[Item, ...]
     sizes: Optional[Tuple[int, ...]]  # rows per rank (None: only the round knows, with src="local")
     rows: int
-    block: int  # bytes this rank packs
+    block: int  # the payload bytes this rank asks the round for (0: it does not ask; the data phase moves it)
     fits: bool  # this rank's block fits its payload area
     inline: Optional[bool]  # every rank's does (None: only the round knows)
     digest: int  # names the exchange in OP and SYNC headers
@@ -93,46 +93,76 @@ def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequen
     return buf.narrow(0, offset, nbytes).view(dtype).view(tuple(shape))
 
 
+class Room(NamedTuple):
+    """The payload area of a round on this rank, and how large a block may ask it to be."""
+
+    payload: torch.Tensor  # this rank's payload area
+    payloads: torch.Tensor  # everyone's, as gathered: [P, bytes]
+    small: int  # any block up to this size may ask for room
+    most: int  # a block up to this size may, if riding costs about what its own collective would (may_grow)
+
+
 def cached_route(
     cache: Dict[Any, Route],
     rank: int,
-    views: Tuple[torch.Tensor, torch.Tensor],
+    room: Room,
     key: Tuple[Any, ...],
     tensors: Sequence[torch.Tensor],
     inline: bool = True,
 ) -> Route:
-    """The route for ``key = (what, roles, sizes)`` and these tensors, from ``cache`` or worked out now.
+    """The route for ``key = (what, roles, sizes, dst)`` and these tensors, from ``cache`` or worked out now.
 
-    ``views`` are the group's payload area and gathered payloads ``[P, bytes]``, whose views the route keeps.
-    Without ``inline`` nothing rides in the round (its buffers are not where the tensors live): the data phase moves
-    everything.
+    The route keeps views of the ``room``'s buffers. Without ``inline`` nothing rides in the round (its buffers are
+    not where the tensors live): the data phase moves everything.
     """
     full = key + (inline,) + tuple((t.dtype, t.shape) for t in tensors)
     found = cache.get(full)
     if found is None:
         with torch.inference_mode(False):  # views kept for later calls under any mode are never inference tensors
-            found = cache[full] = _work_out(rank, views, key, tensors, inline)
+            found = cache[full] = _work_out(rank, room, key, tensors, inline)
     return found
+
+
+_SLACK_BYTES = 16 << 10  # what riding in the round may cost a rank over the data's own collective, 10% aside
+
+
+def may_grow(items: Sequence[Item], rows: Sequence[int], dst: int) -> bool:
+    """Whether carrying ``items`` in the round's all-gather costs each rank at most 1.1 times the bytes of their own
+    collective (ring algorithms) plus 16 KiB: always for rows gathered to every rank, for sums only while they are
+    small (or P = 2, where an all-reduce sends what an all-gather does), for rows to one rank only while small."""
+    p = len(rows)
+    largest = max(rows)
+    fused = own = 0.0
+    for it in items:
+        n = it.nbytes * (largest if is_rows(it.role) else 1)
+        fused += (p - 1) * n
+        if is_rows(it.role):
+            own += (p - 1) * n if dst == -1 else n
+        elif it.reduced:
+            own += 2 * (p - 1) / p * n
+        else:  # rank 0's value, from the gather
+            own += (p - 1) * n
+    return fused <= 1.1 * own + _SLACK_BYTES
 
 
 def _work_out(
     rank: int,
-    views: Tuple[torch.Tensor, torch.Tensor],
+    room: Room,
     key: Tuple[Any, ...],
     tensors: Sequence[torch.Tensor],
     inline_ok: bool,
 ) -> Route:
-    what, roles, sizes = key
-    payload, payloads = views
-    room = payload.numel() if inline_ok else -1
+    what, roles, sizes, dst = key
+    payload, payloads = room.payload, room.payloads
+    space = payload.numel() if inline_ok else -1
     items = travelling(roles, tensors)
     rows = next((t.shape[r.dim] for r, t in zip(roles, tensors) if is_rows(r)), 0)
     mine, block = offsets(items, rows)
-    fits = block <= room
+    fits = block <= space
     send = (
         tuple(typed_view(payload, off, it.dtype, it.rows_shape(rows)) for it, off in zip(items, mine)) if fits else ()
     )
-    inline = None if sizes is None else all(offsets(items, n)[1] <= room for n in sizes)
+    inline = None if sizes is None else all(offsets(items, n)[1] <= space for n in sizes)
     recv: Tuple[Tuple[torch.Tensor, ...], ...] = ()
     if inline:
         layouts = [offsets(items, n)[0] for n in sizes]
@@ -141,12 +171,14 @@ def _work_out(
             for k, it in enumerate(items)
         )
     sig = digest((what, [(it.role, it.dtype, it.shape) for it in items]))
-    # block: what the round's payload would need for this rank's items (0 when none can ride in it)
+    asks = inline_ok and (
+        block <= room.small or (block <= room.most and sizes is not None and may_grow(items, sizes, dst))
+    )
     return Route(
         items=items,
         sizes=sizes,
         rows=rows,
-        block=block if inline_ok else 0,
+        block=block if asks else 0,
         fits=fits,
         inline=inline,
         digest=sig,

@@ -19,7 +19,7 @@ round.
 import contextlib
 import threading
 from enum import IntEnum
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,7 +63,6 @@ class Header(NamedTuple):
     graph_sig: int = 0  # the closure edges found in this rank's local graph
     flags: int = 0  # bit k: func changed the k-th mapped input in place
     values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty share)
-    early: int = 0  # 1: this rank sent its data together with this round (the data phase)
 
 
 _M32 = 0xFFFFFFFF
@@ -76,7 +75,7 @@ def _signed(v: int) -> int:
 
 def pack_header(h: Header) -> Tuple[int, ...]:
     """A header as the six int64 of its row: the flags and small fields share one, the 32-bit digests pair up."""
-    small = h.kind | h.status << 4 | h.inline << 8 | h.early << 9 | min(h.block, _BLOCK_MAX) << 10
+    small = h.kind | h.status << 4 | h.inline << 8 | min(h.block, _BLOCK_MAX) << 10
     sigs = _signed((h.input_sig & _M32) | (h.values & _M32) << 32)
     layout = _signed((h.digest & _M32) | (h.graph_sig & _M32) << 32)
     return (small, h.rows, h.batch, sigs, layout, h.flags)
@@ -96,7 +95,6 @@ def unpack_header(row: Sequence[int]) -> Header:
         graph_sig=(layout >> 32) & _M32,
         flags=flags,
         values=(sigs >> 32) & _M32,
-        early=(small >> 9) & 1,
     )
 
 
@@ -105,7 +103,6 @@ class Round(NamedTuple):
 
     table: Tuple[Header, ...]
     payloads: torch.Tensor  # [P, payload bytes] uint8
-    early: Any = None  # the data collective sent right behind the round, still in flight
 
     @property
     def failed(self) -> bool:
@@ -116,34 +113,30 @@ class Round(NamedTuple):
         return all(h.inline for h in self.table)
 
 
-def run_round(
-    link: Link, header: Header, also: Optional[Callable[[], Any]] = None, what: Optional[str] = None
-) -> Round:
-    """One round: every rank's header and payload (packed beforehand, through a :class:`Route`). ``also`` issues a
-    collective right behind the round (data sent early), left in flight in the returned round's ``early``. ``what``
-    names the collective an ``OP`` or ``SYNC`` round precedes, for a peer's error should this rank stop here."""
+def run_round(link: Link, header: Header, what: Optional[str] = None) -> Round:
+    """One round: every rank's header and payload (packed beforehand, through a :class:`Route`), in one all-gather.
+    ``what`` names the collective an ``OP`` or ``SYNC`` round precedes, for a peer's error should this rank stop
+    here."""
     ch, group = link.channel(), link.round_group
     ch.write_header(pack_header(header))
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
-    work = comm.issue_all_gather(ch.recv_flat, ch.send, group, link.call, name)
-    early = also() if also is not None else None
-    comm.wait_for(work, group, link.call, link.timeout)
+    payloads = ch.payloads
+    comm.all_gather_into(ch.recv_flat, ch.send, group, link.call, link.timeout, name)
     if link.host is None:  # the table sits in the data's own buffers
         stats.host_read()
-    rnd = Round(tuple(unpack_header(row) for row in ch.read_rows()), ch.payloads, early)
-    ch.agree(max(h.block for h in rnd.table))
+    rnd = Round(tuple(unpack_header(row) for row in ch.read_rows()), payloads)
+    ch.agree([(h.kind, h.digest, h.input_sig) for h in rnd.table], max(h.block for h in rnd.table))
     return rnd
 
 
-def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
+def status_round(link: Link, header: Header) -> Round:
     """The round at the end of a call's forward pass; repeats while a peer is still in an ``OP`` or ``SYNC`` round
-    (it gives that up). Data is sent early (``also``) only where no peer can be in such a round, so a repeat never
-    follows it."""
+    (it gives that up). A repeat has the size of the round before it (the channel keeps it), so the payload packed
+    for the first stays where it is."""
     while True:
-        rnd = run_round(link, header, also)
+        rnd = run_round(link, header)
         if all(h.kind == Kind.STATUS for h in rnd.table):
             return rnd
-        also = None
 
 
 def checked_round(link: Link, header: Header, what: str) -> Round:
