@@ -166,13 +166,21 @@ def _issue(
 def all_gather_into(
     out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, timeout: Optional[float], what: str = "all_gather"
 ) -> None:
-    """``out`` holds every rank's ``inp``; ``what`` says what it carries, for a peer's error should this rank not
-    arrive at the next collective."""
+    _wait(issue_all_gather(out, inp, group, call, what), group, call, "all_gather", timeout)
+
+
+def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, what: str) -> Pending:
+    """An all-gather left in flight, to wait for with :func:`wait_for` (data sent together with a round). ``what``
+    says what it carries, for a peer's error should this rank not arrive at the next one."""
 
     def issue(target: torch.Tensor) -> Any:
         return dist.all_gather_into_tensor(target, inp, group=group.pg, async_op=True)
 
-    pending = _issue("all_gather", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp])
+    return _issue("all_gather", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp])
+
+
+def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float]) -> None:
+    """Wait, with the bound, for a collective :func:`issue_all_gather` left in flight."""
     _wait(pending, group, call, "all_gather", timeout)
 
 

@@ -4,22 +4,24 @@ One all-gather carries every gathered tensor, padded to the largest share becaus
 single one travels in its own dtype, and the receive buffer's first rows are the result); one all-reduce per
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
 failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
-``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
+A call's exit whose data phase has the shape the group's last exit agreed on sends it right behind its round
+(:func:`early`). ``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
 the same way.
 """
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import comm
 from .group import Group
-from .link import Link
+from .link import Channel, DataShape, Link
 from .payload import Item, numel, offsets, rows_first, typed_view
 from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
 
 _REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
+_EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
 
 
 class Prepared(NamedTuple):
@@ -98,6 +100,31 @@ def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tenso
     """Same-dtype items in one buffer for one all-reduce (gloo reduces no bool; complex goes as real pairs)."""
     flat = torch.cat([resolved(tensors[it.index]).reshape(-1) for it in items])
     return flat.to(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat) if flat.is_complex() else flat
+
+
+# ------------------------------------------------------------------------------------------------ data sent early
+def early_shape(prep: Prepared, link: Link) -> Optional[DataShape]:
+    """What a data phase sends, when it is one rows tensor in its own dtype gathered to every rank."""
+    gathered = [it for it in prep.items if not it.reduced]
+    if prep.flats or prep.recv is None or len(gathered) != 1 or not is_rows(gathered[0].role):
+        return None
+    return DataShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device)
+
+
+def early(prep: Optional[Prepared], ch: Channel, link: Link) -> Optional[Callable[[], Any]]:
+    """The data phase, to issue right behind the round, when its shape is the one the last exit on this group agreed
+    (so every rank in step sends the same shape). Ranks that do not send early learn from the round who did, and send
+    a stand-in of that shape (:func:`~.rounds.run_round`)."""
+    if prep is None or ch.last_data is None or early_shape(prep, link) != ch.last_data:
+        return None
+    return lambda: comm.issue_all_gather(prep.recv, prep.send, link.group, link.call, _EARLY)
+
+
+def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
+    """The results of a data phase every rank sent early: only the cut remains."""
+    it = next(it for it in prep.items if not it.reduced)
+    cut_padded(prep.recv, prep.sizes, out=prep.results[it.index])
+    return prep.results
 
 
 def run_data_phase(

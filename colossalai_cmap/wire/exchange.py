@@ -238,7 +238,9 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    rnd = _round(spec, _header(spec, rt, failure))
+    ch = link.channel()
+    early = data_phase.early(prep, ch, link) if spec.exit is not None and spec.dst == -1 else None
+    rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
     if spec.learned is not None:
@@ -247,6 +249,8 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results = _deliver(spec, rt, rnd, tensors, prep)
+    if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
+        ch.last_data = data_phase.early_shape(prep, link) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 
@@ -314,6 +318,8 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
             prep = data_phase.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
         return unpack_payload(rt, spec.dst in (-1, link.group.rank))
+    if all(h.early for h in rnd.table):
+        return data_phase.taken_early(prep)
     return data_phase.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
 
 
@@ -351,7 +357,7 @@ def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 
 
-def _header(spec: JoinSpec, rt: Any, failure: Any) -> Header:
+def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Header:
     status = Status.FAILED if failure is not None else Status.OK
     ex = spec.exit
     if ex is None:
@@ -370,13 +376,14 @@ def _header(spec: JoinSpec, rt: Any, failure: Any) -> Header:
         graph_sig=ex.graph_sig,
         flags=ex.flags,
         values=ex.values,
+        early=int(early),
     )
 
 
-def _round(spec: JoinSpec, header: Header) -> Round:
+def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = None) -> Round:
     link = spec.link
     if spec.kind == Kind.STATUS:
-        return rounds.status_round(link, header)
+        return rounds.status_round(link, header, early)
     return rounds.checked_round(link, header, spec.what)
 
 

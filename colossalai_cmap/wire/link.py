@@ -23,6 +23,10 @@ a function of the tables of the rounds before it, which every rank has seen in t
 
 A round whose ranks were at different kinds of round (a peer still inside ``func`` or in a backward) changes
 nothing: the round a rank repeats after it has the same size, and so does the one its peer makes next.
+
+Data too large to ride in a round takes its own collective after it; an exit whose data has the shape of the last
+exit's on the group (:class:`DataShape`, agreed at that exit) issues it right behind the round, so both are in flight
+together.
 """
 
 import os
@@ -53,6 +57,18 @@ def payload_bounds(size: int) -> Tuple[int, int]:
     return min(PAYLOAD_BASE, fit), min(PAYLOAD_MAX, fit)
 
 
+class DataShape(NamedTuple):
+    """A data phase that is one rows tensor gathered to every rank: the rows per rank, a row's shape and dtype, and
+    where it goes. The channel keeps the last exit's, so that the next exit of that shape sends its data right behind
+    its round (:mod:`.data_phase`), and a rank that does not sends a stand-in of it (:mod:`.rounds`)."""
+
+    rows: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    group: Group
+    device: torch.device
+
+
 class Channel:
     """The round buffers (this rank's header and payload, everyone's as received, for the current round's size), the
     routes through them, and the agreed state: the next round's payload size and what it was learned from."""
@@ -68,6 +84,7 @@ class Channel:
         self.after: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # a round's name -> (the bytes the round after it
         # needed, how many times in a row)
         self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
+        self.last_data: Optional[DataShape] = None  # what the last exit's data phase sent, when one rows tensor
         self.stored = 0  # payload bytes the backing buffers hold
         self.views: Dict[int, Tuple[Any, ...]] = {}  # payload size -> its buffers and routes
         self._use(self.base)

@@ -171,8 +171,9 @@ def _work_out(
             for k, it in enumerate(items)
         )
     sig = digest((what, [(it.role, it.dtype, it.shape) for it in items]))
-    asks = inline_ok and (
-        block <= room.small or (block <= room.most and sizes is not None and may_grow(items, sizes, dst))
+    asks = inline_ok and (  # for room that every rank's block fits in
+        block <= room.small
+        or (sizes is not None and offsets(items, max(sizes))[1] <= room.most and may_grow(items, sizes, dst))
     )
     return Route(
         items=items,

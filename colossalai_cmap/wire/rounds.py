@@ -19,7 +19,7 @@ round.
 import contextlib
 import threading
 from enum import IntEnum
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,6 +63,7 @@ class Header(NamedTuple):
     graph_sig: int = 0  # the closure edges found in this rank's local graph
     flags: int = 0  # bit k: func changed the k-th mapped input in place
     values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty share)
+    early: int = 0  # 1: this rank sent its data right behind this round (the data phase, of the agreed shape)
 
 
 _M32 = 0xFFFFFFFF
@@ -75,7 +76,7 @@ def _signed(v: int) -> int:
 
 def pack_header(h: Header) -> Tuple[int, ...]:
     """A header as the six int64 of its row: the flags and small fields share one, the 32-bit digests pair up."""
-    small = h.kind | h.status << 4 | h.inline << 8 | min(h.block, _BLOCK_MAX) << 10
+    small = h.kind | h.status << 4 | h.inline << 8 | h.early << 9 | min(h.block, _BLOCK_MAX) << 10
     sigs = _signed((h.input_sig & _M32) | (h.values & _M32) << 32)
     layout = _signed((h.digest & _M32) | (h.graph_sig & _M32) << 32)
     return (small, h.rows, h.batch, sigs, layout, h.flags)
@@ -95,6 +96,7 @@ def unpack_header(row: Sequence[int]) -> Header:
         graph_sig=(layout >> 32) & _M32,
         flags=flags,
         values=(sigs >> 32) & _M32,
+        early=(small >> 9) & 1,
     )
 
 
@@ -113,30 +115,52 @@ class Round(NamedTuple):
         return all(h.inline for h in self.table)
 
 
-def run_round(link: Link, header: Header, what: Optional[str] = None) -> Round:
+def run_round(
+    link: Link, header: Header, also: Optional[Callable[[], Any]] = None, what: Optional[str] = None
+) -> Round:
     """One round: every rank's header and payload (packed beforehand, through a :class:`Route`), in one all-gather.
-    ``what`` names the collective an ``OP`` or ``SYNC`` round precedes, for a peer's error should this rank stop
-    here."""
+    ``also`` issues the data phase right behind the round (its header says ``early``); it is waited for here. A rank
+    that did not send early, in a round where a peer did, sends a stand-in of the agreed shape, whatever round it is
+    in, so the collectives pair up in the same order on every rank. ``what`` names the collective an ``OP`` or
+    ``SYNC`` round precedes, for a peer's error should this rank stop here."""
     ch, group = link.channel(), link.round_group
     ch.write_header(pack_header(header))
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
     payloads = ch.payloads
-    comm.all_gather_into(ch.recv_flat, ch.send, group, link.call, link.timeout, name)
+    work = comm.issue_all_gather(ch.recv_flat, ch.send, group, link.call, name)
+    early = also() if also is not None else None
+    comm.wait_for(work, group, link.call, link.timeout)
     if link.host is None:  # the table sits in the data's own buffers
         stats.host_read()
     rnd = Round(tuple(unpack_header(row) for row in ch.read_rows()), payloads)
+    if early is not None:
+        comm.wait_for(early, link.group, link.call, link.timeout)
+    elif any(h.early for h in rnd.table):
+        _stand_in(ch.last_data, link)
     ch.agree([(h.kind, h.digest, h.input_sig) for h in rnd.table], max(h.block for h in rnd.table))
     return rnd
 
 
-def status_round(link: Link, header: Header) -> Round:
+_EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
+
+
+def _stand_in(shape: Any, link: Link) -> None:
+    """The all-gather a peer's early data pairs with (its contents unused)."""
+    send = torch.empty((shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
+    recv = torch.empty((shape.group.size * shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
+    comm.all_gather_into(recv, send, shape.group, link.call, link.timeout, _EARLY)
+
+
+def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
     """The round at the end of a call's forward pass; repeats while a peer is still in an ``OP`` or ``SYNC`` round
     (it gives that up). A repeat has the size of the round before it (the channel keeps it), so the payload packed
-    for the first stays where it is."""
+    for the first stays where it is; data sent early with the first was met by the peers' stand-ins, so a repeat
+    sends none."""
     while True:
-        rnd = run_round(link, header)
+        rnd = run_round(link, header, also)
         if all(h.kind == Kind.STATUS for h in rnd.table):
             return rnd
+        header, also = header._replace(early=0), None
 
 
 def checked_round(link: Link, header: Header, what: str) -> Round:
