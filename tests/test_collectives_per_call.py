@@ -150,7 +150,7 @@ def test_one_all_gather_per_steady_call(worlds, P, label):
 
 # -------------------------------------------------------------------------------------------- training
 @pytest.mark.parametrize("label", list(SIZES))
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, 3, 4])
 def test_one_collective_each_way_per_training_step(worlds, P, label):
     for seen in run_cases(worlds, P, both_batches(label), train=True):
         assert seen.exact, f"{label} P={P} B={seen.B}: x.grad is not vmap's"
@@ -159,7 +159,7 @@ def test_one_collective_each_way_per_training_step(worlds, P, label):
 
 
 # -------------------------------------------------------------------------------------------- above the threshold
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, 3, 4])
 def test_above_the_threshold_the_data_takes_its_own_collective(worlds, P):
     B, D = big_case()
     for seen in run_cases(worlds, P, [(B, D)], train=True):
