@@ -197,7 +197,11 @@ def check_shard_map(rows: List[int], D: int) -> List[Seen]:
 SHARD_BLOCKS = {"small": ([4], 1), "medium": ([64], 256)}  # rows per rank, D: 16 B and 64 KiB per rank
 
 
-@pytest.mark.xfail(strict=True, reason="on main a steady shard_map call makes 2 collectives (small) and 3 (medium)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a steady shard_map call makes 2 collectives: a round on entry, and the exit round with the rows "
+    "(before the fused exit rounds: 2 small, 3 medium)",
+)
 @pytest.mark.parametrize("label", list(SHARD_BLOCKS))
 @pytest.mark.parametrize("P", [2, 3])
 def test_one_all_gather_per_steady_shard_map_call(worlds, P, label):
