@@ -47,8 +47,8 @@ class Calls(NamedTuple):
 
 class Seen(NamedTuple):
     """One (B, D) case on one rank: the counted forward calls, the counted backward passes (training only), the bytes
-    one native ``all_gather_into_tensor`` of the output sends, and whether the output (training: x.grad) equals vmap's, bit
-    for bit."""
+    one native ``all_gather_into_tensor`` of the output sends, and whether the output (training: x.grad) equals
+    vmap's, bit for bit."""
 
     B: int
     forward: Calls
