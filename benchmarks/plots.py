@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.goals import GOAL_LARGE, GOAL_TINY, MiB, fmt_bytes  # noqa: E402
+from benchmarks.goals import GOAL_LARGE, GOAL_MID, GOAL_SMALL, LARGE_BYTES, MID_BYTES, MiB, fmt_bytes  # noqa: E402
 from benchmarks.scaling import model_time, overheads  # noqa: E402
 
 DPI = 72
@@ -43,8 +43,9 @@ def plot_overhead(timing: Sequence[Dict[str, Any]], path: str) -> None:
                 r["case"], (x, r["ratios"]["cmap/baseline"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
             )
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.hlines(GOAL_TINY, 8, MiB, colors="red", linestyles="--", lw=1, label=f"goal, tiny case: {GOAL_TINY}x")
-    ax.hlines(GOAL_LARGE, MiB, 2**27, colors="green", linestyles="--", lw=1, label=f">= 1 MiB: {GOAL_LARGE}x")
+    ax.hlines(GOAL_SMALL, 8, MID_BYTES, colors="red", linestyles="--", lw=1, label=f"goal, < 1 MiB: {GOAL_SMALL}x")
+    ax.hlines(GOAL_MID, MID_BYTES, LARGE_BYTES, colors="orange", linestyles="--", lw=1, label=f"1-4 MiB: {GOAL_MID}x")
+    ax.hlines(GOAL_LARGE, LARGE_BYTES, 2**27, colors="green", linestyles="--", lw=1, label=f">= 4 MiB: {GOAL_LARGE}x")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("output bytes (whole batch)")
     ax.set_ylabel("time / hand-written baseline")

@@ -18,7 +18,7 @@ from string import Template
 from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks import paths, plots, tables
-from benchmarks.goals import GOAL_LARGE, GOAL_TINY, MiB
+from benchmarks.goals import GOAL_LARGE, GOAL_MID, GOAL_SMALL, MiB
 from benchmarks.scaling import fit_comm, overheads
 
 # Where GPU numbers come from: the rows above time gloo on CPU tensors.
@@ -96,7 +96,8 @@ def _run_fields(meta: Dict[str, Any], timing: Sequence[Dict[str, Any]], machine:
         "fit_note": machine.fit_note,
         "gpu_note": machine.gpu_note,
         "goal_large": GOAL_LARGE,
-        "goal_tiny": GOAL_TINY,
+        "goal_mid": GOAL_MID,
+        "goal_small": GOAL_SMALL,
         "passed": sum(bool(r["pass"]) for r in judged),
         "judged": len(judged),
     }
