@@ -199,8 +199,8 @@ SHARD_BLOCKS = {"small": ([4], 1), "medium": ([64], 256)}  # rows per rank, D: 1
 
 @pytest.mark.xfail(
     strict=True,
-    reason="a steady shard_map call makes 2 collectives: a round on entry, and the exit round with the rows "
-    "(before the fused exit rounds: 2 small, 3 medium)",
+    reason="a steady shard_map call makes 2 collectives: the exit round (every rank's status and block lengths), "
+    "then the outputs' gather, whose round carries the rows (before rounds learned their sizes: 2 small, 3 medium)",
 )
 @pytest.mark.parametrize("label", list(SHARD_BLOCKS))
 @pytest.mark.parametrize("P", [2, 3])
