@@ -106,7 +106,7 @@ def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tenso
 def early_shape(prep: Prepared, link: Link) -> Optional[DataShape]:
     """What a data phase sends, when it is one rows tensor in its own dtype gathered to every rank."""
     gathered = [it for it in prep.items if not it.reduced]
-    if prep.flats or prep.recv is None or len(gathered) != 1 or not is_rows(gathered[0].role):
+    if prep.flats or len(gathered) != 1 or not is_rows(gathered[0].role):
         return None
     return DataShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device)
 

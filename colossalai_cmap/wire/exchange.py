@@ -250,7 +250,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if rt.items:
         results = _deliver(spec, rt, rnd, tensors, prep)
     if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
-        ch.last_data = data_phase.early_shape(prep, link) if prep is not None else None
+        ch.last_data = data_phase.early_shape(prep, link) if prep is not None and spec.dst == -1 else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 
