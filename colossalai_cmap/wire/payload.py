@@ -126,12 +126,11 @@ def cached_route(
 _SLACK_BYTES = 16 << 10  # what riding in the round may cost a rank over the data's own collective, 10% aside
 
 
-def may_grow(items: Sequence[Item], rows: Sequence[int], dst: int) -> bool:
-    """Whether carrying ``items`` in the round's all-gather costs each rank at most 1.1 times the bytes of their own
-    collective (ring algorithms) plus 16 KiB: always for rows gathered to every rank, for sums only while they are
-    small (or P = 2, where an all-reduce sends what an all-gather does), for rows to one rank only while small."""
-    p = len(rows)
-    largest = max(rows)
+def may_grow(items: Sequence[Item], p: int, largest: int, dst: int) -> bool:
+    """Whether carrying ``items`` (rows: ``largest`` per rank at most) in the all-gather of a round on ``p`` ranks
+    costs each rank at most 1.1 times the bytes of their own collective (ring algorithms) plus 16 KiB: always for rows
+    gathered to every rank, for sums only while they are small (or P = 2, where an all-reduce sends what an
+    all-gather does), for rows to one rank only while small."""
     fused = own = 0.0
     for it in items:
         n = it.nbytes * (largest if is_rows(it.role) else 1)
@@ -171,9 +170,15 @@ def _work_out(
             for k, it in enumerate(items)
         )
     sig = digest((what, [(it.role, it.dtype, it.shape) for it in items]))
-    asks = inline_ok and (  # for room that every rank's block fits in
+    # room is asked for only where every rank's block fits in it: the row counts known, or no rows travelling
+    largest = max(sizes) if sizes is not None else None if any(is_rows(it.role) for it in items) else 0
+    asks = inline_ok and (
         block <= room.small
-        or (sizes is not None and offsets(items, max(sizes))[1] <= room.most and may_grow(items, sizes, dst))
+        or (
+            largest is not None
+            and offsets(items, largest)[1] <= room.most
+            and may_grow(items, payloads.shape[0], largest, dst)
+        )
     )
     return Route(
         items=items,
