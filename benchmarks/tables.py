@@ -32,15 +32,19 @@ def timing_table(timing: Sequence[Dict[str, Any]]) -> List[str]:
             f"{_ms(t['cmap']['median_s'])} | {_ms(t['baseline']['median_s'])} | {_ms(t['vmap_full']['median_s'])} | "
             f"**{q['cmap/baseline']:.3f}** | {_goal_cells(r)} | {q['min cmap/baseline']:.3f} | "
             f"{q['cpu cmap/baseline']:.3f} | {q['cmap/vmap']:.2f} | {r['collectives_per_call']:g} | "
-            f"{q['(baseline+status)/baseline']:.3f} | {_without_status(r):.3f} |"
+            f"{q['(baseline+status)/baseline']:.3f} | {_without_status(r)} |"
         )
     return lines
 
 
-def _without_status(r: Dict[str, Any]) -> float:
-    """cmap / baseline if cmap's status all_gather cost nothing: (cmap - (baseline+status - baseline)) / baseline."""
+def _without_status(r: Dict[str, Any]) -> str:
+    """cmap / baseline if cmap's status all_gather cost nothing: (cmap - (baseline+status - baseline)) / baseline;
+    ``-`` where cmap made one collective (the status rode with the data: there is no status collective to take out).
+    """
+    if r["collectives_per_call"] < 2:
+        return "-"
     t = {k: v["median_s"] for k, v in r["times"].items()}
-    return (t["cmap"] - max(t["baseline+status"] - t["baseline"], 0.0)) / t["baseline"]
+    return f"{(t['cmap'] - max(t['baseline+status'] - t['baseline'], 0.0)) / t['baseline']:.3f}"
 
 
 def memory_table(memory: Sequence[Dict[str, Any]]) -> List[str]:
