@@ -43,7 +43,8 @@ bench: install
 	$(PY) -m benchmarks.vma_overhead
 
 # On a GPU machine: the checks on CUDA over nccl (one rank per GPU, up to 8), which steady calls synchronize the host,
-# and cmap's all_gather / all_reduce against torch.distributed's (also checks/gpu_results.json). Under 10 minutes.
+# and cmap's all_gather / all_reduce against torch.distributed's at 1 KiB to 64 MiB per rank: ratios and the microseconds
+# cmap adds per call (also checks/gpu_results.json). Under 10 minutes.
 # Without CUDA it says so and exits 0. GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--nproc 2 --no-bench".
 gpu-check: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m checks.gpu $(GPU_CHECK_ARGS)

@@ -13,6 +13,7 @@ import tempfile
 from typing import List, Optional, Sequence
 
 from benchmarks.paths import ROOT
+from checks.gpu.sizes import DEFAULT_SIZES, parse_sizes
 
 DEFAULT_JSON = str(ROOT / "checks" / "gpu_results.json")
 MAX_RANKS = 8
@@ -23,7 +24,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m checks.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None, help=f"ranks (default: min({MAX_RANKS}, GPUs); --cpu: 2)")
     parser.add_argument("--no-bench", action="store_true", help="skip the nccl rows")
-    parser.add_argument("--sizes", default="1,16,64", help="MiB per rank of the nccl rows (default %(default)s)")
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help="sizes per rank of the nccl rows, with B, KiB, MiB or GiB; a plain number is MiB (default %(default)s)",
+    )
     parser.add_argument(
         "--json", default=None, help=f"results file (default {DEFAULT_JSON}; with --cpu, none unless given)"
     )
@@ -34,6 +39,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--peer-timeout", type=float, default=180.0, help="seconds a rank waits for a peer's report")
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # set by the launch below
     opts = parser.parse_args(argv)
+    try:
+        parse_sizes(opts.sizes)  # here, before any rank starts; each rank parses it again
+    except ValueError as exc:
+        parser.error(str(exc))
     if opts.json is None and not opts.cpu:
         opts.json = DEFAULT_JSON
     return opts

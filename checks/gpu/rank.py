@@ -13,6 +13,7 @@ import torch.distributed as dist
 from checks.gpu import bandwidth, core, sharded, syncs
 from checks.gpu.core import Ctx
 from checks.gpu.report import PeerTimeout, Reporter, flush
+from checks.gpu.sizes import parse_sizes
 
 STATUS_ENV = "GPU_CHECK_STATUS"  # where rank 0 writes "pass" or "fail" for the launcher
 
@@ -70,13 +71,7 @@ def _summary(ctx: Ctx, rep: Reporter, results: Dict[str, Any]) -> List[str]:
             f"host syncs: {yes} of {len(calls)} steady calls synchronize the host (control: {control}); "
             "informational, not a failure"
         )
-    rows = results.get("bandwidth") or []
-    for row in rows:
-        if "cmap" in row["impl"] and row["bytes_per_rank"] == max(r["bytes_per_rank"] for r in rows):
-            lines.append(
-                f"{meta['backend']} rows at {row['bytes_per_rank'] / bandwidth.MIB:g} MiB/rank: {row['impl']} takes "
-                f"{row['time_vs_torch']:.2f}x torch's time"
-            )
+    lines += bandwidth.summary(results.get("bandwidth") or [], meta["backend"])
     if ctx.size == 1:
         lines.append(
             "one rank: at P=1 cmap runs as plain torch.vmap and sends nothing, so these checks cover CUDA placement, "
@@ -91,7 +86,7 @@ def _sections(ctx: Ctx, opts: argparse.Namespace, results: Dict[str, Any]) -> No
     core.run(ctx)
     sharded.run(ctx)
     if not opts.no_bench:
-        rows = bandwidth.measure(ctx, [float(s) for s in opts.sizes.split(",")])
+        rows = bandwidth.measure(ctx, parse_sizes(opts.sizes))
         results["bandwidth"] = rows
         rep.say("")
         rep.say(bandwidth.table(rows, ctx.size, results["meta"]["backend"]))
