@@ -139,23 +139,19 @@ def both_batches(label: str) -> List[Tuple[int, int]]:
     return [(B, D), (B - 1, D)]  # one divided by P = 2 and 4, one not
 
 
-# -------------------------------------------------------------------------------------------- forward
+# -------------------------------------------------------------------------------------------- forward, training
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "training"])
 @pytest.mark.parametrize("label", list(SIZES))
 @pytest.mark.parametrize("P", [2, 3, 4])
-def test_one_all_gather_per_steady_call(worlds, P, label):
-    for seen in run_cases(worlds, P, both_batches(label), train=False):
-        assert seen.exact, f"{label} P={P} B={seen.B}: not vmap's value"
-        assert_calls(seen.forward, seen.native, 1, f"{label} P={P} B={seen.B} forward")
-
-
-# -------------------------------------------------------------------------------------------- training
-@pytest.mark.parametrize("label", list(SIZES))
-@pytest.mark.parametrize("P", [2, 3, 4])
-def test_one_collective_each_way_per_training_step(worlds, P, label):
-    for seen in run_cases(worlds, P, both_batches(label), train=True):
-        assert seen.exact, f"{label} P={P} B={seen.B}: x.grad is not vmap's"
-        assert_calls(seen.forward, seen.native, 1, f"{label} P={P} B={seen.B} forward")
-        assert_calls(seen.backward, seen.native, 1, f"{label} P={P} B={seen.B} backward (the x-gradient gather)")
+def test_one_all_gather_each_way_per_steady_call(worlds, P, label, train):
+    """Forward: one all_gather, the exit round with the rows. A training step's backward: one more, the round of the
+    x-gradient's gather carrying its rows. The value (training: x.grad) is vmap's, bit for bit."""
+    for seen in run_cases(worlds, P, both_batches(label), train=train):
+        where = f"{label} P={P} B={seen.B}"
+        assert seen.exact, f"{where}: not vmap's {'x.grad' if train else 'value'}"
+        assert_calls(seen.forward, seen.native, 1, f"{where} forward")
+        if train:
+            assert_calls(seen.backward, seen.native, 1, f"{where} backward (the x-gradient gather)")
 
 
 # -------------------------------------------------------------------------------------------- a shared weight
