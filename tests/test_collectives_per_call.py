@@ -215,7 +215,8 @@ def test_nothing_crosses_the_wire_at_one_process(worlds):
 # -------------------------------------------------------------------------------------------- shard_map
 def check_shard_map(rows: List[int], D: int) -> List[Seen]:
     """``shard_map(sin, mesh, P('i'), P('i'))`` over a 1-D mesh of the world, repeated on blocks of ``rows`` rows of
-    D float32 per rank."""
+    D float32 per rank: forward alone, then training steps (``f(x).pow(2).sum().backward()``, x.grad against the
+    unsharded function's)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     size = dist.get_world_size()
@@ -224,23 +225,34 @@ def check_shard_map(rows: List[int], D: int) -> List[Seen]:
     seen = []
     for r in rows:
         x = torch.randn(r * size, D, generator=torch.Generator().manual_seed(r))
-        fwd, bwd = count(lambda: f(x))
-        seen.append(Seen(r * size, fwd, bwd, native_gather(mesh.get_group(), r * size, D), torch.equal(f(x), x.sin())))
+        native = native_gather(mesh.get_group(), r * size, D)
+        fwd, _ = count(lambda: f(x))
+        seen.append(Seen(r * size, fwd, Calls([], []), native, torch.equal(f(x), x.sin())))
+        given = x.clone().requires_grad_()
+
+        def step() -> torch.Tensor:
+            given.grad = None
+            return f(given).pow(2).sum()
+
+        fwd, bwd = count(step, backward=True)
+        ref = x.clone().requires_grad_()
+        ref.sin().pow(2).sum().backward()
+        seen.append(Seen(r * size, fwd, bwd, native, torch.equal(given.grad, ref.grad)))
     return seen
 
 
 SHARD_BLOCKS = {"small": ([4], 1), "medium": ([64], 256)}  # rows per rank, D: 16 B and 64 KiB per rank
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a steady shard_map call makes 2 collectives: the exit round (every rank's status and block lengths), "
-    "then the outputs' gather, whose round carries the rows (before rounds learned their sizes: 2 small, 3 medium)",
-)
 @pytest.mark.parametrize("label", list(SHARD_BLOCKS))
 @pytest.mark.parametrize("P", [2, 3])
-def test_one_all_gather_per_steady_shard_map_call(worlds, P, label):
+def test_one_all_gather_each_way_per_steady_shard_map_call(worlds, P, label):
+    """The exit's round gathers the output (its rows are the block lengths the assembly needs); in backward, the
+    gather of the input's gradient blocks rides in its round."""
     rows, D = SHARD_BLOCKS[label]
-    for seen in worlds(P).run(check_shard_map, rows, D, deadline=DEADLINE)[0]:
-        assert seen.exact, f"shard_map {label} P={P}: not sin's value"
-        assert_calls(seen.forward, seen.native, 1, f"shard_map {label} P={P} forward")
+    forward, training = worlds(P).run(check_shard_map, rows, D, deadline=DEADLINE)[0]
+    assert forward.exact, f"shard_map {label} P={P}: not sin's value"
+    assert training.exact, f"shard_map {label} P={P}: x.grad is not the unsharded function's"
+    assert_calls(forward.forward, forward.native, 1, f"shard_map {label} P={P} forward")
+    assert_calls(training.forward, training.native, 1, f"shard_map {label} P={P} training forward")
+    assert_calls(training.backward, training.native, 1, f"shard_map {label} P={P} backward")

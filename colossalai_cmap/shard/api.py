@@ -31,7 +31,7 @@ from ..wire.roles import KEEP
 from . import dtensor
 from .blocks import assemble, assemble_local, block_lengths, cut, cut_local
 from .compiled import REASONS, TENSOR, Traced
-from .conclude import Outcome, conclude
+from .conclude import Carried, Outcome, conclude
 from .mesh import Mesh, MeshJoints, MeshView, manual_ranks, resolve_mesh, running
 from .specs import Leaf, P, Placement, broadcast_specs, check_spec, placement
 
@@ -264,10 +264,13 @@ class _Eager(EagerKind):
     def conclude(self, site: ShardMapped, where: Where, given: Arguments, ran: Any) -> Any:
         """The exit over every axis, then the outputs assembled (or left as blocks, or placed as DTensors)."""
         outcome = Outcome(ran) if isinstance(ran, Failed) else ran.outcome
-        table = conclude(site.call, where.view, where.links, where.whole, outcome)
+        carried = None if isinstance(ran, Failed) else _carried(site, where, ran)
+        table, gathered = conclude(site.call, where.view, where.links, where.whole, outcome, carried)
         flat, out_tree = tree_flatten(ran.out)
         what = f"the outputs of {site.call}"
-        if site.opts.local or ran.out_mesh is not None:  # blocks: left as they are, or placed as DTensors
+        if gathered is not None:  # the exit's round gathered the one output
+            flat = [gathered]
+        elif site.opts.local or ran.out_mesh is not None:  # blocks: left as they are, or placed as DTensors
             flat = assemble_local(flat, ran.places, where.links, what)
             if ran.out_mesh is not None:
                 flat = dtensor.wrap_outputs(site.call, flat, ran.places, ran.out_mesh, where.view, table)
@@ -277,6 +280,22 @@ class _Eager(EagerKind):
 
 
 EAGER = _Eager()
+
+
+def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
+    """The output the exit can gather itself: the only one, a tensor split along one dim over a mesh of one axis
+    whose group is the whole mesh's, with the rounds on the data's own group (CPU data on gloo). Every rank decides
+    alike from its specs and its outputs' structure (which the exit's round checks before any data moves)."""
+    flat = tree_flatten(ran.out)[0]
+    if site.opts.local or ran.out_mesh is not None or len(flat) != 1 or not isinstance(flat[0], torch.Tensor):
+        return None
+    place, names = ran.places[0], where.view.names
+    if place.replicated or len(place.split) != 1 or len(names) != 1 or where.whole.host is not None:
+        return None
+    dim, axes = place.split[0]
+    if axes != names or where.links[names[0]].group.pg is not where.whole.group.pg:
+        return None
+    return Carried(flat[0], dim)
 
 
 def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

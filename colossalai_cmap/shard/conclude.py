@@ -6,7 +6,9 @@ mesh's group (an axis whose group is the whole mesh's has only that one). A rank
 every round; a peer waiting in a collective on that axis sees it, gives the collective up, and comes to the exit
 too. Every rank goes through the same rounds in the same order, and the last one, over the whole mesh, tells every
 rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they
-may be uneven), so they cost no round of their own.
+may be uneven), so they cost no round of their own. Where the whole assembly is one gather over the whole mesh's
+group (one output, split over a one-axis mesh, with rounds on the data's own group), the exit carries that output
+itself: its rows are the lengths, and a repeated call costs the exit round alone (:class:`Carried`).
 """
 
 import functools
@@ -20,7 +22,7 @@ from ..engine.records import Failed
 from ..errors import CmapError
 from ..torch_internals import outside_transforms
 from ..wire import rounds
-from ..wire.exchange import Exit, JoinSpec, join_values
+from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values
 from ..wire.link import Link
 from ..wire.roles import Rows
 from ..wire.rounds import Disagreement, Header, Kind, Status
@@ -40,9 +42,31 @@ class Outcome:
     layout: Tuple[Any, ...] = ()  # what layout_sig digests: each output leaf's path, spec, and dtype and dims or type
 
 
-def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, outcome: Outcome) -> List[List[int]]:
-    """Every round of the exit; returns every rank's block lengths (rows in the whole mesh's group-rank order; empty
-    when nothing is split) on every rank, or raises the same ``CmapError`` on every rank."""
+class Carried(NamedTuple):
+    """The one output the exit gathers itself, and the dim its blocks are split along."""
+
+    value: torch.Tensor
+    dim: int
+
+
+class Concluded(NamedTuple):
+    """What the exit gives every rank: every rank's block lengths (rows in the whole mesh's group-rank order; empty
+    when nothing is split), and the carried output gathered (None: nothing carried)."""
+
+    table: List[List[int]]
+    gathered: Optional[torch.Tensor] = None
+
+
+def conclude(
+    call: str,
+    view: MeshView,
+    links: Dict[str, Link],
+    whole: Link,
+    outcome: Outcome,
+    carried: Optional[Carried] = None,
+) -> Concluded:
+    """Every round of the exit, or the same ``CmapError`` on every rank. With ``carried``, the exit's round gathers
+    that output too (differentiably: its backward is the cut of each rank's rows)."""
     failed = outcome.failed
     for name in view.names:
         link = links[name]
@@ -66,13 +90,20 @@ def conclude(call: str, view: MeshView, links: Dict[str, Link], whole: Link, out
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
     spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host_metadata=True)
 
-    def lengths_of_every_rank() -> List[List[int]]:
+    def lengths_of_every_rank() -> Concluded:
         with outside_transforms():  # the lengths are plain ints, whatever transform is around the call
             got = join_values(spec, lengths)
-            return got[0].tolist() if got else []
+            return Concluded(got[0].tolist() if got else [])
+
+    def gathered_output() -> Concluded:  # the rows each rank sends are its block's length along the split dim
+        learned = Learned()
+        rows = Rows(carried.dim, None)
+        got = join(JoinSpec(whole, (rows,), "the outputs", Kind.STATUS, exit=exit_, learned=learned), [carried.value])
+        return Concluded([[h.rows] for h in learned.table], got[0])
 
     # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
-    return agreed(lengths_of_every_rank, whole, {"digest": lambda: outcome.layout}, functools.partial(_explain, call))
+    run = lengths_of_every_rank if carried is None else gathered_output
+    return agreed(run, whole, {"digest": lambda: outcome.layout}, functools.partial(_explain, call))
 
 
 class Shown(NamedTuple):

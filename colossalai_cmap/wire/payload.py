@@ -170,8 +170,9 @@ def _work_out(
             for k, it in enumerate(items)
         )
     sig = digest((what, [(it.role, it.dtype, it.shape) for it in items]))
-    # room is asked for only where every rank's block fits in it: the row counts known, or no rows travelling
-    largest = max(sizes) if sizes is not None else None if any(is_rows(it.role) for it in items) else 0
+    # room is asked for only where every rank's block fits in it (row counts known: the largest share's; else each
+    # rank asks for its own, and the round is the largest any asked for)
+    largest = max(sizes) if sizes is not None else rows
     asks = inline_ok and (
         block <= room.small
         or (
