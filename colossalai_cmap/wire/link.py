@@ -69,6 +69,21 @@ class DataShape(NamedTuple):
     device: torch.device
 
 
+class Buffers(NamedTuple):
+    """A round's buffers for one payload size: views of the channel's backing store, and the routes through them."""
+
+    send: torch.Tensor  # this rank's header and payload
+    recv_flat: torch.Tensor  # everyone's, as the all-gather writes them
+    payload: torch.Tensor  # this rank's payload area
+    payloads: torch.Tensor  # everyone's payload areas, [P, size]
+    head: Any  # this rank's header, as int64 (numpy)
+    table: Any  # everyone's headers, [P, 6] int64 (numpy)
+    routes: Dict[Any, Any]  # :class:`~.payload.Route` per exchange, views into these buffers
+
+
+_SIZES_KEPT = 64
+
+
 class Channel:
     """The round buffers (this rank's header and payload, everyone's as received, for the current round's size), the
     routes through them, and the agreed state: the next round's payload size and what it was learned from."""
@@ -86,7 +101,7 @@ class Channel:
         self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
         self.last_data: Optional[DataShape] = None  # what the last exit's data phase sent, when one rows tensor
         self.stored = 0  # payload bytes the backing buffers hold
-        self.views: Dict[int, Tuple[Any, ...]] = {}  # payload size -> its buffers and routes
+        self.views: Dict[int, Buffers] = {}  # payload size -> its buffers and routes
         self._use(self.base)
 
     def _use(self, size: int) -> None:
@@ -95,9 +110,30 @@ class Channel:
         if found is None:
             if size > self.stored:
                 self._store(size)
+            elif len(self.views) >= _SIZES_KEPT:
+                self.views = {}
             found = self.views[size] = self._views(size)
-        self.payload_bytes = size
-        self.send, self.recv_flat, self.payload, self.payloads, self.head, self.table, self.routes = found
+        self.payload_bytes, self.buffers = size, found
+
+    @property
+    def send(self) -> torch.Tensor:
+        return self.buffers.send
+
+    @property
+    def recv_flat(self) -> torch.Tensor:
+        return self.buffers.recv_flat
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.buffers.payload
+
+    @property
+    def payloads(self) -> torch.Tensor:
+        return self.buffers.payloads
+
+    @property
+    def routes(self) -> Dict[Any, Any]:
+        return self.buffers.routes
 
     def _store(self, size: int) -> None:
         # written later under any mode, so never an inference tensor, and plain even when a round resizes them
@@ -107,7 +143,7 @@ class Channel:
             self._recv = torch.empty(self.size * (HEADER_BYTES + size), dtype=torch.uint8, device=self.device)
         self.stored, self.views = size, {}  # a returned round still holds views of the old buffers
 
-    def _views(self, size: int) -> Tuple[Any, ...]:
+    def _views(self, size: int) -> Buffers:
         total = HEADER_BYTES + size
         with torch.inference_mode(False), outside_transforms():
             send = self._send.narrow(0, 0, total)
@@ -116,13 +152,13 @@ class Channel:
             head = send.numpy()[:HEADER_BYTES].view(numpy.int64)
             table = recv.numpy()[:, :HEADER_BYTES].view(numpy.int64)
             payload, payloads = send.narrow(0, HEADER_BYTES, size), recv.narrow(1, HEADER_BYTES, size)
-        return send, recv_flat, payload, payloads, head, table, {}  # the routes: views into these buffers
+        return Buffers(send, recv_flat, payload, payloads, head, table, {})
 
     def write_header(self, header: Sequence[int]) -> None:
-        self.head[:] = header
+        self.buffers.head[:] = header
 
     def read_rows(self) -> list:
-        return self.table.tolist()
+        return self.buffers.table.tolist()
 
     def agree(self, names: Sequence[Tuple[int, ...]], need: int) -> None:
         """After a round, from its table alone: ``names`` is every rank's (kind, digest, input signature), ``need``
