@@ -302,9 +302,11 @@ def _route(
     ch, inline, rank = link.channel(), host_metadata or link.host is None, link.group.rank
     if after is not None:
         return cached_route({}, rank, Room(after.payloads[rank], after.payloads, 0, 0), key, tensors, inline)
-    if len(ch.routes) > _ROUTES_MAX:
-        ch.routes.clear()
-    return cached_route(ch.routes, rank, Room(ch.payload, ch.payloads, ch.max, ch.fuse_max), key, tensors, inline)
+    buffers = ch.buffers
+    if len(buffers.routes) > _ROUTES_MAX:
+        buffers.routes.clear()
+    room = Room(buffers.payload, buffers.payloads, ch.max, ch.fuse_max)
+    return cached_route(buffers.routes, rank, room, key, tensors, inline)
 
 
 def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:

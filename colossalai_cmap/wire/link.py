@@ -115,26 +115,6 @@ class Channel:
             found = self.views[size] = self._views(size)
         self.payload_bytes, self.buffers = size, found
 
-    @property
-    def send(self) -> torch.Tensor:
-        return self.buffers.send
-
-    @property
-    def recv_flat(self) -> torch.Tensor:
-        return self.buffers.recv_flat
-
-    @property
-    def payload(self) -> torch.Tensor:
-        return self.buffers.payload
-
-    @property
-    def payloads(self) -> torch.Tensor:
-        return self.buffers.payloads
-
-    @property
-    def routes(self) -> Dict[Any, Any]:
-        return self.buffers.routes
-
     def _store(self, size: int) -> None:
         # written later under any mode, so never an inference tensor, and plain even when a round resizes them
         # inside a torch.func transform (a functorch-wrapped buffer has no storage to read the table from)

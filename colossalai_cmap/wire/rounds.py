@@ -126,13 +126,13 @@ def run_round(
     ch, group = link.channel(), link.round_group
     ch.write_header(pack_header(header))
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
-    payloads = ch.payloads
-    work = comm.issue_all_gather(ch.recv_flat, ch.send, group, link.call, name)
+    buffers = ch.buffers
+    work = comm.issue_all_gather(buffers.recv_flat, buffers.send, group, link.call, name)
     early = also() if also is not None else None
     comm.wait_for(work, group, link.call, link.timeout)
     if link.host is None:  # the table sits in the data's own buffers
         stats.host_read()
-    rnd = Round(tuple(unpack_header(row) for row in ch.read_rows()), payloads)
+    rnd = Round(tuple(unpack_header(row) for row in ch.read_rows()), buffers.payloads)
     if early is not None:
         comm.wait_for(early, link.group, link.call, link.timeout)
     elif any(h.early for h in rnd.table):
