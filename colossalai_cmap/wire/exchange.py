@@ -223,7 +223,8 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
-    rt = _route(link, (spec.what, spec.roles, sizes, spec.dst), tensors, host_metadata=spec.host_metadata)
+    ch = link.channel()
+    rt = _route(link, (spec.what, spec.roles, sizes, spec.dst), tensors, host_metadata=spec.host_metadata, ch=ch)
     if not rt.items and spec.exit is None and not spec.sync:
         return tuple(tensors)  # nothing moves, nothing to agree on
     prep, results, failure, cause = None, {}, None, None
@@ -238,7 +239,6 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    ch = link.channel()
     early = data_phase.early(prep, ch, link) if spec.exit is not None and spec.dst == -1 else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if rnd.failed:
@@ -293,13 +293,15 @@ def _route(
     tensors: Sequence[torch.Tensor],
     after: Optional[Any] = None,
     host_metadata: bool = False,
+    ch: Optional[Any] = None,
 ) -> Route:
     """The route of an exchange on this group (:class:`Route`), kept with the group's round buffers; or, ``after`` a
     round (when only the round told the row counts), through that round's payloads, whatever buffers come next.
 
     Over a host group, only ``host_metadata`` tensors (host-side metadata, made on the CPU) ride in the round: data takes its
-    own collective on the data's group, so the round never copies device memory."""
-    ch, inline, rank = link.channel(), host_metadata or link.host is None, link.group.rank
+    own collective on the data's group, so the round never copies device memory. ``ch``: the link's channel, where
+    the caller has it."""
+    ch, inline, rank = ch if ch is not None else link.channel(), host_metadata or link.host is None, link.group.rank
     if after is not None:
         return cached_route({}, rank, Room(after.payloads[rank], after.payloads, 0, 0), key, tensors, inline)
     buffers = ch.buffers

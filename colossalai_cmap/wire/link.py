@@ -101,6 +101,7 @@ class Channel:
         self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
         self.last_data: Optional[DataShape] = None  # what the last exit's data phase sent, when one rows tensor
         self.stored = 0  # payload bytes the backing buffers hold
+        self.written: Optional[Sequence[int]] = None  # the header in the send buffer (every size's view shares it)
         self.views: Dict[int, Buffers] = {}  # payload size -> its buffers and routes
         self._use(self.base)
 
@@ -121,7 +122,7 @@ class Channel:
         with torch.inference_mode(False), outside_transforms():
             self._send = torch.zeros(HEADER_BYTES + size, dtype=torch.uint8, device=self.device)
             self._recv = torch.empty(self.size * (HEADER_BYTES + size), dtype=torch.uint8, device=self.device)
-        self.stored, self.views = size, {}  # a returned round still holds views of the old buffers
+        self.stored, self.views, self.written = size, {}, None  # a returned round still holds views of the old buffers
 
     def _views(self, size: int) -> Buffers:
         total = HEADER_BYTES + size
@@ -135,19 +136,21 @@ class Channel:
         return Buffers(send, recv_flat, payload, payloads, head, table, {})
 
     def write_header(self, header: Sequence[int]) -> None:
-        self.buffers.head[:] = header
+        if header != self.written:  # a steady loop sends the same header call after call
+            self.buffers.head[:] = header
+            self.written = header
 
     def read_rows(self) -> list:
         return self.buffers.table.tolist()
 
-    def agree(self, names: Sequence[Tuple[int, ...]], need: int) -> None:
-        """After a round, from its table alone: ``names`` is every rank's (kind, digest, input signature), ``need``
-        the largest block any rank asked for. Sizes the next round (the module docstring has the rules)."""
-        if any(n[0] != names[0][0] for n in names):
+    def agree(self, name: Optional[Tuple[int, ...]], need: int) -> None:
+        """After a round, from its table alone: ``name`` is group rank 0's (kind, digest, input signature), None where
+        the ranks were at different kinds of round; ``need`` the largest block any rank asked for. Sizes the next
+        round (the module docstring has the rules)."""
+        if name is None:
             return  # ranks at different kinds of round: the next round (a repeat) keeps this size
         if need <= self.max:
             self._small(need)
-        name = names[0]
         if self.last is not None:
             if len(self.after) >= _TRANSITIONS_MAX:
                 self.after.clear()

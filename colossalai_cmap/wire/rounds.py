@@ -17,9 +17,10 @@ round.
 """
 
 import contextlib
+import functools
 import threading
 from enum import IntEnum
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,6 +75,7 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= (1 << 63) else v
 
 
+@functools.lru_cache(maxsize=256)  # a steady loop sends the same few headers
 def pack_header(h: Header) -> Tuple[int, ...]:
     """A header as the six int64 of its row: the flags and small fields share one, the 32-bit digests pair up."""
     small = h.kind | h.status << 4 | h.inline << 8 | h.early << 9 | min(h.block, _BLOCK_MAX) << 10
@@ -101,18 +103,53 @@ def unpack_header(row: Sequence[int]) -> Header:
 
 
 class Round(NamedTuple):
-    """A finished round: every rank's header, and the payloads (valid until the next round on this group)."""
+    """A finished round: every rank's header, and the payloads (valid until the next round on this group); what the
+    callers read of the table, worked out once per distinct table (:func:`_decoded`)."""
 
     table: Tuple[Header, ...]
     payloads: torch.Tensor  # [P, payload bytes] uint8
+    failed: bool  # a rank posted a failure
+    inline: bool  # every rank's data rode in its payload
+    early: bool  # a rank sent its data right behind the round
+    kind: int  # the kind of round every rank was at (0: they differed)
 
-    @property
-    def failed(self) -> bool:
-        return any(h.status == Status.FAILED for h in self.table)
 
-    @property
-    def inline(self) -> bool:
-        return all(h.inline for h in self.table)
+class _Decoded(NamedTuple):
+    """A round's table as read from its int64 rows, with what every round asks of it."""
+
+    table: Tuple[Header, ...]
+    failed: bool
+    inline: bool
+    early: bool
+    kind: int
+    names: Tuple[Tuple[int, int, int], ...]  # every rank's (kind, digest, input signature): the channel's record
+    need: int  # the largest block any rank asked for
+
+
+_DECODED: Dict[Tuple[Tuple[int, ...], ...], _Decoded] = (
+    {}
+)  # raw rows -> their reading; a steady loop repeats its tables
+_DECODED_MAX = 1024
+
+
+def _decoded(rows: List[List[int]]) -> _Decoded:
+    key = tuple(map(tuple, rows))
+    found = _DECODED.get(key)
+    if found is None:
+        table = tuple(unpack_header(row) for row in rows)
+        found = _Decoded(
+            table=table,
+            failed=any(h.status == Status.FAILED for h in table),
+            inline=all(h.inline for h in table),
+            early=any(h.early for h in table),
+            kind=table[0].kind if all(h.kind == table[0].kind for h in table) else 0,
+            names=tuple((h.kind, h.digest, h.input_sig) for h in table),
+            need=max(h.block for h in table),
+        )
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        _DECODED[key] = found
+    return found
 
 
 def run_round(
@@ -132,13 +169,13 @@ def run_round(
     comm.wait_for(work, group, link.call, link.timeout)
     if link.host is None:  # the table sits in the data's own buffers
         stats.host_read()
-    rnd = Round(tuple(unpack_header(row) for row in ch.read_rows()), buffers.payloads)
+    read = _decoded(ch.read_rows())
     if early is not None:
         comm.wait_for(early, link.group, link.call, link.timeout)
-    elif any(h.early for h in rnd.table):
+    elif read.early:
         _stand_in(ch.last_data, link)
-    ch.agree([(h.kind, h.digest, h.input_sig) for h in rnd.table], max(h.block for h in rnd.table))
-    return rnd
+    ch.agree(read.names[0] if read.kind else None, read.need)
+    return Round(read.table, buffers.payloads, read.failed, read.inline, read.early, read.kind)
 
 
 _EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
@@ -158,7 +195,7 @@ def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] =
     sends none."""
     while True:
         rnd = run_round(link, header, also)
-        if all(h.kind == Kind.STATUS for h in rnd.table):
+        if rnd.kind == Kind.STATUS:
             return rnd
         header, also = header._replace(early=0), None
 
@@ -169,7 +206,7 @@ def checked_round(link: Link, header: Header, what: str) -> Round:
     rnd = run_round(link, header, what=what)
     if rnd.failed:
         return rnd
-    away = [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
+    away = [] if rnd.kind == header.kind else [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
     if away and header.kind == Kind.OP:
         raise CollectiveAborted(_away_in_func(what, away))
     if away:
@@ -234,6 +271,8 @@ class Disagreement(Exception):
 def check_agreement(table: Tuple[Header, ...], agree: Sequence[str], agree_nonempty: Sequence[str]) -> None:
     """Raise :class:`Disagreement` for the first field of ``agree`` that differs across ranks, or of
     ``agree_nonempty`` across the ranks that ran real examples. Every rank holds the same table: same verdict."""
+    if table.count(table[0]) == len(table):  # every rank sent the same header (a steady call)
+        return
     for field in agree:
         if len({getattr(h, field) for h in table}) > 1:
             raise Disagreement(field, table)
