@@ -128,18 +128,20 @@ def profile_summary(profile: Sequence[Dict[str, Any]]) -> List[str]:
     """One row per profiled (case, P): totals, collectives and the parts of a cmap call (rank 0's)."""
     head = " | ".join(label for _, label in PARTS)
     lines = [
-        f"| case | P | cmap us | baseline us | collectives / call | cmap us under cProfile | {head} "
-        "| baseline's all_gather / vmap / rest us |",
-        "|---|---|---|---|---|---|" + "---|" * len(PARTS) + "---|",
+        f"| case | P | cmap us | baseline us | collectives / call | function calls / call (cmap's) "
+        f"| cmap us under cProfile | {head} | baseline's all_gather / vmap / rest us |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(PARTS) + "---|",
     ]
     for p in profile:
         r0 = p["per_rank"][0]
         us, pct, b = r0["breakdown_us"], r0["breakdown_pct"], r0["baseline_phases_us"]
         cells = " | ".join(f"{pct[k]:.0f}% ({us[k]:.0f})" for k, _ in PARTS)
         rest = b["narrow"] + b["alloc/pad"] + b["cut"]
+        made = r0.get("function_calls_per_call")  # results from before it was counted have none
+        made_text = f"{made['all']:.0f} ({made['package']:.0f})" if made else "-"
         lines.append(
             f"| {p['case']} | {p['P']} | {r0['cmap_us']:.0f} | {r0['baseline_us']:.0f} | {_ops_text(r0)} | "
-            f"{r0['profiled_us']:.0f} | {cells} | {b['all_gather']:.0f} / {b['vmap']:.0f} / {rest:.0f} |"
+            f"{made_text} | {r0['profiled_us']:.0f} | {cells} | {b['all_gather']:.0f} / {b['vmap']:.0f} / {rest:.0f} |"
         )
     return lines
 
