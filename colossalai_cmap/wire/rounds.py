@@ -122,13 +122,13 @@ class _Decoded(NamedTuple):
     inline: bool
     early: bool
     kind: int
-    names: Tuple[Tuple[int, int, int], ...]  # every rank's (kind, digest, input signature): the channel's record
+    name: Optional[Tuple[int, int, int]]  # rank 0's (kind, digest, input signature), the channel's record (None: the
+    # ranks were at different kinds of round)
     need: int  # the largest block any rank asked for
 
 
-_DECODED: Dict[Tuple[Tuple[int, ...], ...], _Decoded] = (
-    {}
-)  # raw rows -> their reading; a steady loop repeats its tables
+# raw rows -> their reading: a steady loop repeats its tables
+_DECODED: Dict[Tuple[Tuple[int, ...], ...], _Decoded] = {}
 _DECODED_MAX = 1024
 
 
@@ -137,13 +137,14 @@ def _decoded(rows: List[List[int]]) -> _Decoded:
     found = _DECODED.get(key)
     if found is None:
         table = tuple(unpack_header(row) for row in rows)
+        kind = table[0].kind if all(h.kind == table[0].kind for h in table) else 0
         found = _Decoded(
             table=table,
             failed=any(h.status == Status.FAILED for h in table),
             inline=all(h.inline for h in table),
             early=any(h.early for h in table),
-            kind=table[0].kind if all(h.kind == table[0].kind for h in table) else 0,
-            names=tuple((h.kind, h.digest, h.input_sig) for h in table),
+            kind=kind,
+            name=(kind, table[0].digest, table[0].input_sig) if kind else None,
             need=max(h.block for h in table),
         )
         if len(_DECODED) >= _DECODED_MAX:
@@ -174,7 +175,7 @@ def run_round(
         comm.wait_for(early, link.group, link.call, link.timeout)
     elif read.early:
         _stand_in(ch.last_data, link)
-    ch.agree(read.names[0] if read.kind else None, read.need)
+    ch.agree(read.name, read.need)
     return Round(read.table, buffers.payloads, read.failed, read.inline, read.early, read.kind)
 
 
