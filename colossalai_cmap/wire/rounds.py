@@ -103,42 +103,32 @@ def unpack_header(row: Sequence[int]) -> Header:
 
 
 class Round(NamedTuple):
-    """A finished round: every rank's header, and the payloads (valid until the next round on this group); what the
-    callers read of the table, worked out once per distinct table (:func:`_decoded`)."""
+    """A finished round: every rank's header and what the callers read of them, worked out once per distinct table
+    (:func:`_read`), and the payloads (valid until the next round on this group)."""
 
     table: Tuple[Header, ...]
-    payloads: torch.Tensor  # [P, payload bytes] uint8
     failed: bool  # a rank posted a failure
     inline: bool  # every rank's data rode in its payload
     early: bool  # a rank sent its data right behind the round
     kind: int  # the kind of round every rank was at (0: they differed)
-
-
-class _Decoded(NamedTuple):
-    """A round's table as read from its int64 rows, with what every round asks of it."""
-
-    table: Tuple[Header, ...]
-    failed: bool
-    inline: bool
-    early: bool
-    kind: int
     name: Optional[Tuple[int, int, int]]  # rank 0's (kind, digest, input signature), the channel's record (None: the
     # ranks were at different kinds of round)
     need: int  # the largest block any rank asked for
+    payloads: Optional[torch.Tensor] = None  # [P, payload bytes] uint8
 
 
-# raw rows -> their reading: a steady loop repeats its tables
-_DECODED: Dict[Tuple[Tuple[int, ...], ...], _Decoded] = {}
-_DECODED_MAX = 1024
+# raw rows -> their reading (a Round without payloads): a steady loop repeats its tables
+_READ: Dict[Tuple[Tuple[int, ...], ...], Round] = {}
+_READ_MAX = 1024
 
 
-def _decoded(rows: List[List[int]]) -> _Decoded:
+def _read(rows: List[List[int]], payloads: torch.Tensor) -> Round:
     key = tuple(map(tuple, rows))
-    found = _DECODED.get(key)
+    found = _READ.get(key)
     if found is None:
         table = tuple(unpack_header(row) for row in rows)
         kind = table[0].kind if all(h.kind == table[0].kind for h in table) else 0
-        found = _Decoded(
+        found = Round(
             table=table,
             failed=any(h.status == Status.FAILED for h in table),
             inline=all(h.inline for h in table),
@@ -147,10 +137,10 @@ def _decoded(rows: List[List[int]]) -> _Decoded:
             name=(kind, table[0].digest, table[0].input_sig) if kind else None,
             need=max(h.block for h in table),
         )
-        if len(_DECODED) >= _DECODED_MAX:
-            _DECODED.clear()
-        _DECODED[key] = found
-    return found
+        if len(_READ) >= _READ_MAX:
+            _READ.clear()
+        _READ[key] = found
+    return Round._make(found[:-1] + (payloads,))
 
 
 def run_round(
@@ -170,13 +160,13 @@ def run_round(
     comm.wait_for(work, group, link.call, link.timeout)
     if link.host is None:  # the table sits in the data's own buffers
         stats.host_read()
-    read = _decoded(ch.read_rows())
+    rnd = _read(ch.read_rows(), buffers.payloads)
     if early is not None:
         comm.wait_for(early, link.group, link.call, link.timeout)
-    elif read.early:
+    elif rnd.early:
         _stand_in(ch.last_data, link)
-    ch.agree(read.name, read.need)
-    return Round(read.table, buffers.payloads, read.failed, read.inline, read.early, read.kind)
+    ch.agree(rnd.name, rnd.need)
+    return rnd
 
 
 _EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
