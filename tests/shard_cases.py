@@ -406,6 +406,33 @@ def check_failure(where: str) -> str:
     return "no error"
 
 
+def check_carried_outputs_fail_alike() -> Dict[str, str]:
+    """Two outputs that the exit's round carries, in a steady loop on a 1-D mesh: an exception on one rank, and a
+    rank that returns one output where the others return two, are the same CmapError on every rank, and the next
+    call returns the unsharded values."""
+    m = mesh((dist.get_world_size(),), ("i",))
+    x = torch.randn(4 * dist.get_world_size(), 3, generator=torch.Generator().manual_seed(0))
+    mode = {"now": ""}
+
+    def f(b: torch.Tensor) -> Any:
+        if mode["now"] == "raise" and dist.get_rank() == 1:
+            raise ValueError("boom on rank 1")
+        if mode["now"] == "one output" and dist.get_rank() == 1:
+            return (b.sin(),)
+        return b.sin(), b.cos()
+
+    g = shard_map(f, m, P("i"), P("i"))  # a prefix of any tuple: the structures differ only at the exit
+    seen = {}
+    for now in ("", "", "raise", "", "one output", ""):
+        mode["now"] = now
+        try:
+            y = g(x)
+            assert torch.equal(y[0], x.sin()) and torch.equal(y[1], x.cos()), now
+        except cm.CmapError as exc:
+            seen[now] = str(exc)
+    return seen
+
+
 def check_spec_errors() -> Dict[str, str]:
     m = mesh((2, 2), ("x", "y"))
     out = {}

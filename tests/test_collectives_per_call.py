@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import wire_tap
+from torch.utils._pytree import tree_leaves
 
 import colossalai_cmap as cm
 
@@ -256,3 +257,107 @@ def test_one_all_gather_each_way_per_steady_shard_map_call(worlds, P, label):
     assert_calls(forward.forward, forward.native, 1, f"shard_map {label} P={P} forward")
     assert_calls(training.forward, training.native, 1, f"shard_map {label} P={P} training forward")
     assert_calls(training.backward, training.native, 1, f"shard_map {label} P={P} backward")
+
+
+def shard_map_case(case: str, size: int) -> Tuple[Callable[..., Any], Tuple[Any, ...], Callable[..., Any], Any]:
+    """``case``'s shard_map call on a mesh of the world, its arguments, the unsharded function (the reference on the
+    same arguments), and the loss a training step takes of its outputs (None: forward only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    gen = torch.Generator().manual_seed(size)
+    x, w = torch.randn(4 * size, 3, generator=gen), torch.randn(3, generator=gen)
+    line = init_device_mesh("cpu", (size,), mesh_dim_names=("i",))
+    i = cm.P("i")
+    if case == "two outputs":  # both split along the batch: one row count per rank carries both
+
+        def g(v: torch.Tensor) -> Any:
+            return v.sin(), 2 * v.cos()
+
+        return (
+            cm.shard_map(g, mesh=line, in_specs=i, out_specs=(i, i)),
+            (x,),
+            g,
+            lambda y: y[0].pow(2).sum() + y[1].sum(),
+        )
+    if case == "a split and a replicated output, untyped":  # the replicated one: rank 0's, from the same round
+
+        def g(v: torch.Tensor, u: torch.Tensor) -> Any:
+            return {"y": v.sin(), "u": u * 2}
+
+        specs = dict(in_specs=(i, cm.P()), out_specs={"y": i, "u": cm.P()}, check_vma=False)
+        return cm.shard_map(g, mesh=line, **specs), (x, w), g, lambda y: y["y"].sum() + y["u"].pow(2).sum()
+    if case == "blocks of different lengths":  # 4 rows and 1 per rank: one round cannot carry both
+        f = cm.shard_map(lambda v: (v.sin(), v[:1]), mesh=line, in_specs=i, out_specs=(i, i))
+        return f, (x,), lambda v: (v.sin(), v[::4]), lambda y: y[0].sum() + y[1].pow(2).sum()
+    if case == "different lengths on rank 0 only":  # 5 rows and 4 on rank 0, 4 and 4 elsewhere
+        f = cm.shard_map(lambda v: (v.cos(), v[:4]), mesh=line, in_specs=i, out_specs=(i, i))
+        return f, (torch.cat([x, x[:1]]),), lambda v: (v.cos(), torch.cat([b[:4] for b in v.tensor_split(size)])), None
+    square = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("x", "y"))
+    order = ("x", "y") if case == "2-D mesh, rows over (x, y)" else ("y", "x")
+    f = cm.shard_map(torch.sin, mesh=square, in_specs=cm.P(order), out_specs=cm.P(order))
+    return f, (x,), torch.sin, lambda y: y.pow(2).sum()
+
+
+class CaseSeen(NamedTuple):
+    """One shard_map case on one rank: the counted forward calls and backward passes (none without a loss), whether
+    the outputs equal the unsharded function's bit for bit, and the largest relative difference of a gradient."""
+
+    forward: Calls
+    backward: Calls
+    exact: bool
+    grad_error: float
+
+
+def check_shard_map_case(case: str) -> CaseSeen:
+    f, args, g, loss = shard_map_case(case, dist.get_world_size())
+    fwd, _ = count(lambda: f(*args))
+    exact = all(torch.equal(a, b) for a, b in zip(tree_leaves(f(*args)), tree_leaves(g(*args))))
+    if loss is None:
+        return CaseSeen(fwd, Calls([], []), exact, 0.0)
+    given = [a.clone().requires_grad_() for a in args]
+
+    def step() -> torch.Tensor:
+        for a in given:
+            a.grad = None
+        return loss(f(*given))
+
+    _, bwd = count(step, backward=True)
+    refs = [a.clone().requires_grad_() for a in args]
+    loss(g(*refs)).backward()
+    error = max(((a.grad - r.grad).abs() / r.grad.abs().clamp_min(1e-30)).max().item() for a, r in zip(given, refs))
+    return CaseSeen(fwd, bwd, exact, error)
+
+
+SHARD_CASES = {  # case: (forward collectives, backward collectives)
+    "two outputs": (1, 1),
+    "a split and a replicated output, untyped": (1, 1),
+    # the carrying round finds the lengths differ: a round of lengths, then a gather per distinct block lengths
+    "blocks of different lengths": (4, 1),
+    "different lengths on rank 0 only": (4, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_CASES))
+@pytest.mark.parametrize("P", [2, 3])
+def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
+    """Every output the assembly gathers rides in the exit's round, replicated ones too, while one row count per
+    rank says every carried block's length; where a rank's blocks differ in length, every rank falls back to the
+    round of lengths and the gathers, with the same values."""
+    seen = worlds(P).run(check_shard_map_case, case, deadline=DEADLINE)[0]
+    forward, backward = SHARD_CASES[case]
+    assert seen.exact, f"{case} P={P}: not the unsharded function's outputs"
+    # untyped replicated output: each rank's cotangent over P, summed over P ranks (P roundings of eps / 2 each)
+    assert seen.grad_error <= P * torch.finfo(torch.float32).eps, f"{case} P={P}: gradient off by {seen.grad_error}"
+    assert all(len(names) == forward and set(names) <= set(GATHERS) for names in seen.forward.names), seen.forward
+    assert all(len(names) == backward for names in seen.backward.names), seen.backward
+
+
+@pytest.mark.parametrize("order", ["(x, y)", "(y, x)"])
+def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, order):
+    """Rows split over both axes of a 2 x 2 mesh, in mesh order: the whole mesh's round carries them after the
+    axes' status rounds (a rank waiting in a collective over one axis is told of a failure only by a round on that
+    axis). In the other order the rows are gathered one axis at a time after that round."""
+    seen = worlds(4).run(check_shard_map_case, f"2-D mesh, rows over {order}", deadline=DEADLINE)[0]
+    assert seen.exact and seen.grad_error == 0, seen
+    forward = 3 if order == "(x, y)" else 5
+    assert all(len(names) == forward for names in seen.forward.names), seen.forward

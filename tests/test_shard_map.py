@@ -71,6 +71,14 @@ def test_failure_on_one_rank(worlds, where, rank, kind):
         assert f"group rank {rank} (global rank {rank}) raised {kind}" in text, text
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_carried_outputs_fail_alike(worlds, size):
+    for seen in worlds(size).run(sc.check_carried_outputs_fail_alike):
+        assert set(seen) == {"raise", "one output"}, seen
+        assert "group rank 1 (global rank 1) raised ValueError: boom on rank 1" in seen["raise"], seen["raise"]
+        assert "f returned outputs of different structures" in seen["one output"], seen["one output"]
+
+
 def test_spec_errors(worlds):
     for got in worlds(4).run(sc.check_spec_errors):
         assert "which has length 3, but args[0] has shape (4, 4), which has rank 2" in got["rank"], got["rank"]

@@ -27,7 +27,7 @@ from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
 from ..wire.link import Link, link_for
-from ..wire.roles import KEEP
+from ..wire.roles import EVEN, KEEP, Role, Rows
 from . import dtensor
 from .blocks import assemble, assemble_local, block_lengths, cut, cut_local
 from .compiled import REASONS, TENSOR, Traced
@@ -268,8 +268,9 @@ class _Eager(EagerKind):
         table, gathered = conclude(site.call, where.view, where.links, where.whole, outcome, carried)
         flat, out_tree = tree_flatten(ran.out)
         what = f"the outputs of {site.call}"
-        if gathered is not None:  # the exit's round gathered the one output
-            flat = [gathered]
+        if gathered is not None:  # the exit's round gathered the outputs that needed it
+            for i, value in zip(carried.leaves, gathered):
+                flat[i] = value
         elif site.opts.local or ran.out_mesh is not None:  # blocks: left as they are, or placed as DTensors
             flat = assemble_local(flat, ran.places, where.links, what)
             if ran.out_mesh is not None:
@@ -283,19 +284,28 @@ EAGER = _Eager()
 
 
 def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
-    """The output the exit can gather itself: the only one, a tensor split along one dim over a mesh of one axis
-    whose group is the whole mesh's, with the rounds on the data's own group (CPU data on gloo). Every rank decides
-    alike from its specs and its outputs' structure (which the exit's round checks before any data moves)."""
+    """The outputs the exit can gather itself: every output whose assembly needs communication, where each one's is
+    a single gather over the whole mesh's group (split along one dim over every mesh axis, whose rows the group's rank
+    order holds in the spec's order, or replicated over every axis: the value at whole-group rank 0), with the rounds
+    on the data's own group (CPU data on gloo). Every rank decides alike from its specs and its outputs' structure
+    (which the exit's round checks before any data moves)."""
+    view = where.view
+    if site.opts.local or ran.out_mesh is not None or where.whole.host is not None or not view.row_major():
+        return None
     flat = tree_flatten(ran.out)[0]
-    if site.opts.local or ran.out_mesh is not None or len(flat) != 1 or not isinstance(flat[0], torch.Tensor):
+    found: Dict[int, Role] = {}
+    for i, (value, place) in enumerate(zip(flat, ran.places)):
+        if not isinstance(value, torch.Tensor) or not (place.split or place.replicated):
+            continue  # the block is the value: nothing to assemble
+        if place.replicated == view.names and not place.split:
+            found[i] = EVEN
+        elif not place.replicated and len(place.split) == 1 and place.split[0][1] == view.names:
+            found[i] = Rows(place.split[0][0], None)
+        else:
+            return None
+    if not found:
         return None
-    place, names = ran.places[0], where.view.names
-    if place.replicated or len(place.split) != 1 or len(names) != 1 or where.whole.host is not None:
-        return None
-    dim, axes = place.split[0]
-    if axes != names or where.links[names[0]].group.pg is not where.whole.group.pg:
-        return None
-    return Carried(flat[0], dim)
+    return Carried(tuple(found), tuple(found.values()), tuple(flat[i] for i in found))
 
 
 def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

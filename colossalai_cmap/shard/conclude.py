@@ -6,9 +6,12 @@ mesh's group (an axis whose group is the whole mesh's has only that one). A rank
 every round; a peer waiting in a collective on that axis sees it, gives the collective up, and comes to the exit
 too. Every rank goes through the same rounds in the same order, and the last one, over the whole mesh, tells every
 rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they
-may be uneven), so they cost no round of their own. Where the whole assembly is one gather over the whole mesh's
-group (one output, split over a one-axis mesh, with rounds on the data's own group), the exit carries that output
-itself: its rows are the lengths, and a repeated call costs the exit round alone (:class:`Carried`).
+may be uneven), so they cost no round of their own. Where every output's assembly is one gather over the whole
+mesh's group (each split along one dim over every mesh axis, in the group's rank order, or replicated over them
+all; rounds on the data's own group), the exit carries those outputs itself: their rows are the lengths, and a
+repeated call on a one-axis mesh costs the exit round alone (:class:`Carried`). A round carries one row count per
+rank, so a rank whose carried outputs have blocks of different lengths sends none and says so in its header; every
+rank then sends its lengths in a second round and assembles as it would have.
 """
 
 import functools
@@ -24,7 +27,7 @@ from ..torch_internals import outside_transforms
 from ..wire import rounds
 from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values
 from ..wire.link import Link
-from ..wire.roles import Rows
+from ..wire.roles import Role, Rows, is_rows
 from ..wire.rounds import Disagreement, Header, Kind, Status
 from .mesh import MeshView
 
@@ -43,18 +46,28 @@ class Outcome:
 
 
 class Carried(NamedTuple):
-    """The one output the exit gathers itself, and the dim its blocks are split along."""
+    """The outputs the exit gathers itself: their positions among the flat outputs, their roles in the exit's Join
+    over the whole mesh (``Rows`` with the row counts left to the round, or ``EVEN``), and their values."""
 
-    value: torch.Tensor
-    dim: int
+    leaves: Tuple[int, ...]
+    roles: Tuple[Role, ...]
+    values: Tuple[torch.Tensor, ...]
+
+    def lengths(self) -> List[int]:
+        """This rank's block length of each carried output split into rows."""
+        return [v.shape[r.dim] for r, v in zip(self.roles, self.values) if is_rows(r)]
+
+
+UNEVEN_CARRIED = 1  # a shard_map exit header's flag: this rank's carried outputs have blocks of different lengths
 
 
 class Concluded(NamedTuple):
     """What the exit gives every rank: every rank's block lengths (rows in the whole mesh's group-rank order; empty
-    when nothing is split), and the carried output gathered (None: nothing carried)."""
+    when nothing is split, or when the outputs were carried), and the carried outputs gathered (None: nothing
+    carried)."""
 
     table: List[List[int]]
-    gathered: Optional[torch.Tensor] = None
+    gathered: Optional[Tuple[torch.Tensor, ...]] = None
 
 
 def conclude(
@@ -66,7 +79,8 @@ def conclude(
     carried: Optional[Carried] = None,
 ) -> Concluded:
     """Every round of the exit, or the same ``CmapError`` on every rank. With ``carried``, the exit's round gathers
-    that output too (differentiably: its backward is the cut of each rank's rows)."""
+    those outputs too (differentiably: the backward of each is the cut of each rank's rows), unless a rank's carried
+    blocks differ in length: then a second round sends every rank's block lengths, and nothing comes back gathered."""
     failed = outcome.failed
     for name in view.names:
         link = links[name]
@@ -95,15 +109,26 @@ def conclude(
             got = join_values(spec, lengths)
             return Concluded(got[0].tolist() if got else [])
 
-    def gathered_output() -> Concluded:  # the rows each rank sends are its block's length along the split dim
-        learned = Learned()
-        rows = Rows(carried.dim, None)
-        got = join(JoinSpec(whole, (rows,), "the outputs", Kind.STATUS, exit=exit_, learned=learned), [carried.value])
-        return Concluded([[h.rows] for h in learned.table], got[0])
+    def gathered_outputs() -> Concluded:  # the rows each rank sends are its blocks' length along their split dims
+        learned, values, flags = Learned(), carried.values, 0
+        if len(set(carried.lengths())) > 1:  # one row count per rank: this rank sends none, and says why
+            values = tuple(_no_rows(v, r) for v, r in zip(values, carried.roles))
+            flags = UNEVEN_CARRIED
+        carry = JoinSpec(whole, carried.roles, "the outputs", Kind.STATUS, exit=exit_._replace(flags=flags))
+        got = join(carry._replace(learned=learned), values)
+        if any(h.flags & UNEVEN_CARRIED for h in learned.table):
+            return lengths_of_every_rank()  # every rank read the same table: each sends its lengths, and assembles
+        return Concluded([], tuple(got))
 
     # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
-    run = lengths_of_every_rank if carried is None else gathered_output
+    run = lengths_of_every_rank if carried is None else gathered_outputs
     return agreed(run, whole, {"digest": lambda: outcome.layout}, functools.partial(_explain, call))
+
+
+def _no_rows(value: torch.Tensor, role: Role) -> torch.Tensor:
+    """``value`` with no rows along its role's dim (the others as they are): what a rank sends when its carried
+    outputs' rows cannot share one count."""
+    return value.detach().narrow(role.dim, 0, 0) if is_rows(role) else value.detach()
 
 
 class Shown(NamedTuple):

@@ -73,6 +73,11 @@ class MeshView:
             flat = flat * self.sizes[n] + coords[n]
         return self.whole.ranks.index(self.grid[flat])
 
+    def row_major(self) -> bool:
+        """Whether the whole mesh's group holds the ranks in the mesh's row-major order (the first axis major), as a
+        gather over every axis in mesh order does."""
+        return tuple(self.whole.ranks) == self.grid
+
     def describe(self) -> str:
         return f"a mesh of shape {tuple(self.sizes.values())} with axis names {self.names}"
 
