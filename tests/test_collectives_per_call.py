@@ -2,7 +2,9 @@
 all-gather, at every output size up to the fuse threshold (the status round carries the output rows), and a
 training step's backward makes one more (the gather of the mapped input's gradient rows). Above the threshold the
 data takes its own collective (two per call). Bytes stay within 1.1x a hand-written ``all_gather_into_tensor`` of
-the same output, measured side by side on the same group, plus 16 KiB. At P = 1 nothing crosses the wire.
+the same output, measured side by side on the same group, plus 16 KiB. At P = 1 nothing crosses the wire. A
+shard_map call's exit round carries every output it assembles with one gather over the whole mesh (several outputs,
+replicated ones too); on a mesh of several axes, each axis's status round comes first.
 
 Counted by wrapping ``torch.distributed`` (tests/wire_tap.py) in real gloo worlds: 3 calls warm up (a call is steady
 once the same call has run twice before), the next 3 are counted, each on its own. Every case runs on a group of
