@@ -358,8 +358,10 @@ def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
 def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, order):
     """Rows split over both axes of a 2 x 2 mesh, in mesh order: the whole mesh's round carries them after the
     axes' status rounds (a rank waiting in a collective over one axis is told of a failure only by a round on that
-    axis). In the other order the rows are gathered one axis at a time after that round."""
+    axis), and in backward the input's gradient blocks are one gather over the whole mesh. In the other order the
+    rows move one axis at a time, each way."""
     seen = worlds(4).run(check_shard_map_case, f"2-D mesh, rows over {order}", deadline=DEADLINE)[0]
     assert seen.exact and seen.grad_error == 0, seen
-    forward = 3 if order == "(x, y)" else 5
+    forward, backward = (3, 1) if order == "(x, y)" else (5, 2)
     assert all(len(names) == forward for names in seen.forward.names), seen.forward
+    assert all(len(names) == backward for names in seen.backward.names), seen.backward

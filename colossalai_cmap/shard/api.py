@@ -423,7 +423,8 @@ def _cut_blocks(
     whole = [i for i in range(len(leaves)) if not local[i]]
     if whole:
         for i, v in zip(
-            whole, cut([leaves[i] for i in whole], [places[i] for i in whole], where.links, where.view, tag)
+            whole,
+            cut([leaves[i] for i in whole], [places[i] for i in whole], where.links, where.view, tag, where.whole),
         ):
             out[i] = v
     mine = [i for i in range(len(leaves)) if local[i]]

@@ -26,20 +26,36 @@ import torch
 from ..torch_internals import outside_transforms
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
 from ..wire.link import Link
-from ..wire.roles import COPY, EVEN, FIRST, ONCE, is_rows
+from ..wire.roles import COPY, EVEN, FIRST, ONCE, Rows, is_rows, tensor_split_sizes
 from ..wire.rounds import Kind
 from .specs import Placement, Step
 
+WHOLE = ("the whole mesh",)  # the step key of a cut over the whole mesh's group (no axis name is a tuple)
+
 
 def cut(
-    values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], view: Any, tag: CallTag
+    values: Sequence[Any],
+    places: Sequence[Placement],
+    links: Dict[str, Link],
+    view: Any,
+    tag: CallTag,
+    whole: Link,
 ) -> List[Any]:
-    """Each global value's block on this rank (the tag marks the entry, as a cmap call's)."""
-    steps = [
-        p.cut_steps(v.shape, view.sizes, view.coords) if isinstance(v, torch.Tensor) else []
-        for v, p in zip(values, places)
-    ]
+    """Each global value's block on this rank (the tag marks the entry, as a cmap call's). A value split along one
+    dim over every axis of a mesh of several, in mesh order, is cut by one ``Split`` over the whole mesh's group
+    where that group holds the ranks row-major (the same blocks): its transpose, in backward, is one gather, not one
+    per axis."""
+    steps = [_cut_steps(v, p, view) if isinstance(v, torch.Tensor) else [] for v, p in zip(values, places)]
+    links = {**links, WHOLE: whole}
     return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
+
+
+def _cut_steps(value: torch.Tensor, place: Placement, view: Any) -> List[Step]:
+    if len(view.names) > 1 and not place.replicated and len(place.split) == 1 and place.split[0][1] == view.names:
+        if view.row_major():
+            dim = place.split[0][0]
+            return [Step(WHOLE, Rows(dim, tensor_split_sizes(value.shape[dim], len(view.whole.ranks))))]
+    return place.cut_steps(value.shape, view.sizes, view.coords)
 
 
 def cut_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], tag: CallTag) -> List[Any]:
