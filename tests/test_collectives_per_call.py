@@ -365,3 +365,45 @@ def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, or
     forward, backward = (3, 1) if order == "(x, y)" else (5, 2)
     assert all(len(names) == forward for names in seen.forward.names), seen.forward
     assert all(len(names) == backward for names in seen.backward.names), seen.backward
+
+
+# -------------------------------------------------------------------------------------------- src=r
+def check_src_steady() -> Dict[str, Any]:
+    """``cmap(torch.mul, in_dims=(0, None), src=0)``, only rank 0 passing the batch, repeated; then a batch of
+    another size, the same again, a mistake on the source (a string for the mapped argument), and the second
+    batch once more. Each call's collectives, and whether every value is vmap's, bit for bit."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(16, generator=gen)
+    batches = {"8": torch.randn(8, 16, generator=gen), "5": torch.randn(5, 16, generator=gen)}
+    f = cm.cmap(torch.mul, in_dims=(0, None), src=0, group=group)  # elementwise: vmap's bits at any share
+    source = dist.get_rank() == 0
+    seen: Dict[str, Any] = {"calls": [], "exact": [], "error": ""}
+    for step in ("8", "8", "8", "8", "5", "5", "mistake", "5"):
+        with wire_tap.counting() as log:
+            try:
+                given = batches.get(step, "not a tensor") if source else None
+                out = f(given, w)
+                seen["exact"].append(torch.equal(out, torch.vmap(torch.mul, (0, None))(batches[step], w)))
+            except cm.CmapError as exc:
+                seen["error"] = str(exc)
+        seen["calls"].append(tuple(log.names()))
+    return seen
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_steady_src_call_sends_its_word_ahead_of_the_shares(worlds, P):
+    """The first call (and one whose batch changed) broadcasts the source's metadata before the scatter; a steady
+    call's scatter carries the source's word (same, changed, failed) ahead of the shares, so it costs the scatter
+    and the exit's round, what a hand-written scatter and gather cost. A mistake on the source is every rank's
+    CmapError, and the next call is steady again."""
+    for seen in worlds(P).run(check_src_steady, deadline=DEADLINE):
+        first = ("broadcast", "broadcast", "scatter", "all_gather_into_tensor")
+        steady = ("scatter", "all_gather_into_tensor")
+        changed = ("scatter",) + first
+        assert seen["calls"][:6] == [first, steady, steady, steady, changed, steady], seen["calls"]
+        # the word says the source failed: no metadata broadcast (the error path's object gather of details follows)
+        assert seen["calls"][6][:2] == steady and "broadcast" not in seen["calls"][6], seen["calls"]
+        assert seen["calls"][7] == steady, seen["calls"]
+        assert seen["exact"] == [True] * 7, seen["exact"]
+        assert "group rank 0 (global rank 0) raised" in seen["error"], seen["error"]

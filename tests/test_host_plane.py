@@ -167,3 +167,18 @@ def test_shard_map_collectives_and_uneven_blocks(host_worlds):
 def test_shard_model_llama(host_worlds):
     got = host_worlds(2).run(test_tp_plan.check_llama, deadline=DEADLINE)
     assert len(set(got)) == 1
+
+
+def test_a_steady_src_call_says_its_word_on_the_host_group(host_worlds):
+    """With rounds on a host group, the source's word at a steady start is an 8-byte broadcast there (the data's
+    group never carries it, so no rank reads it from device memory), then the scatter alone."""
+    import test_collectives_per_call as per_call
+
+    for seen in host_worlds(3).run(per_call.check_src_steady, deadline=DEADLINE):
+        assert seen["exact"] == [True] * 7, seen["exact"]
+        assert "group rank 0 (global rank 0) raised" in seen["error"], seen["error"]
+        first, steady = seen["calls"][0], seen["calls"][1]
+        assert first.count("broadcast") == 2 and first.count("scatter") == 1, first
+        assert steady.count("broadcast") == 1 and steady.count("scatter") == 1, steady
+        assert seen["calls"][2:4] == [steady, steady] and seen["calls"][5] == steady and seen["calls"][7] == steady
+        assert seen["calls"][4] == ("broadcast",) + first, seen["calls"][4]  # changed: the word, then the first path

@@ -182,10 +182,15 @@ def _split_flat(prep: Prepared, role: Role, dtype: torch.dtype, flat: torch.Tens
 
 class Scattered(NamedTuple):
     """What :func:`scatter_from_source` gives this rank: its rows of each tensor, and on an empty share each tensor's first
-    example in its block instead (the share's stand-in), else None."""
+    example in its block instead (the share's stand-in), else None; and the int64 the source put before the rows
+    (None: it put none)."""
 
     rows: List[torch.Tensor]
     stand_in: Optional[List[torch.Tensor]]
+    prefix: Optional[int] = None
+
+
+PREFIX_BYTES = 16  # an int64 before the rows of each rank's block (aligned as the rows), where the source puts one
 
 
 def scatter_from_source(
@@ -194,10 +199,13 @@ def scatter_from_source(
     sizes: Sequence[int],
     kinds: Sequence[Tuple[Tuple[int, ...], torch.dtype, int]],
     full: Optional[Sequence[torch.Tensor]],
+    prefix: Optional[int] = None,
 ) -> Scattered:
     """Group rank ``src``'s tensors (``full``, there only) cut into every rank's rows and sent in one ``scatter``,
     all packed together per rank for the largest share. ``kinds`` gives each tensor's example shape, dtype and
-    batch dim on every rank, and ``sizes`` each rank's row count."""
+    batch dim on every rank, and ``sizes`` each rank's row count. With ``prefix`` (given on every rank; its value is
+    the source's), each block starts with that int64, and the source may send no rows (``full`` None there too):
+    the prefix says so."""
     group = link.group
     items = [
         Item(index=k, role=Rows(0, tuple(sizes)), dtype=dtype, shape=shape, nbytes=numel(shape) * dtype.itemsize)
@@ -205,26 +213,32 @@ def scatter_from_source(
     ]
     cap = max(max(sizes), 1)
     offs, block = offsets(items, cap)
-    recv = torch.empty(block, dtype=torch.uint8, device=link.device)
+    ahead = PREFIX_BYTES if prefix is not None else 0
+    recv = torch.empty(ahead + block, dtype=torch.uint8, device=link.device)
     blocks = None
-    if full is not None:
-        blocks = [torch.zeros(block, dtype=torch.uint8, device=link.device) for _ in range(group.size)]
+    if group.rank == src and (full is not None or prefix is not None):
+        blocks = [torch.zeros(ahead + block, dtype=torch.uint8, device=link.device) for _ in range(group.size)]
         for r in range(group.size):
-            pack_padded(items, [_rows_of(t, d, sizes, r) for t, (_, _, d) in zip(full, kinds)], cap, blocks[r])
-    if block:
+            if prefix is not None:
+                blocks[r][:8].view(torch.int64).fill_(prefix)
+            if full is not None:
+                rows = [_rows_of(t, d, sizes, r) for t, (_, _, d) in zip(full, kinds)]
+                pack_padded(items, rows, cap, blocks[r][ahead:])
+    if ahead + block:
         comm.scatter_from(recv, blocks, src, group, link.call, link.timeout)
-    mine = sizes[group.rank]
+    said = int(recv[:8].view(torch.int64)[0]) if prefix is not None else None
+    data, mine = recv[ahead:], sizes[group.rank]
     rows = [
-        typed_view(recv, off, it.dtype, (mine, *it.shape)).movedim(0, d)
+        typed_view(data, off, it.dtype, (mine, *it.shape)).movedim(0, d)
         for it, off, (_, _, d) in zip(items, offs, kinds)
     ]
     stand_in = None
     if mine == 0 and sum(sizes) > 0:
         stand_in = [
-            typed_view(recv, off, it.dtype, (1, *it.shape)).movedim(0, d).clone()
+            typed_view(data, off, it.dtype, (1, *it.shape)).movedim(0, d).clone()
             for it, off, (_, _, d) in zip(items, offs, kinds)
         ]
-    return Scattered(rows=rows, stand_in=stand_in)
+    return Scattered(rows=rows, stand_in=stand_in, prefix=said)
 
 
 def _rows_of(t: torch.Tensor, dim: int, sizes: Sequence[int], r: int) -> torch.Tensor:

@@ -53,6 +53,8 @@ class GroupState:
         failure: the error of the wait that failed on it, raised again by any later collective on it.
         track: this process's count of cmap collectives on the group (:mod:`.presence`), made by its first one.
         host: the gloo group on the same ranks that status rounds (and CPU tensors in an nccl world) take, or None.
+        sources: what ``src=r`` calls' last starts told every rank (the call layer's records, by call name and
+            source), kept alike on every rank so that a steady start needs no metadata broadcast.
     """
 
     group: Group
@@ -61,6 +63,7 @@ class GroupState:
     broken: Optional[str] = None
     failure: str = ""
     host: Optional[Group] = None
+    sources: Dict[Any, Any] = field(default_factory=dict)
 
 
 _STATES: Dict[int, Tuple[Any, GroupState]] = {}  # id(pg) -> (pg, state): the pg kept alive, so ids are not reused
