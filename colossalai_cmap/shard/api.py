@@ -297,10 +297,11 @@ def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
     for i, (value, place) in enumerate(zip(flat, ran.places)):
         if not isinstance(value, torch.Tensor) or not (place.split or place.replicated):
             continue  # the block is the value: nothing to assemble
-        if place.replicated == view.names and not place.split:
+        dim = place.dim_over(view.names)
+        if dim is not None:
+            found[i] = Rows(dim, None)
+        elif place.replicated == view.names and not place.split:
             found[i] = EVEN
-        elif not place.replicated and len(place.split) == 1 and place.split[0][1] == view.names:
-            found[i] = Rows(place.split[0][0], None)
         else:
             return None
     if not found:

@@ -51,10 +51,9 @@ def cut(
 
 
 def _cut_steps(value: torch.Tensor, place: Placement, view: Any) -> List[Step]:
-    if len(view.names) > 1 and not place.replicated and len(place.split) == 1 and place.split[0][1] == view.names:
-        if view.row_major():
-            dim = place.split[0][0]
-            return [Step(WHOLE, Rows(dim, tensor_split_sizes(value.shape[dim], len(view.whole.ranks))))]
+    dim = place.dim_over(view.names) if len(view.names) > 1 and view.row_major() else None
+    if dim is not None:
+        return [Step(WHOLE, Rows(dim, tensor_split_sizes(value.shape[dim], len(view.whole.ranks))))]
     return place.cut_steps(value.shape, view.sizes, view.coords)
 
 

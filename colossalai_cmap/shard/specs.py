@@ -12,7 +12,7 @@ major, as jax numbers them.
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Sequence, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -75,6 +75,13 @@ class Placement:
     spec: P
     split: Tuple[Tuple[int, Tuple[str, ...]], ...]
     replicated: Tuple[str, ...]
+
+    def dim_over(self, names: Sequence[str]) -> Optional[int]:
+        """The one dim this leaf is split along, where it is split over exactly ``names`` in that order and replicated
+        over nothing (the blocks of one gather over those axes' joint group, first major); else None."""
+        if self.replicated or len(self.split) != 1 or tuple(self.split[0][1]) != tuple(names):
+            return None
+        return self.split[0][0]
 
     def cut_steps(self, shape: Sequence[int], sizes: dict, coords: dict) -> List[Step]:
         """Global value to this rank's block: each split dim's axes, major first, then the replicated axes (so the
