@@ -78,9 +78,12 @@ def shares_from_src(
             meta, failure = SourceMeta(failure=group.failure(exc)), Failed(group.failure(exc), exc)
     got = None
     if kept is not None:
-        said = FAILED if failure is not None else SAME if digest(meta) == kept.digest else CHANGED
+        said = SAME  # elsewhere a placeholder: the source's word comes back in the start
+        if is_src:
+            said = FAILED if failure is not None else SAME if digest(meta) == kept.digest else CHANGED
         shares = split_batch(opts, kept.meta.spec, kept.meta.dims, kept.meta.batch, group, kept.digest)
-        said, got = _steady_start(link, src, said, kept.meta, shares, local.leaves if said == SAME else None)
+        full = local.leaves if is_src and said == SAME else None
+        said, got = _steady_start(link, src, said, kept.meta, shares, full)
         if said == FAILED:
             return failure or Failed(None, None)
         meta = kept.meta if said == SAME else meta
