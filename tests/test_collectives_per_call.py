@@ -4,7 +4,8 @@ training step's backward makes one more (the gather of the mapped input's gradie
 data takes its own collective (two per call). Bytes stay within 1.1x a hand-written ``all_gather_into_tensor`` of
 the same output, measured side by side on the same group, plus 16 KiB. At P = 1 nothing crosses the wire. A
 shard_map call's exit round carries every output it assembles with one gather over the whole mesh (several outputs,
-replicated ones too); on a mesh of several axes, each axis's status round comes first.
+replicated ones too); on a mesh of several axes, each axis's status round comes first. With ``dst=r``, rows ride in
+the round while that costs no more bytes than a gather; larger ones take a gather issued right behind the round.
 
 Counted by wrapping ``torch.distributed`` (tests/wire_tap.py) in real gloo worlds: 3 calls warm up (a call is steady
 once the same call has run twice before), the next 3 are counted, each on its own. Every case runs on a group of
@@ -204,6 +205,61 @@ def test_above_the_threshold_the_data_takes_its_own_collective(worlds, P):
         assert seen.exact, f"P={P} B={B}: x.grad is not vmap's"
         assert_calls(seen.forward, seen.native, 2, f"{B * D * 4} B out, P={P}, forward")
         assert_calls(seen.backward, seen.native, 2, f"{B * D * 4} B out, P={P}, backward")
+
+
+# -------------------------------------------------------------------------------------------- to one rank
+def check_to_one_rank(cases: List[Tuple[int, int]]) -> List[Dict[str, Any]]:
+    """``cmap(sin(x) + x, dst=P - 1)`` repeated on a group of its own, per (B, D): the counted calls' issues and
+    waits in order, the bytes they sent and those of a hand-written ``gather`` of the output, and whether the last
+    rank got vmap's value bit for bit (every other rank None)."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    size, rank = dist.get_world_size(), dist.get_rank()
+    seen = []
+    for B, D in cases:
+        f = cm.cmap(elementwise, group=group, dst=size - 1)
+        x = torch.randn(B, D, generator=torch.Generator().manual_seed(B))
+        for _ in range(WARM):
+            f(x)
+        events, sent, exact = [], [], []
+        for k in range(COUNTED):
+            with wire_tap.counting() as log:
+                y = f(x + k)
+            events.append(log.events)
+            sent.append(log.sent)
+            exact.append(torch.equal(y, torch.vmap(elementwise)(x + k)) if rank == size - 1 else y is None)
+        rows = -(-B // size)
+        with wire_tap.counting() as log:
+            outs = [torch.empty(rows, D) for _ in range(size)] if rank == size - 1 else None
+            dist.gather(torch.zeros(rows, D), outs, dst=size - 1, group=group)
+        seen.append({"events": events, "sent": sent, "native": log.sent, "exact": exact})
+    return seen
+
+
+ROUND = "all_gather_into_tensor"
+TO_ONE_RANK = {  # (B, D) of float32: what a steady call does with it
+    2: [((256, 256), "rides"), ((255, 256), "rides"), (big_case(), "overlaps")],
+    3: [((256, 256), "overlaps"), ((255, 256), "overlaps"), (SIZES["32 B"], "rides")],
+}
+
+
+@pytest.mark.parametrize("P", sorted(TO_ONE_RANK))
+def test_a_steady_call_to_one_rank_sends_its_data_with_the_round(worlds, P):
+    """With ``dst=r``, rows ride in the round while an all-gather of them costs no more than the gather (small
+    outputs; at P = 2 up to the threshold). Larger ones take a gather to r, issued right behind the round, so the
+    two are in flight together: a steady call costs what the gather costs, and the round's latency hides behind it.
+    Bytes stay within 1.1x a hand-written gather + 16 KiB; the value on r is vmap's, bit for bit."""
+    cases = [case for case, _ in TO_ONE_RANK[P]]
+    expected = {
+        "rides": [("issue", ROUND), ("wait", ROUND)],
+        "overlaps": [("issue", ROUND), ("issue", "gather"), ("wait", ROUND), ("wait", "gather")],
+    }
+    for rank, seen in enumerate(worlds(P).run(check_to_one_rank, cases, deadline=DEADLINE)):
+        for ((B, D), how), got in zip(TO_ONE_RANK[P], seen):
+            where = f"P={P} rank {rank} B={B} D={D}"
+            assert got["exact"] == [True] * COUNTED, where
+            assert got["events"] == [expected[how]] * COUNTED, f"{where}: {got['events']}"
+            if how == "overlaps":  # rides: the round's all_gather, checked by may_grow's bound
+                assert max(got["sent"]) <= 1.1 * got["native"] + ALLOWANCE, (where, got["sent"], got["native"])
 
 
 # -------------------------------------------------------------------------------------------- one process

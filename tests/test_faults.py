@@ -78,6 +78,59 @@ def test_fault_at_every_phase_reaches_every_rank(worlds, P):
     assert counts == [len(cases(P))] * P
 
 
+def check_faults_in_steady_large_calls(dst):
+    """A large call (past the largest round), repeated until every rank sends its data right behind the exit round
+    (the gather to ``dst``, or the all-gather): a fault at each phase on one rank, then a rank whose output has
+    another shape, are the same CmapError on every rank, whichever rank it is; the calls after each are right."""
+    import wire_tap
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * size + 1, 200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    narrow = []  # the ranks whose output is one column short
+
+    def f(v):
+        y = v.sin()
+        return y[:-1] if rank in narrow else y
+
+    mapped = cm.cmap(f, dst=dst)
+
+    def call(k):
+        y = mapped(x + k)
+        assert torch.equal(y, (x + k).sin()) if dst in (-1, rank) else y is None, k
+        return y
+
+    data = "all_gather_into_tensor" if dst == -1 else "gather"
+    for k in range(3):
+        with wire_tap.counting() as log:
+            call(k)
+    assert log.events[:2] == [("issue", "all_gather_into_tensor"), ("issue", data)], log.events  # sent early
+    seen = []
+    for victim in sorted({0, size - 1}):
+        for phase in ("func", "layout", "pack", "gather"):
+            with inject_fault(phase, [victim]), pytest.raises(cm.CmapError) as info:
+                call(0)
+            failing = [f.group_rank for f in info.value.failures if f.exc_type == InjectedFault.__qualname__]
+            assert failing == [victim], (victim, phase, str(info.value))
+            seen.append((victim, phase))
+            call(1)
+            call(2)
+        narrow[:] = [victim]
+        with pytest.raises(cm.CmapError, match="shape"):
+            mapped(x)
+        narrow.clear()
+        seen.append((victim, "shape"))
+        call(1)
+        call(2)
+    return seen
+
+
+@pytest.mark.parametrize("dst", [-1, 0, 1])
+def test_faults_in_steady_large_calls_reach_every_rank(worlds, dst):
+    got = worlds(2).run(check_faults_in_steady_large_calls, dst, deadline=120)
+    phases = ["func", "layout", "pack", "gather", "shape"]
+    assert got == [[(v, p) for v in (0, 1) for p in phases]] * 2
+
+
 def check_group_of_one():
     """P = 1: the phases before any exchange still raise CmapError, and the next call works."""
     for phase in ("args", "func"):

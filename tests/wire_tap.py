@@ -70,11 +70,13 @@ RING: Dict[str, Callable[..., float]] = {
 
 @dataclass
 class WireLog:
-    """The collectives seen, as (function, bytes sent by this rank), in order; and where each went, as (function,
-    process group, dtype of the tensor sent)."""
+    """The collectives seen, as (function, bytes sent by this rank), in order; where each went, as (function,
+    process group, dtype of the tensor sent); and the order in which they were issued and waited for, as ("issue" or
+    "wait", function), so that a test sees which collectives were in flight together."""
 
     calls: List[Tuple[str, float]] = field(default_factory=list)
     where: List[Tuple[str, Any, Any]] = field(default_factory=list)
+    events: List[Tuple[str, str]] = field(default_factory=list)
 
     @property
     def sent(self) -> float:
@@ -99,7 +101,12 @@ def counting() -> Iterator[WireLog]:
             log.calls.append((name, float(RING[name](*args, **kwargs))))
             sent = [a for a in args if isinstance(a, torch.Tensor)][-1:]
             log.where.append((name, kwargs.get("group") or dist.group.WORLD, sent[0].dtype if sent else None))
-            return fn(*args, **kwargs)
+            log.events.append(("issue", name))
+            work = fn(*args, **kwargs)
+            if not kwargs.get("async_op") or work is None:
+                log.events.append(("wait", name))
+                return work
+            return _Watched(work, name, log)
 
         return counted
 
@@ -110,6 +117,20 @@ def counting() -> Iterator[WireLog]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+class _Watched:
+    """A collective's work left in flight, which logs its wait (the work's other methods pass through)."""
+
+    def __init__(self, work: Any, name: str, log: WireLog) -> None:
+        self._work, self._name, self._log = work, name, log
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._log.events.append(("wait", self._name))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._work, attr)
 
 
 def native_bound(op: str, n: int, P: int) -> Tuple[float, float]:

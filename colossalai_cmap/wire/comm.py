@@ -179,9 +179,9 @@ def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, call: s
     return _issue("all_gather", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp])
 
 
-def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float]) -> None:
-    """Wait, with the bound, for a collective :func:`issue_all_gather` left in flight."""
-    _wait(pending, group, call, "all_gather", timeout)
+def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float], name: str = "all_gather") -> None:
+    """Wait, with the bound, for a collective :func:`issue_all_gather` or :func:`issue_gather` left in flight."""
+    _wait(pending, group, call, name, timeout)
 
 
 def reduce_scatter_into(
@@ -236,16 +236,31 @@ def all_to_all_into(
 def gather_to(
     inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, timeout: Optional[float]
 ) -> None:
+    _wait(issue_gather(inp, outs, dst, group, call, "gather"), group, call, "gather", timeout)
+
+
+def issue_stacked(
+    recv: Optional[torch.Tensor], send: torch.Tensor, dst: int, group: Group, call: str, what: str
+) -> Pending:
+    """Every rank's ``send`` into ``recv`` in group-rank order along dim 0, on every rank (``dst`` -1: one
+    all-gather, in the concatenated form, the only one gloo takes) or on group rank ``dst`` only (one gather; ``recv``
+    is None elsewhere); left in flight."""
+    if dst == -1:
+        return issue_all_gather(recv.view(group.size * send.shape[0], *send.shape[1:]), send, group, call, what)
+    outs = None if recv is None else list(recv.view(group.size, *send.shape).unbind(0))
+    return issue_gather(send, outs, dst, group, call, what)
+
+
+def issue_gather(
+    inp: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group, call: str, what: str
+) -> Pending:
+    """Every rank's ``inp`` into ``outs`` on group rank ``dst`` (None elsewhere), left in flight like
+    :func:`issue_all_gather`."""
+
     def issue(*targets: torch.Tensor) -> Any:
         return dist.gather(inp, list(targets) if outs else None, dst=group.ranks[dst], group=group.pg, async_op=True)
 
-    _wait(
-        _issue("gather", _nbytes(inp), group, call, outs or [], issue, what="gather", reads=[inp]),
-        group,
-        call,
-        "gather",
-        timeout,
-    )
+    return _issue("gather", _nbytes(inp), group, call, outs or [], issue, what=what, reads=[inp])
 
 
 def scatter_from(

@@ -5,7 +5,7 @@ single one travels in its own dtype, and the receive buffer's first rows are the
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
 failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
 A call's exit whose data phase has the shape the group's last exit agreed on sends it right behind its round
-(:func:`early`). ``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
+(:func:`early`): the all-gather, or with ``dst=r`` the gather to that rank. ``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
 the same way.
 """
 
@@ -21,7 +21,6 @@ from .payload import Item, numel, offsets, rows_first, typed_view
 from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
 
 _REDUCE_OPS = {COPY: "SUM", MAX: "MAX", MIN: "MIN"}
-_EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
 
 
 class Prepared(NamedTuple):
@@ -103,27 +102,29 @@ def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------ data sent early
-def early_shape(prep: Prepared, link: Link) -> Optional[DataShape]:
-    """What a data phase sends, when it is one rows tensor in its own dtype gathered to every rank."""
+def early_shape(prep: Prepared, link: Link, dst: int) -> Optional[DataShape]:
+    """What a data phase sends, when it is one rows tensor in its own dtype gathered to every rank or to ``dst``."""
     gathered = [it for it in prep.items if not it.reduced]
     if prep.flats or len(gathered) != 1 or not is_rows(gathered[0].role):
         return None
-    return DataShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device)
+    return DataShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device, dst)
 
 
-def early(prep: Optional[Prepared], ch: Channel, link: Link) -> Optional[Callable[[], Any]]:
+def early(prep: Optional[Prepared], ch: Channel, link: Link, dst: int) -> Optional[Callable[[], Any]]:
     """The data phase, to issue right behind the round, when its shape is the one the last exit on this group agreed
     (so every rank in step sends the same shape). Ranks that do not send early learn from the round who did, and send
     a stand-in of that shape (:func:`~.rounds.run_round`)."""
-    if prep is None or ch.last_data is None or early_shape(prep, link) != ch.last_data:
+    shape = ch.last_data
+    if prep is None or shape is None or early_shape(prep, link, dst) != shape:
         return None
-    return lambda: comm.issue_all_gather(prep.recv, prep.send, link.group, link.call, _EARLY)
+    return lambda: comm.issue_stacked(prep.recv, prep.send, dst, link.group, link.call, shape.what())
 
 
 def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
-    """The results of a data phase every rank sent early: only the cut remains."""
-    it = next(it for it in prep.items if not it.reduced)
-    cut_padded(prep.recv, prep.sizes, out=prep.results[it.index])
+    """The results of a data phase every rank sent early: only the cut remains (off ``dst``, nothing)."""
+    if prep.recv is not None:
+        it = next(it for it in prep.items if not it.reduced)
+        cut_padded(prep.recv, prep.sizes, out=prep.results[it.index])
     return prep.results
 
 
@@ -148,11 +149,8 @@ def _gather(
     recv: Optional[torch.Tensor], send: torch.Tensor, group: Group, dst: int, call: str, timeout: Optional[float]
 ) -> None:
     """``recv`` holds every rank's ``send`` in group-rank order along dim 0 (None off ``dst``)."""
-    if dst == -1:  # gloo takes the concatenated form only
-        comm.all_gather_into(recv.view(group.size * send.shape[0], *send.shape[1:]), send, group, call, timeout)
-        return
-    outs = None if recv is None else list(recv.view(group.size, *send.shape).unbind(0))
-    comm.gather_to(send, outs, dst, group, call, timeout)
+    name = "all_gather" if dst == -1 else "gather"
+    comm.wait_for(comm.issue_stacked(recv, send, dst, group, call, name), group, call, timeout, name)
 
 
 def _from_padded(prep: Prepared, items: Sequence[Item]) -> None:

@@ -239,7 +239,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    early = data_phase.early(prep, ch, link) if spec.exit is not None and spec.dst == -1 else None
+    early = data_phase.early(prep, ch, link, spec.dst) if spec.exit is not None else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
@@ -250,7 +250,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if rt.items:
         results = _deliver(spec, rt, rnd, tensors, prep)
     if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
-        ch.last_data = data_phase.early_shape(prep, link) if prep is not None and spec.dst == -1 else None
+        ch.last_data = data_phase.early_shape(prep, link, spec.dst) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 

@@ -58,15 +58,26 @@ def payload_bounds(size: int) -> Tuple[int, int]:
 
 
 class DataShape(NamedTuple):
-    """A data phase that is one rows tensor gathered to every rank: the rows per rank, a row's shape and dtype, and
-    where it goes. The channel keeps the last exit's, so that the next exit of that shape sends its data right behind
-    its round (:mod:`.data_phase`), and a rank that does not sends a stand-in of it (:mod:`.rounds`)."""
+    """A data phase that is one rows tensor gathered to every rank (``dst`` -1) or to group rank ``dst``: the rows
+    per rank, a row's shape and dtype, and where it goes. The channel keeps the last exit's, so that the next exit of
+    that shape sends its data right behind its round (:mod:`.data_phase`), and a rank that does not sends a stand-in
+    of it (:mod:`.rounds`)."""
 
     rows: int
     shape: Tuple[int, ...]
     dtype: torch.dtype
     group: Group
     device: torch.device
+    dst: int = -1
+
+    def collective(self) -> str:
+        """The collective that carries it, as :mod:`.comm` names it."""
+        return "all_gather" if self.dst == -1 else "gather"
+
+    def what(self) -> str:
+        """What a peer's error says this rank was last in, should it stop there."""
+        where = "" if self.dst == -1 else f" to group rank {self.dst}"
+        return f"{self.collective()}{where} (data sent with the exit round)"
 
 
 class Buffers(NamedTuple):

@@ -162,21 +162,22 @@ def run_round(
         stats.host_read()
     rnd = _read(ch.read_rows(), buffers.payloads)
     if early is not None:
-        comm.wait_for(early, link.group, link.call, link.timeout)
+        comm.wait_for(early, link.group, link.call, link.timeout, ch.last_data.collective())
     elif rnd.early:
         _stand_in(ch.last_data, link)
     ch.agree(rnd.name, rnd.need)
     return rnd
 
 
-_EARLY = "all_gather (data sent with the exit round)"  # what a peer's error says this rank was last in
-
-
 def _stand_in(shape: Any, link: Link) -> None:
-    """The all-gather a peer's early data pairs with (its contents unused)."""
+    """The all-gather or gather a peer's early data pairs with (its contents unused)."""
+    group, name = shape.group, shape.collective()
     send = torch.empty((shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
-    recv = torch.empty((shape.group.size * shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
-    comm.all_gather_into(recv, send, shape.group, link.call, link.timeout, _EARLY)
+    recv = None
+    if shape.dst in (-1, group.rank):
+        recv = torch.empty((group.size, shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
+    pending = comm.issue_stacked(recv, send, shape.dst, group, link.call, shape.what())
+    comm.wait_for(pending, group, link.call, link.timeout, name)
 
 
 def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
