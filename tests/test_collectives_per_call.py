@@ -423,6 +423,92 @@ def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, or
     assert all(len(names) == backward for names in seen.backward.names), seen.backward
 
 
+# -------------------------------------------------------------------------------------------- shard_map's steady exit
+def check_shard_map_steady_exit(D: int) -> Dict[str, Any]:
+    """``shard_map(sin, mesh, P('i'), P('i'))`` over a 1-D mesh of the world, repeated on (4 P, D) float32; then
+    (4 P + 1, D), whose blocks have other (and uneven) lengths, three times; a call where f raises on the last rank;
+    and one more. Each call's issues and waits in order, whether every value is sin's bit for bit, and the error."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(size))), "cpu", mesh_dim_names=("i",))  # a group of its own
+    failing = []
+
+    def f(block: torch.Tensor) -> torch.Tensor:
+        if rank in failing:
+            raise ValueError("f failed on purpose")
+        return torch.sin(block)
+
+    g = cm.shard_map(f, mesh=mesh, in_specs=cm.P("i"), out_specs=cm.P("i"))
+    gen = torch.Generator().manual_seed(D)
+    batches = {"even": torch.randn(4 * size, D, generator=gen), "uneven": torch.randn(4 * size + 1, D, generator=gen)}
+    seen: Dict[str, Any] = {"events": [], "exact": [], "error": ""}
+    for step in ("even",) * 4 + ("uneven",) * 3 + ("fault", "uneven"):
+        failing[:] = [size - 1] if step == "fault" else []
+        x = batches["uneven" if step == "fault" else step]
+        with wire_tap.counting() as log:
+            try:
+                seen["exact"].append(torch.equal(g(x), torch.sin(x)))
+            except cm.CmapError as exc:
+                seen["error"] = str(exc)
+        seen["events"].append(log.events)
+    return seen
+
+
+ONE_ROUND = [("issue", "all_gather_into_tensor"), ("wait", "all_gather_into_tensor")]
+TOGETHER = [("issue", "all_gather_into_tensor")] * 2 + [("wait", "all_gather_into_tensor")] * 2
+
+
+def assert_steady_exit(seen: Dict[str, Any], steady: List[Tuple[str, str]]) -> None:
+    """The steady calls (the second to fourth, and the third of the other batch) made ``steady``; every value is
+    sin's; the fault is every rank's CmapError naming the last rank, and the call after it is right."""
+    events = seen["events"]
+    assert [events[k] for k in (1, 2, 3, 6)] == [steady] * 4, events
+    assert seen["exact"] == [True] * 8, seen["exact"]
+    assert "f failed on purpose" in seen["error"], seen["error"]
+
+
+@pytest.mark.parametrize("D", [4, 1 << 18], ids=["rides", "past the threshold"])
+def test_a_steady_shard_map_exit_sends_its_data_with_its_round(worlds, D):
+    """The exit's round carries the output while it fits; past the threshold, a call that repeats the block lengths
+    the last exit agreed sends the gather right behind the round. Blocks of other lengths fall back (each rank sends
+    none, every rank then learns the lengths), and the next call with those lengths is steady again."""
+    for seen in worlds(2).run(check_shard_map_steady_exit, D, deadline=DEADLINE):
+        assert_steady_exit(seen, ONE_ROUND if D == 4 else TOGETHER)
+
+
+def check_exits_of_differently_named_functions() -> List[bool]:
+    """Rank 0 maps ``sine``, the others ``sin_of``: the same values under two names. Batches of changing sizes, a few
+    calls each; whether every value is sin's."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    size = dist.get_world_size()
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(size))), "cpu", mesh_dim_names=("i",))
+
+    def sine(block: torch.Tensor) -> torch.Tensor:
+        return torch.sin(block)
+
+    def sin_of(block: torch.Tensor) -> torch.Tensor:
+        return torch.sin(block)
+
+    g = cm.shard_map(sine if dist.get_rank() == 0 else sin_of, mesh=mesh, in_specs=cm.P("i"), out_specs=cm.P("i"))
+    gen = torch.Generator().manual_seed(5)
+    exact = []
+    for rows in (4 * size, 4 * size, 4 * size, 4 * size + 1, 4 * size + 1, 4 * size + 1, 4 * size):
+        for D in (3, 1 << 18):  # in the round; past the threshold, the gather sent right behind it
+            x = torch.randn(rows, D, generator=gen)
+            exact.append(torch.equal(g(x), torch.sin(x)))
+    return exact
+
+
+def test_functions_of_other_names_on_other_ranks_take_the_same_lengths_as_known(worlds):
+    """The lengths an exit keeps are kept by the outputs' layout, not the call's name, so ranks that map functions
+    of other names take the same ones as known; a batch of another size is carried again, and every value is right
+    (no rank assembles axis by axis, whose collectives carry the call's name)."""
+    for exact in worlds(2).run(check_exits_of_differently_named_functions, deadline=DEADLINE):
+        assert exact == [True] * 14, exact
+
+
 # -------------------------------------------------------------------------------------------- src=r
 def check_src_steady() -> Dict[str, Any]:
     """``cmap(torch.mul, in_dims=(0, None), src=0)``, only rank 0 passing the batch, repeated; then a batch of

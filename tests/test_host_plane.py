@@ -182,3 +182,13 @@ def test_a_steady_src_call_says_its_word_on_the_host_group(host_worlds):
         assert steady.count("broadcast") == 1 and steady.count("scatter") == 1, steady
         assert seen["calls"][2:4] == [steady, steady] and seen["calls"][5] == steady and seen["calls"][7] == steady
         assert seen["calls"][4] == ("broadcast",) + first, seen["calls"][4]  # changed: the word, then the first path
+
+
+def test_a_steady_shard_map_exit_sends_its_data_with_its_round_on_the_host_group(host_worlds):
+    """With rounds on a host group the exit's data takes its own gather on the data's group; a steady call issues
+    it right behind the round, so the two are in flight together (on GPUs: the host round and the nccl gather)."""
+    import test_collectives_per_call as per_call
+
+    for seen in host_worlds(3).run(per_call.check_shard_map_steady_exit, 4, deadline=DEADLINE):
+        per_call.assert_steady_exit(seen, per_call.TOGETHER)
+        assert seen["events"][0] == per_call.ONE_ROUND * 2, seen["events"][0]  # the first: the round, then the data

@@ -290,7 +290,7 @@ def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
     on the data's own group (CPU data on gloo). Every rank decides alike from its specs and its outputs' structure
     (which the exit's round checks before any data moves)."""
     view = where.view
-    if site.opts.local or ran.out_mesh is not None or where.whole.host is not None or not view.row_major():
+    if site.opts.local or ran.out_mesh is not None or not view.row_major():
         return None
     flat = tree_flatten(ran.out)[0]
     found: Dict[int, Role] = {}

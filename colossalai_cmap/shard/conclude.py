@@ -8,10 +8,13 @@ too. Every rank goes through the same rounds in the same order, and the last one
 rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they
 may be uneven), so they cost no round of their own. Where every output's assembly is one gather over the whole
 mesh's group (each split along one dim over every mesh axis, in the group's rank order, or replicated over them
-all; rounds on the data's own group), the exit carries those outputs itself: their rows are the lengths, and a
-repeated call on a one-axis mesh costs the exit round alone (:class:`Carried`). A round carries one row count per
-rank, so a rank whose carried outputs have blocks of different lengths sends none and says so in its header; every
-rank then sends its lengths in a second round and assembles as it would have.
+all), the exit carries those outputs itself: their rows are the lengths, and a repeated call on a one-axis mesh
+costs the exit round alone (:class:`Carried`); on a host plane, the round and the gather of the data, sent right
+behind the round once a call repeats the lengths the group's last such exit agreed (kept alike on every rank in
+:attr:`~colossalai_cmap.wire.group.GroupState.exits`). A round carries one row count per rank, so a rank whose
+carried outputs have blocks of different lengths sends none and says so in its header; every rank then sends its
+lengths in a second round and assembles as it would have. A rank whose blocks have another length than the one kept
+sends none either, and says so: every rank then carries the outputs again, the round telling the lengths.
 """
 
 import functools
@@ -20,12 +23,14 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..digests import digest
 from ..engine.exit import agreed, differing, graphs_differ, outputs_differ, raise_failed
 from ..engine.records import Failed
 from ..errors import CmapError
 from ..torch_internals import outside_transforms
 from ..wire import rounds
 from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values
+from ..wire.group import state_of
 from ..wire.link import Link
 from ..wire.roles import Role, Rows, is_rows
 from ..wire.rounds import Disagreement, Header, Kind, Status
@@ -58,7 +63,13 @@ class Carried(NamedTuple):
         return [v.shape[r.dim] for r, v in zip(self.roles, self.values) if is_rows(r)]
 
 
-UNEVEN_CARRIED = 1  # a shard_map exit header's flag: this rank's carried outputs have blocks of different lengths
+# A shard_map exit header's flags, when this rank sent no rows of its carried outputs: their blocks have different
+# lengths (every rank then sends its lengths in a round, and assembles axis by axis), or another length than the one
+# every rank kept (every rank then carries them again, the round telling the lengths).
+UNEVEN_CARRIED, LENGTHS_CHANGED = 1, 2
+
+
+_KNOWN = ("batch",)  # checked first: ranks that took different lengths as known fall back, whatever else differs
 
 
 class Concluded(NamedTuple):
@@ -103,22 +114,51 @@ def conclude(
     lengths = [] if outcome.lengths is None else [outcome.lengths]
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
     spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host_metadata=True)
+    mine = set(carried.lengths()) if carried is not None else set()  # this rank's carried blocks' lengths
 
     def lengths_of_every_rank() -> Concluded:
         with outside_transforms():  # the lengths are plain ints, whatever transform is around the call
             got = join_values(spec, lengths)
             return Concluded(got[0].tolist() if got else [])
 
-    def gathered_outputs() -> Concluded:  # the rows each rank sends are its blocks' length along their split dims
-        learned, values, flags = Learned(), carried.values, 0
-        if len(set(carried.lengths())) > 1:  # one row count per rank: this rank sends none, and says why
-            values = tuple(_no_rows(v, r) for v, r in zip(values, carried.roles))
+    def carry(known: Optional[Tuple[int, ...]]) -> Tuple[Optional[Tuple[torch.Tensor, ...]], int, Learned]:
+        """One round carrying the outputs, their row counts ``known`` beforehand (None: the round tells them); the
+        outputs gathered, or None where a rank sent no rows; every rank's flags together; and what the round told.
+        The rows each rank sends are its blocks' length along their split dims."""
+        learned, values, flags, roles = Learned(), carried.values, 0, carried.roles
+        if known is not None:
+            roles = tuple(Rows(r.dim, known) if is_rows(r) else r for r in roles)
+        if len(mine) > 1:
             flags = UNEVEN_CARRIED
-        carry = JoinSpec(whole, carried.roles, "the outputs", Kind.STATUS, exit=exit_._replace(flags=flags))
-        got = join(carry._replace(learned=learned), values)
-        if any(h.flags & UNEVEN_CARRIED for h in learned.table):
-            return lengths_of_every_rank()  # every rank read the same table: each sends its lengths, and assembles
-        return Concluded([], tuple(got))
+        elif known is not None and mine and mine != {known[whole.group.rank]}:
+            flags = LENGTHS_CHANGED
+        if flags:  # one row count per rank, or not the one known: this rank sends none, and says why
+            values = tuple(_no_rows(v, r) for v, r in zip(values, roles))
+        # the exit's batch says which lengths this rank took as known: ranks that kept different ones find out after
+        # the round, before any data moves, and carry again (not in the round's name, so the rounds learn its size)
+        assumed = exit_._replace(flags=flags, batch=0 if known is None else digest(known))
+        spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=assumed._replace(agree=_KNOWN + exit_.agree))
+        try:
+            got = join(spec._replace(learned=learned), values)
+        except Disagreement as found:
+            if found.field != "batch":
+                raise
+            return None, LENGTHS_CHANGED, learned
+        mask = functools.reduce(lambda m, h: m | h.flags, learned.table, 0)
+        return (None if mask else tuple(got)), mask, learned
+
+    def gathered_outputs() -> Concluded:
+        kept, key = state_of(whole.group.pg).exits, outcome.layout_sig  # not the call's name: ranks may differ there
+        got, mask, learned = carry(kept.get(key))  # the lengths the last such exit agreed: the data need not wait
+        if mask & LENGTHS_CHANGED and not mask & UNEVEN_CARRIED:  # every rank read the same table: once more, as new
+            kept.pop(key, None)
+            got, mask, learned = carry(None)
+        if mask:  # every rank read the same table: each sends its lengths, and assembles
+            kept.pop(key, None)
+            return lengths_of_every_rank()
+        if mine:
+            kept[key] = tuple(h.rows for h in learned.table)
+        return Concluded([], got)
 
     # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
     run = lengths_of_every_rank if carried is None else gathered_outputs

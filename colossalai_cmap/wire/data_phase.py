@@ -5,8 +5,8 @@ single one travels in its own dtype, and the receive buffer's first rows are the
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
 failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
 A call's exit whose data phase has the shape the group's last exit agreed on sends it right behind its round
-(:func:`early`): the all-gather, or with ``dst=r`` the gather to that rank. ``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows
-the same way.
+(:func:`early`): the all-gather, or with ``dst=r`` the gather to that rank. ``src=r``'s scatter of the shares
+(:func:`scatter_from_source`) packs its rows the same way.
 """
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple

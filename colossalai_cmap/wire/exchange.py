@@ -64,7 +64,7 @@ class Exit(NamedTuple):
     status: int
     input_sig: int
     layout_sig: int
-    batch: int
+    batch: int  # cmap: the global batch size; shard_map: a digest of the block lengths taken as known (0: none)
     graph_sig: int
     flags: int
     values: int
@@ -248,7 +248,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     if spec.exit is not None:
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
-        results = _deliver(spec, rt, rnd, tensors, prep)
+        results, prep = _deliver(spec, rt, rnd, tensors, prep)
     if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
         ch.last_data = data_phase.early_shape(prep, link, spec.dst) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
@@ -311,9 +311,9 @@ def _route(
     return cached_route(buffers.routes, rank, room, key, tensors, inline)
 
 
-def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> dict:
+def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor], prep: Any) -> Tuple[dict, Any]:
     """After the round: the payloads into the results, or the data phase (the row counts come from the round
-    when only it knew them, with ``src="local"``)."""
+    when only it knew them: ``src="local"``, a shard_map exit); and the data phase as prepared (None: none)."""
     link = spec.link
     if rt.sizes is None:
         sizes = tuple(h.rows for h in rnd.table)
@@ -321,10 +321,10 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
         if not rnd.inline:
             prep = data_phase.prepare(rt.items, tensors, sizes, link.group, spec.dst)
     if rnd.inline:
-        return unpack_payload(rt, spec.dst in (-1, link.group.rank))
+        return unpack_payload(rt, spec.dst in (-1, link.group.rank)), None
     if all(h.early for h in rnd.table):
-        return data_phase.taken_early(prep)
-    return data_phase.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout)
+        return data_phase.taken_early(prep), prep
+    return data_phase.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout), prep
 
 
 def _shapes_only(

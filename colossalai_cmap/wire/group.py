@@ -55,6 +55,9 @@ class GroupState:
         host: the gloo group on the same ranks that status rounds (and CPU tensors in an nccl world) take, or None.
         sources: what ``src=r`` calls' last starts told every rank (the call layer's records, by call name and
             source), kept alike on every rank so that a steady start needs no metadata broadcast.
+        exits: what ``shard_map`` exits' last rounds told every rank (every rank's block length of the outputs the
+            exit carried, by the outputs' layout digest), kept alike on every rank so that a steady exit knows the
+            lengths before its round and can send its data right behind it.
     """
 
     group: Group
@@ -64,6 +67,7 @@ class GroupState:
     failure: str = ""
     host: Optional[Group] = None
     sources: Dict[Any, Any] = field(default_factory=dict)
+    exits: Dict[Any, Tuple[int, ...]] = field(default_factory=dict)
 
 
 _STATES: Dict[int, Tuple[Any, GroupState]] = {}  # id(pg) -> (pg, state): the pg kept alive, so ids are not reused

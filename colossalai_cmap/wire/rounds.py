@@ -62,7 +62,7 @@ class Header(NamedTuple):
     block: int = 0  # bytes of data this rank sends
     inline: int = 0  # 1: they ride in this round's payload
     graph_sig: int = 0  # the closure edges found in this rank's local graph
-    flags: int = 0  # cmap: bit k, func changed the k-th mapped input in place; shard_map: conclude.UNEVEN_CARRIED
+    flags: int = 0  # cmap: bit k, func changed the k-th mapped input in place; shard_map: shard/conclude.py's
     values: int = 0  # check_inputs: a checksum of the out_dims=None outputs (0 on an empty share)
     early: int = 0  # 1: this rank sent its data right behind this round (the data phase, of the agreed shape)
 
