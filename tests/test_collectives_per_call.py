@@ -26,6 +26,9 @@ DEADLINE = 120
 WARM, COUNTED = 3, 3
 ALLOWANCE = 16 * 1024
 GATHERS = ("all_gather_into_tensor", "all_gather")
+# a call's issues and waits: one all_gather; or two, the second issued before the first is waited for
+ONE_ROUND = [("issue", "all_gather_into_tensor"), ("wait", "all_gather_into_tensor")]
+TOGETHER = [("issue", "all_gather_into_tensor")] * 2 + [("wait", "all_gather_into_tensor")] * 2
 # (B, D) of float32 outputs below the threshold: 32 B, 256 KiB and 1 MiB in all; each also runs with B - 1
 SIZES = {"32 B": (8, 1), "256 KiB": (256, 256), "1 MiB": (1024, 256)}
 BIG_D = 256  # the row width of the case above the threshold, whose B is sized from it
@@ -43,10 +46,12 @@ def elementwise(x: torch.Tensor) -> torch.Tensor:
 
 
 class Calls(NamedTuple):
-    """The counted calls, one entry each: the collectives' names, and the bytes this rank sent."""
+    """The counted calls, one entry each: the collectives' names, the bytes this rank sent, and the order in which
+    the collectives were issued and waited for."""
 
     names: List[Tuple[str, ...]]
     sent: List[float]
+    events: List[List[Tuple[str, str]]]
 
 
 class Seen(NamedTuple):
@@ -68,17 +73,19 @@ def count(fn: Callable[[], Any], backward: bool = False) -> Tuple[Calls, Calls]:
         out = fn()
         if backward:
             out.backward()
-    fwd, bwd = Calls([], []), Calls([], [])
+    fwd, bwd = Calls([], [], []), Calls([], [], [])
     for _ in range(COUNTED):
         with wire_tap.counting() as log:
             out = fn()
         fwd.names.append(tuple(log.names()))
         fwd.sent.append(log.sent)
+        fwd.events.append(log.events)
         if backward:
             with wire_tap.counting() as log:
                 out.backward()
             bwd.names.append(tuple(log.names()))
             bwd.sent.append(log.sent)
+            bwd.events.append(log.events)
     return fwd, bwd
 
 
@@ -200,11 +207,15 @@ def test_a_shared_weight_gradient_rides_in_the_round_where_it_costs_no_more(worl
 # -------------------------------------------------------------------------------------------- above the threshold
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_above_the_threshold_the_data_takes_its_own_collective(worlds, P):
+    """Two collectives each way, in flight together: the data's all_gather is issued right behind its round (the
+    exit's in forward, the x-gradient gather's in backward), before either is waited for."""
     B, D = big_case()
     for seen in run_cases(worlds, P, [(B, D)], train=True):
         assert seen.exact, f"P={P} B={B}: x.grad is not vmap's"
         assert_calls(seen.forward, seen.native, 2, f"{B * D * 4} B out, P={P}, forward")
         assert_calls(seen.backward, seen.native, 2, f"{B * D * 4} B out, P={P}, backward")
+        for calls in (seen.forward, seen.backward):
+            assert calls.events == [TOGETHER] * COUNTED, (P, calls.events)
 
 
 # -------------------------------------------------------------------------------------------- to one rank
@@ -286,7 +297,7 @@ def check_shard_map(rows: List[int], D: int) -> List[Seen]:
         x = torch.randn(r * size, D, generator=torch.Generator().manual_seed(r))
         native = native_gather(mesh.get_group(), r * size, D)
         fwd, _ = count(lambda: f(x))
-        seen.append(Seen(r * size, fwd, Calls([], []), native, torch.equal(f(x), x.sin())))
+        seen.append(Seen(r * size, fwd, Calls([], [], []), native, torch.equal(f(x), x.sin())))
         given = x.clone().requires_grad_()
 
         def step() -> torch.Tensor:
@@ -371,7 +382,7 @@ def check_shard_map_case(case: str) -> CaseSeen:
     fwd, _ = count(lambda: f(*args))
     exact = all(torch.equal(a, b) for a, b in zip(tree_leaves(f(*args)), tree_leaves(g(*args))))
     if loss is None:
-        return CaseSeen(fwd, Calls([], []), exact, 0.0)
+        return CaseSeen(fwd, Calls([], [], []), exact, 0.0)
     given = [a.clone().requires_grad_() for a in args]
 
     def step() -> torch.Tensor:
@@ -453,10 +464,6 @@ def check_shard_map_steady_exit(D: int) -> Dict[str, Any]:
                 seen["error"] = str(exc)
         seen["events"].append(log.events)
     return seen
-
-
-ONE_ROUND = [("issue", "all_gather_into_tensor"), ("wait", "all_gather_into_tensor")]
-TOGETHER = [("issue", "all_gather_into_tensor")] * 2 + [("wait", "all_gather_into_tensor")] * 2
 
 
 def assert_steady_exit(seen: Dict[str, Any], steady: List[Tuple[str, str]]) -> None:

@@ -131,6 +131,46 @@ def test_faults_in_steady_large_calls_reach_every_rank(worlds, dst):
     assert got == [[(v, p) for v in (0, 1) for p in phases]] * 2
 
 
+def check_faults_in_steady_large_backward():
+    """Training steps whose x-gradient gather is past the largest round, repeated until every rank sends that data
+    right behind the backward's round: a fault in backward on one rank (and in the step's forward) is the same
+    CmapError on every rank, whichever rank it is; the steps after each give vmap's gradient."""
+    import wire_tap
+
+    size = dist.get_world_size()
+    x = torch.randn(2 * size + 1, 200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mapped = cm.cmap(torch.sin)
+
+    def step(k):
+        given = (x + k).requires_grad_()
+        mapped(given).pow(2).sum().backward()
+        want = (x + k).requires_grad_()
+        torch.sin(want).pow(2).sum().backward()
+        assert torch.equal(given.grad, want.grad), k
+
+    for k in range(3):
+        with wire_tap.counting() as log:
+            step(k)
+    backward = log.events[len(log.events) // 2 :]
+    assert backward[:2] == [("issue", "all_gather_into_tensor")] * 2, log.events  # sent early
+    seen = []
+    for victim in sorted({0, size - 1}):
+        for phase in ("backward", "func", "gather"):
+            with inject_fault(phase, [victim]), pytest.raises(cm.CmapError) as info:
+                step(0)
+            failing = [f.group_rank for f in info.value.failures if f.exc_type == InjectedFault.__qualname__]
+            assert failing == [victim], (victim, phase, str(info.value))
+            seen.append((victim, phase))
+            step(1)
+            step(2)
+    return seen
+
+
+def test_faults_in_steady_large_backward_reach_every_rank(worlds):
+    got = worlds(2).run(check_faults_in_steady_large_backward, deadline=120)
+    assert got == [[(v, p) for v in (0, 1) for p in ("backward", "func", "gather")]] * 2
+
+
 def check_group_of_one():
     """P = 1: the phases before any exchange still raise CmapError, and the next call works."""
     for phase in ("args", "func"):

@@ -192,3 +192,15 @@ def test_a_steady_shard_map_exit_sends_its_data_with_its_round_on_the_host_group
     for seen in host_worlds(3).run(per_call.check_shard_map_steady_exit, 4, deadline=DEADLINE):
         per_call.assert_steady_exit(seen, per_call.TOGETHER)
         assert seen["events"][0] == per_call.ONE_ROUND * 2, seen["events"][0]  # the first: the round, then the data
+
+
+def test_a_steady_training_step_sends_each_way_s_data_with_its_round(host_worlds):
+    """With rounds on a host group, a steady training step's forward (the exit) and backward (the x-gradient's gather)
+    each issue the data's gather on the data's group right behind the round on the host group: on GPUs the host
+    round and the nccl gather are in flight together, neither waiting for the other."""
+    import test_collectives_per_call as per_call
+
+    for seen in per_call.run_cases(host_worlds, 2, [(8, 4), (255, 256)], train=True):
+        assert seen.exact, f"B={seen.B}: x.grad is not vmap's"
+        assert seen.forward.events == [per_call.TOGETHER] * per_call.COUNTED, seen.forward.events
+        assert seen.backward.events == [per_call.TOGETHER] * per_call.COUNTED, seen.backward.events

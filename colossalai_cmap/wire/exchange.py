@@ -239,7 +239,8 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    early = data_phase.early(prep, ch, link, spec.dst) if spec.exit is not None else None
+    sends_early = spec.exit is not None or spec.kind == Kind.SYNC  # an exit, or backward's: every rank in step after
+    early = data_phase.early(prep, ch, link, spec.dst) if sends_early else None
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
@@ -249,7 +250,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results, prep = _deliver(spec, rt, rnd, tensors, prep)
-    if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape
+    if sends_early:  # a clean exit or backward exchange: every rank is in step, and agrees on the data phase's shape
         ch.last_data = data_phase.early_shape(prep, link, spec.dst) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
@@ -366,7 +367,15 @@ def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Heade
     ex = spec.exit
     if ex is None:
         rows = rt.rows or spec.count
-        return Header(kind=spec.kind, status=status, rows=rows, digest=rt.digest, block=rt.block, inline=int(rt.fits))
+        return Header(
+            kind=spec.kind,
+            status=status,
+            rows=rows,
+            digest=rt.digest,
+            block=rt.block,
+            inline=int(rt.fits),
+            early=int(early),
+        )
     status = status if status == Status.FAILED else ex.status
     return Header(
         kind=Kind.STATUS,
@@ -388,7 +397,7 @@ def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = 
     link = spec.link
     if spec.kind == Kind.STATUS:
         return rounds.status_round(link, header, early)
-    return rounds.checked_round(link, header, spec.what)
+    return rounds.checked_round(link, header, spec.what, early)
 
 
 def _name(spec: JoinSpec) -> str:

@@ -192,10 +192,11 @@ def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] =
         header, also = header._replace(early=0), None
 
 
-def checked_round(link: Link, header: Header, what: str) -> Round:
+def checked_round(link: Link, header: Header, what: str, also: Optional[Callable[[], Any]] = None) -> Round:
     """An ``OP`` or ``SYNC`` round: every rank must be at the same collective (same ``digest``). A round where a
-    rank posted a failure returns as it is, whatever the others were at: the caller raises it on every rank."""
-    rnd = run_round(link, header, what=what)
+    rank posted a failure returns as it is, whatever the others were at: the caller raises it on every rank. ``also``:
+    a backward exchange's data, sent right behind the round (as :func:`status_round`'s)."""
+    rnd = run_round(link, header, also, what=what)
     if rnd.failed:
         return rnd
     away = [] if rnd.kind == header.kind else [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
