@@ -106,14 +106,7 @@ def check_faults_in_steady_large_calls(dst):
     assert log.events[:2] == [("issue", "all_gather_into_tensor"), ("issue", data)], log.events  # sent early
     seen = []
     for victim in sorted({0, size - 1}):
-        for phase in ("func", "layout", "pack", "gather"):
-            with inject_fault(phase, [victim]), pytest.raises(cm.CmapError) as info:
-                call(0)
-            failing = [f.group_rank for f in info.value.failures if f.exc_type == InjectedFault.__qualname__]
-            assert failing == [victim], (victim, phase, str(info.value))
-            seen.append((victim, phase))
-            call(1)
-            call(2)
+        seen += _faults_then_steady(call, victim, ("func", "layout", "pack", "gather"))
         narrow[:] = [victim]
         with pytest.raises(cm.CmapError, match="shape"):
             mapped(x)
@@ -153,22 +146,30 @@ def check_faults_in_steady_large_backward():
             step(k)
     backward = log.events[len(log.events) // 2 :]
     assert backward[:2] == [("issue", "all_gather_into_tensor")] * 2, log.events  # sent early
+    return [found for victim in sorted({0, size - 1}) for found in _faults_then_steady(step, victim, PHASES_IN_STEP)]
+
+
+PHASES_IN_STEP = ("backward", "func", "gather")
+
+
+def _faults_then_steady(call, victim, phases):
+    """``call(0)`` with a fault at each phase on ``victim``: the same CmapError on every rank, naming it; then
+    ``call(1)`` and ``call(2)``, which check their own values. The (victim, phase) pairs seen."""
     seen = []
-    for victim in sorted({0, size - 1}):
-        for phase in ("backward", "func", "gather"):
-            with inject_fault(phase, [victim]), pytest.raises(cm.CmapError) as info:
-                step(0)
-            failing = [f.group_rank for f in info.value.failures if f.exc_type == InjectedFault.__qualname__]
-            assert failing == [victim], (victim, phase, str(info.value))
-            seen.append((victim, phase))
-            step(1)
-            step(2)
+    for phase in phases:
+        with inject_fault(phase, [victim]), pytest.raises(cm.CmapError) as info:
+            call(0)
+        failing = [f.group_rank for f in info.value.failures if f.exc_type == InjectedFault.__qualname__]
+        assert failing == [victim], (victim, phase, str(info.value))
+        seen.append((victim, phase))
+        call(1)
+        call(2)
     return seen
 
 
 def test_faults_in_steady_large_backward_reach_every_rank(worlds):
     got = worlds(2).run(check_faults_in_steady_large_backward, deadline=120)
-    assert got == [[(v, p) for v in (0, 1) for p in ("backward", "func", "gather")]] * 2
+    assert got == [[(v, p) for v in (0, 1) for p in PHASES_IN_STEP]] * 2
 
 
 def check_group_of_one():
