@@ -78,6 +78,9 @@ def test_fault_at_every_phase_reaches_every_rank(worlds, P):
     assert counts == [len(cases(P))] * P
 
 
+PAST_THE_ROUNDS = 110_000  # float64 per row: 5 rows at P = 2 are 4.4 MB, past the largest round (4 MiB in all)
+
+
 def check_faults_in_steady_large_calls(dst):
     """A large call (past the largest round), repeated until every rank sends its data right behind the exit round
     (the gather to ``dst``, or the all-gather): a fault at each phase on one rank, then a rank whose output has
@@ -85,7 +88,7 @@ def check_faults_in_steady_large_calls(dst):
     import wire_tap
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    x = torch.randn(2 * size + 1, 200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2 * size + 1, PAST_THE_ROUNDS, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     narrow = []  # the ranks whose output is one column short
 
     def f(v):
@@ -131,7 +134,7 @@ def check_faults_in_steady_large_backward():
     import wire_tap
 
     size = dist.get_world_size()
-    x = torch.randn(2 * size + 1, 200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2 * size + 1, PAST_THE_ROUNDS, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     mapped = cm.cmap(torch.sin)
 
     def step(k):
