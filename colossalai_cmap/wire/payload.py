@@ -130,13 +130,13 @@ def may_grow(items: Sequence[Item], p: int, largest: int, dst: int) -> bool:
     """Whether carrying ``items`` (rows: ``largest`` per rank at most) in the all-gather of a round on ``p`` ranks
     costs each rank at most 1.1 times the bytes of their own collective (ring algorithms) plus 16 KiB: always for rows
     gathered to every rank, for sums only while they are small (or P = 2, where an all-reduce sends what an
-    all-gather does), for rows to one rank only while small."""
+    all-gather does), for rows to one rank only while small (that rank sends none in a gather)."""
     fused = own = 0.0
     for it in items:
         n = it.nbytes * (largest if is_rows(it.role) else 1)
         fused += (p - 1) * n
         if is_rows(it.role):
-            own += (p - 1) * n if dst == -1 else n
+            own += (p - 1) * n if dst == -1 else 0
         elif it.reduced:
             own += 2 * (p - 1) / p * n
         else:  # rank 0's value, from the gather
