@@ -7,6 +7,7 @@ import-hygiene tests start their own processes, each with a hard timeout.
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -438,8 +439,14 @@ def _run_procs(cmds: List[List[str]], envs: List[Dict[str, str]], timeout: float
         tails = "".join(f"\n--- process {i} ---\n{proc.communicate()[0][-3000:]}" for i, proc in enumerate(procs))
         pytest.fail(f"{cmds[0]} did not finish within {timeout:.0f} s; killed{tails}")
     for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out[-4000:]}"
+        assert proc.returncode == 0, f"exit code {proc.returncode}:\n{_failure_lines(out)}{out[-4000:]}"
     return outputs
+
+
+def _failure_lines(out: str) -> str:
+    """The lines of a failed run's output that say why a rank stopped (a launcher's summary buries them)."""
+    said = [line for line in out.splitlines() if re.search(r"Error|error:|terminate|abort|Signal|what\(\)", line)]
+    return "".join(f"{line[:300]}\n" for line in said[:40]) + ("--- the output's end ---\n" if said else "")
 
 
 def _env(**extra: str) -> Dict[str, str]:
