@@ -272,6 +272,38 @@ def test_a_steady_call_to_one_rank_sends_its_data_with_the_round(worlds, P):
             assert max(got["sent"]) <= 1.1 * got["native"] + ALLOWANCE, (where, got["sent"], got["native"])
 
 
+def widened(r: torch.Tensor) -> torch.Tensor:
+    """An example of D values to one of 1.5 D: the output's rows and the input gradient's have other shapes."""
+    return torch.cat([torch.sin(r), r[: r.shape[0] // 2]])
+
+
+def check_training_of_another_width() -> Tuple[Calls, Calls, bool]:
+    """Training steps of ``cmap(widened)`` on (4096, 384) float32: 9 MiB out, a 6 MiB input gradient, both past the
+    threshold. The counted steps, and whether x.grad is vmap's, bit for bit."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    f = cm.cmap(widened, group=group)
+    x = torch.randn(4096, 384, generator=torch.Generator().manual_seed(7)).requires_grad_()
+
+    def step() -> torch.Tensor:
+        x.grad = None
+        return f(x).pow(2).sum()
+
+    fwd, bwd = count(step, backward=True)
+    ref = x.detach().clone().requires_grad_()
+    torch.vmap(widened)(ref).pow(2).sum().backward()
+    return fwd, bwd, torch.equal(x.grad, ref.grad)
+
+
+def test_a_backward_of_another_shape_leaves_the_forward_data_early(worlds):
+    """Only an exit sets the data shape that may be sent early; a backward exchange sends early only data of that
+    shape. So where the input gradient's rows differ from the output's, each step's forward still sends its data
+    right behind its round."""
+    for fwd, bwd, exact in worlds(2).run(check_training_of_another_width, deadline=DEADLINE):
+        assert exact
+        assert fwd.events == [TOGETHER] * COUNTED, fwd.events
+        assert all(len(names) == 2 for names in bwd.names), bwd.names
+
+
 # -------------------------------------------------------------------------------------------- one process
 def test_nothing_crosses_the_wire_at_one_process(worlds):
     cases = [SIZES["32 B"], SIZES["1 MiB"]]

@@ -240,7 +240,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
     except Exception as exc:
         failure, cause = group.failure(exc), exc
     sends_early = spec.exit is not None or spec.kind == Kind.SYNC  # an exit, or backward's: every rank in step after
-    early = data_phase.early(prep, ch, link, spec.dst) if sends_early else None
+    early = data_phase.early(prep, ch, link, spec.dst) if sends_early else None  # of the shape the last exit agreed
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
@@ -250,7 +250,8 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results, prep = _deliver(spec, rt, rnd, tensors, prep)
-    if sends_early:  # a clean exit or backward exchange: every rank is in step, and agrees on the data phase's shape
+    if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape (backward's
+        # exchanges leave it: a training step's forward stays early where its backward's data has another shape)
         ch.last_data = data_phase.early_shape(prep, link, spec.dst) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
