@@ -100,15 +100,16 @@ def native_gather(group: Any, B: int, D: int) -> float:
     return log.sent
 
 
-def check_cmap(B: int, D: int, train: bool) -> Seen:
-    """``cmap(sin(x) + x)`` on a (B, D) batch, repeated on a group of its own; with ``train``, a training step
-    ``cmap(f)(x).pow(2).sum().backward()`` whose x.grad is compared with single-process vmap's, bit for bit."""
+def check_cmap(B: int, D: int, train: bool, func: Callable[[torch.Tensor], torch.Tensor] = elementwise) -> Seen:
+    """``cmap(func)`` (``sin(x) + x``) on a (B, D) batch, repeated on a group of its own; with ``train``, a training
+    step ``cmap(func)(x).pow(2).sum().backward()`` whose x.grad is compared with single-process vmap's, bit for bit."""
     group = dist.new_group(list(range(dist.get_world_size())))
-    f = cm.cmap(elementwise, group=group)
+    f = cm.cmap(func, group=group)
     x = torch.randn(B, D, generator=torch.Generator().manual_seed(B))  # the same on every rank
+    native = native_gather(group, B, func(x[0]).numel())
     if not train:
         fwd, bwd = count(lambda: f(x))
-        return Seen(B, fwd, bwd, native_gather(group, B, D), torch.equal(f(x), torch.vmap(elementwise)(x)))
+        return Seen(B, fwd, bwd, native, torch.equal(f(x), torch.vmap(func)(x)))
     x.requires_grad_()
 
     def step() -> torch.Tensor:
@@ -117,8 +118,8 @@ def check_cmap(B: int, D: int, train: bool) -> Seen:
 
     fwd, bwd = count(step, backward=True)
     ref = x.detach().clone().requires_grad_()
-    torch.vmap(elementwise)(ref).pow(2).sum().backward()
-    return Seen(B, fwd, bwd, native_gather(group, B, D), torch.equal(x.grad, ref.grad))
+    torch.vmap(func)(ref).pow(2).sum().backward()
+    return Seen(B, fwd, bwd, native, torch.equal(x.grad, ref.grad))
 
 
 def check_cases(cases: List[Tuple[int, int]], train: bool) -> List[Seen]:
@@ -277,31 +278,15 @@ def widened(r: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.sin(r), r[: r.shape[0] // 2]])
 
 
-def check_training_of_another_width() -> Tuple[Calls, Calls, bool]:
-    """Training steps of ``cmap(widened)`` on (4096, 384) float32: 9 MiB out, a 6 MiB input gradient, both past the
-    threshold. The counted steps, and whether x.grad is vmap's, bit for bit."""
-    group = dist.new_group(list(range(dist.get_world_size())))
-    f = cm.cmap(widened, group=group)
-    x = torch.randn(4096, 384, generator=torch.Generator().manual_seed(7)).requires_grad_()
-
-    def step() -> torch.Tensor:
-        x.grad = None
-        return f(x).pow(2).sum()
-
-    fwd, bwd = count(step, backward=True)
-    ref = x.detach().clone().requires_grad_()
-    torch.vmap(widened)(ref).pow(2).sum().backward()
-    return fwd, bwd, torch.equal(x.grad, ref.grad)
-
-
 def test_a_backward_of_another_shape_leaves_the_forward_data_early(worlds):
     """Only an exit sets the data shape that may be sent early; a backward exchange sends early only data of that
     shape. So where the input gradient's rows differ from the output's, each step's forward still sends its data
     right behind its round."""
-    for fwd, bwd, exact in worlds(2).run(check_training_of_another_width, deadline=DEADLINE):
-        assert exact
-        assert fwd.events == [TOGETHER] * COUNTED, fwd.events
-        assert all(len(names) == 2 for names in bwd.names), bwd.names
+    # (4096, 384) float32: 9 MiB out, a 6 MiB input gradient, both past the threshold
+    for seen in worlds(2).run(check_cmap, 4096, 384, True, widened, deadline=DEADLINE):
+        assert seen.exact
+        assert seen.forward.events == [TOGETHER] * COUNTED, seen.forward.events
+        assert all(len(names) == 2 for names in seen.backward.names), seen.backward.names
 
 
 # -------------------------------------------------------------------------------------------- one process

@@ -111,58 +111,68 @@ def conclude(
         values=0,
         agree=("digest", "graph_sig"),
     )
+    # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
+    if carried is None:
+        run = functools.partial(_lengths_of_every_rank, whole, exit_, outcome)
+    else:
+        run = functools.partial(_gathered_outputs, whole, exit_, outcome, carried)
+    return agreed(run, whole, {"digest": lambda: outcome.layout}, functools.partial(_explain, call))
+
+
+def _lengths_of_every_rank(whole: Link, exit_: Exit, outcome: Outcome) -> Concluded:
+    """The exit's round over the whole mesh, carrying this rank's output block lengths: every rank's come back."""
     lengths = [] if outcome.lengths is None else [outcome.lengths]
     roles = (Rows(0, (1,) * whole.group.size),) * len(lengths)
     spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=exit_, host_metadata=True)
-    mine = set(carried.lengths()) if carried is not None else set()  # this rank's carried blocks' lengths
+    with outside_transforms():  # the lengths are plain ints, whatever transform is around the call
+        got = join_values(spec, lengths)
+        return Concluded(got[0].tolist() if got else [])
 
-    def lengths_of_every_rank() -> Concluded:
-        with outside_transforms():  # the lengths are plain ints, whatever transform is around the call
-            got = join_values(spec, lengths)
-            return Concluded(got[0].tolist() if got else [])
 
-    def carry(known: Optional[Tuple[int, ...]]) -> Tuple[Optional[Tuple[torch.Tensor, ...]], int, Learned]:
-        """One round carrying the outputs, their row counts ``known`` beforehand (None: the round tells them); the
-        outputs gathered, or None where a rank sent no rows; every rank's flags together; and what the round told.
-        The rows each rank sends are its blocks' length along their split dims."""
-        learned, values, flags, roles = Learned(), carried.values, 0, carried.roles
-        if known is not None:
-            roles = tuple(Rows(r.dim, known) if is_rows(r) else r for r in roles)
-        if len(mine) > 1:
-            flags = UNEVEN_CARRIED
-        elif known is not None and mine and mine != {known[whole.group.rank]}:
-            flags = LENGTHS_CHANGED
-        if flags:  # one row count per rank, or not the one known: this rank sends none, and says why
-            values = tuple(_no_rows(v, r) for v, r in zip(values, roles))
-        # the exit's batch says which lengths this rank took as known: ranks that kept different ones find out after
-        # the round, before any data moves, and carry again (not in the round's name, so the rounds learn its size)
-        assumed = exit_._replace(flags=flags, batch=0 if known is None else digest(known))
-        spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=assumed._replace(agree=_KNOWN + exit_.agree))
-        try:
-            got = join(spec._replace(learned=learned), values)
-        except Disagreement as found:
-            if found.field != "batch":
-                raise
-            return None, LENGTHS_CHANGED, learned
-        mask = functools.reduce(lambda m, h: m | h.flags, learned.table, 0)
-        return (None if mask else tuple(got)), mask, learned
+def _gathered_outputs(whole: Link, exit_: Exit, outcome: Outcome, carried: Carried) -> Concluded:
+    """The exit's round gathering the carried outputs, their row counts the ones the last such exit agreed where
+    every rank kept them; once more with the round's own where a rank's changed; or, where a rank's carried blocks
+    differ in length, every rank's lengths in a round of their own (nothing gathered)."""
+    kept, key = state_of(whole.group.pg).exits, outcome.layout_sig  # not the call's name: ranks may differ there
+    got, mask, learned = _carry(whole, exit_, carried, kept.get(key))  # known lengths: the data need not wait
+    if mask & LENGTHS_CHANGED and not mask & UNEVEN_CARRIED:  # every rank read the same table: once more, as new
+        kept.pop(key, None)
+        got, mask, learned = _carry(whole, exit_, carried, None)
+    if mask:  # every rank read the same table: each sends its lengths, and assembles
+        kept.pop(key, None)
+        return _lengths_of_every_rank(whole, exit_, outcome)
+    if carried.lengths():
+        kept[key] = tuple(h.rows for h in learned.table)
+    return Concluded([], got)
 
-    def gathered_outputs() -> Concluded:
-        kept, key = state_of(whole.group.pg).exits, outcome.layout_sig  # not the call's name: ranks may differ there
-        got, mask, learned = carry(kept.get(key))  # the lengths the last such exit agreed: the data need not wait
-        if mask & LENGTHS_CHANGED and not mask & UNEVEN_CARRIED:  # every rank read the same table: once more, as new
-            kept.pop(key, None)
-            got, mask, learned = carry(None)
-        if mask:  # every rank read the same table: each sends its lengths, and assembles
-            kept.pop(key, None)
-            return lengths_of_every_rank()
-        if mine:
-            kept[key] = tuple(h.rows for h in learned.table)
-        return Concluded([], got)
 
-    # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
-    run = lengths_of_every_rank if carried is None else gathered_outputs
-    return agreed(run, whole, {"digest": lambda: outcome.layout}, functools.partial(_explain, call))
+def _carry(
+    whole: Link, exit_: Exit, carried: Carried, known: Optional[Tuple[int, ...]]
+) -> Tuple[Optional[Tuple[torch.Tensor, ...]], int, Learned]:
+    """One round carrying the outputs, their row counts ``known`` beforehand (None: the round tells them); the
+    outputs gathered, or None where a rank sent no rows; every rank's flags together; and what the round told. The
+    rows each rank sends are its blocks' length along their split dims."""
+    learned, values, flags, roles, mine = Learned(), carried.values, 0, carried.roles, set(carried.lengths())
+    if known is not None:
+        roles = tuple(Rows(r.dim, known) if is_rows(r) else r for r in roles)
+    if len(mine) > 1:
+        flags = UNEVEN_CARRIED
+    elif known is not None and mine and mine != {known[whole.group.rank]}:
+        flags = LENGTHS_CHANGED
+    if flags:  # one row count per rank, or not the one known: this rank sends none, and says why
+        values = tuple(_no_rows(v, r) for v, r in zip(values, roles))
+    # the exit's batch says which lengths this rank took as known: ranks that kept different ones find out after the
+    # round, before any data moves, and carry again (not in the round's name, so the rounds learn its size)
+    assumed = exit_._replace(flags=flags, batch=0 if known is None else digest(known))
+    spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=assumed._replace(agree=_KNOWN + exit_.agree))
+    try:
+        got = join(spec._replace(learned=learned), values)
+    except Disagreement as found:
+        if found.field != "batch":
+            raise
+        return None, LENGTHS_CHANGED, learned
+    mask = functools.reduce(lambda m, h: m | h.flags, learned.table, 0)
+    return (None if mask else tuple(got)), mask, learned
 
 
 def _no_rows(value: torch.Tensor, role: Role) -> torch.Tensor:
