@@ -79,6 +79,26 @@ def test_carried_outputs_fail_alike(worlds, size):
         assert "f returned outputs of different structures" in seen["one output"], seen["one output"]
 
 
+@pytest.mark.parametrize("case", list(sc.BLOCK_SHAPE_CASES))
+def test_blocks_of_another_shape_fail_alike(worlds, case):
+    """Blocks are assembled by rows along their split dims. A rank whose block is longer along a dim the spec does
+    not split, or whose tile does not line up with its neighbours', is the same CmapError on every rank, before any
+    data moves (never a peer's bytes read as rows, nor a collective of mismatched sizes); the next call is right."""
+    size = 4 if "2-D" in case else 2
+    texts = set()
+    for seen in worlds(size).run(sc.check_block_shapes_differ, case):
+        assert seen["exact"] == [True] * 5, seen
+        texts.add(seen["error"])
+    (text,) = texts
+    if "off the grid" in case:
+        assert "do not tile one global value: along dim 1, split over {y}, group rank 1 (x=0, y=1) has 3" in text
+        assert "group rank 3 (x=1, y=1) has 4" in text, text
+    else:
+        assert "f returned outputs of different structures, dtypes or shapes" in text, text
+        longer = sc.BLOCK_SHAPE_CASES[case][3][-1] + 1
+        assert f"group rank {size - 1}: float32 (" in text and str(longer) in text, text
+
+
 def test_spec_errors(worlds):
     for got in worlds(4).run(sc.check_spec_errors):
         assert "which has length 3, but args[0] has shape (4, 4), which has rank 2" in got["rank"], got["rank"]

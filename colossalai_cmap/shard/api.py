@@ -375,8 +375,9 @@ def _run_f(
     if out_mesh is not None:
         dtensor.check_outputs(site.call, flat, out_places, view)
     # assembled outputs and DTensors (their global shapes) need every rank's block lengths
-    lengths = None if opts.local and out_mesh is None else block_lengths(flat, out_places)
-    layout = _layout(flat, out_places)
+    assembled = not opts.local or out_mesh is not None
+    lengths = block_lengths(flat, out_places) if assembled else None
+    layout = _layout(flat, out_places, assembled)
     outcome = Outcome(None, digest(layout), graph_sig, lengths=lengths, layout=layout)
     return Ran(outcome, out, _typed(out_places, typer), out_mesh)
 
@@ -512,10 +513,17 @@ def _axes(names: Any) -> str:
     return "{" + ", ".join(names) + "}"
 
 
-def _layout(flat: Sequence[Any], places: Sequence[Placement]) -> Tuple[Any, ...]:
-    """What every rank's outputs must agree on, leaf by leaf: the path, the spec, and a tensor's dtype and number of
-    dims (its shape may differ: blocks may be uneven), or another leaf's type."""
-    return tuple(
-        (p.path, tuple(p.spec), (v.dtype, v.dim()) if isinstance(v, torch.Tensor) else type(v).__name__)
-        for v, p in zip(flat, places)
-    )
+def _layout(flat: Sequence[Any], places: Sequence[Placement], assembled: bool) -> Tuple[Any, ...]:
+    """What every rank's outputs must agree on, leaf by leaf: the path, the spec, and a tensor's dtype and sizes, its
+    split dims' left out (blocks may be uneven there), or another leaf's type. Blocks that stay as they are
+    (``local=True``) agree on their number of dims only: nothing joins them."""
+    return tuple((p.path, tuple(p.spec), _kind(v, p, assembled)) for v, p in zip(flat, places))
+
+
+def _kind(value: Any, place: Placement, assembled: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if not assembled:
+        return value.dtype, value.dim()
+    split = {d for d, _ in place.split}
+    return value.dtype, tuple(None if d in split else n for d, n in enumerate(value.shape))

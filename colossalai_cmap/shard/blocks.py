@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..errors import CmapError
 from ..torch_internals import outside_transforms
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
 from ..wire.link import Link
@@ -97,6 +98,10 @@ def assemble(
     def length(i: int) -> Any:
         return lambda coords, d: table[view.whole_rank(coords)][column[(i, d)]]
 
+    for i, (v, p) in enumerate(zip(values, places)):  # every rank read the same table: every rank raises alike
+        found = p.off_grid(view.sizes, length(i)) if isinstance(v, torch.Tensor) else None
+        if found is not None:
+            raise _blocks_off_grid(what, p, view, length(i), *found)
     steps = [
         p.assemble_steps(view.sizes, view.coords, length(i)) if isinstance(v, torch.Tensor) else []
         for i, (v, p) in enumerate(zip(values, places))
@@ -106,6 +111,22 @@ def assemble(
         return join(JoinSpec(links[axis], tuple(EVEN if r == FIRST else r for r in roles), what, Kind.SYNC), xs)
 
     return _run(list(values), steps, apply)
+
+
+def _blocks_off_grid(what: str, place: Placement, view: Any, length: Any, dim: int, first: dict, at: dict) -> CmapError:
+    """Blocks split along several dims whose lengths along ``dim`` differ where only other dims' axes differ."""
+    axes = dict(place.split)[dim]
+
+    def rank(coords: dict) -> str:
+        shown = ", ".join(f"{a}={coords[a]}" for a in view.names if a in coords)
+        return f"group rank {view.whole_rank(coords)} ({shown}) has {length(coords, dim)}"
+
+    return CmapError(
+        f"{what}: the blocks of {place.path} (out_specs P({', '.join(map(repr, tuple(place.spec)))})) do not tile "
+        f"one global value: along dim {dim}, split over {{{', '.join(axes)}}}, {rank(first)} and {rank(at)}. A "
+        f"block's length along a split dim may differ only with the axes that split that dim; make every rank's "
+        f"block along dim {dim} the same length where those coordinates are the same."
+    )
 
 
 def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:

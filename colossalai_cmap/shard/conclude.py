@@ -199,11 +199,23 @@ def _explain(call: str, found: Disagreement, layouts: Optional[List[Tuple[Any, .
     else:
         detail = f"digests {[h.digest for h in found.table]}"
     return CmapError(
-        f"{call}: f returned outputs of different structures, dtypes or ranks on different ranks ({detail}); every "
-        f"rank must return the same structure."
+        f"{call}: f returned outputs of different structures, dtypes or shapes on different ranks ({detail}); every "
+        f"rank must return the same structure, with blocks of one dtype and one shape apart from their split dims (* "
+        f"above): the outputs are assembled from them."
     )
 
 
 def _leaf(spec: Tuple[Any, ...], kind: Any) -> str:
-    what = f"{str(kind[0]).replace('torch.', '')} {kind[1]}-d" if isinstance(kind, tuple) else kind
+    """One output leaf as a rank returned it: a tensor's dtype and dims (its block's sizes, ``*`` along its split
+    dims, where the blocks are assembled), or another leaf's type."""
+    if not isinstance(kind, tuple):
+        what = kind
+    else:
+        dtype, dims = str(kind[0]).replace("torch.", ""), kind[1]
+        what = f"{dtype} {dims}-d" if isinstance(dims, int) else f"{dtype} {_sizes(dims)}"
     return f"{what}, out_specs P({', '.join(map(repr, spec))})"
+
+
+def _sizes(dims: Tuple[Optional[int], ...]) -> str:
+    shown = ["*" if n is None else str(n) for n in dims]
+    return f"({shown[0]},)" if len(shown) == 1 else f"({', '.join(shown)})"

@@ -89,6 +89,21 @@ class Placement:
         steps = [Step(a, r) for d, axes in self.split for a, r in zip(axes, _rows(d, shape[d], axes, sizes, coords))]
         return steps + [Step(a, COPY) for a in self.replicated]
 
+    def off_grid(self, sizes: dict, length: Callable[[dict, int], int]) -> Optional[Tuple[int, dict, dict]]:
+        """Where the blocks of a leaf split along several dims do not tile one global value: the first split dim, and
+        two coordinates (replicated axes at 0, whose blocks are the value) whose blocks along it differ in length
+        though only axes that split other dims tell them apart. None where they tile."""
+        if len(self.split) < 2:
+            return None
+        for d, axes in self.split:
+            others = [a for _, split_by in self.split for a in split_by if a not in axes]
+            for c in _grid(tuple(axes) + tuple(others), sizes):
+                at = {**{a: 0 for a in self.replicated}, **dict(zip(tuple(axes) + tuple(others), c))}
+                first = {**at, **{a: 0 for a in others}}
+                if length(at, d) != length(first, d):
+                    return d, first, at
+        return None
+
     def assemble_steps(self, sizes: dict, coords: dict, length: Callable[[dict, int], int]) -> List[Step]:
         """This rank's block to the global value: the replicated axes first (the value at coordinate 0 of each),
         then each split dim's axes, minor first. ``length(coords, d)`` is the block length along dim ``d`` on the
