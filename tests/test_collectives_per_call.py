@@ -378,8 +378,14 @@ def shard_map_case(case: str, size: int) -> Tuple[Callable[..., Any], Tuple[Any,
         f = cm.shard_map(lambda v: (v.cos(), v[:4]), mesh=line, in_specs=i, out_specs=(i, i))
         return f, (torch.cat([x, x[:1]]),), lambda v: (v.cos(), torch.cat([b[:4] for b in v.tensor_split(size)])), None
     square = init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("x", "y"))
-    order = ("x", "y") if case == "2-D mesh, rows over (x, y)" else ("y", "x")
-    f = cm.shard_map(torch.sin, mesh=square, in_specs=cm.P(order), out_specs=cm.P(order))
+    spec = {
+        "2-D mesh, rows over (x, y)": cm.P(("x", "y")),
+        "2-D mesh, rows over (y, x)": cm.P(("y", "x")),
+        "2-D mesh, tiles P(x, y)": cm.P("x", "y"),
+        "2-D mesh, tiles P(y, x)": cm.P("y", "x"),
+    }[case]
+    x = torch.randn(4 * size, 6, 3, generator=gen)
+    f = cm.shard_map(torch.sin, mesh=square, in_specs=spec, out_specs=spec)
     return f, (x,), torch.sin, lambda y: y.pow(2).sum()
 
 
@@ -437,17 +443,73 @@ def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
     assert all(len(names) == backward for names in seen.backward.names), seen.backward
 
 
-@pytest.mark.parametrize("order", ["(x, y)", "(y, x)"])
-def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, order):
-    """Rows split over both axes of a 2 x 2 mesh, in mesh order: the whole mesh's round carries them after the
-    axes' status rounds (a rank waiting in a collective over one axis is told of a failure only by a round on that
-    axis), and in backward the input's gradient blocks are one gather over the whole mesh. In the other order the
-    rows move one axis at a time, each way."""
-    seen = worlds(4).run(check_shard_map_case, f"2-D mesh, rows over {order}", deadline=DEADLINE)[0]
+MESH_CASES = {  # case: (forward collectives, backward collectives)
+    "2-D mesh, rows over (x, y)": (3, 1),
+    "2-D mesh, rows over (y, x)": (3, 2),
+    "2-D mesh, tiles P(x, y)": (3, 2),
+    "2-D mesh, tiles P(y, x)": (3, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(MESH_CASES))
+def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, case):
+    """An output split over both axes of a 2 x 2 mesh, along one dim or two, in either order: the whole mesh's round
+    carries it after the axes' status rounds (a rank waiting in a collective over one axis is told of a failure only
+    by a round on that axis), each rank's block as one run, rearranged after. In backward, the input's gradient
+    blocks are one gather over the whole mesh where the rows are split in mesh order, else one per axis."""
+    seen = worlds(4).run(check_shard_map_case, case, deadline=DEADLINE)[0]
     assert seen.exact and seen.grad_error == 0, seen
-    forward, backward = (3, 1) if order == "(x, y)" else (5, 2)
+    forward, backward = MESH_CASES[case]
     assert all(len(names) == forward for names in seen.forward.names), seen.forward
     assert all(len(names) == backward for names in seen.backward.names), seen.backward
+
+
+def check_tiles_in_a_loop() -> Dict[str, Any]:
+    """``shard_map(f, mesh, P('x', 'y'), P('x', 'y'))`` on a 2 x 2 mesh, training steps on (8, 6), then (5, 6), whose
+    tiles are uneven (``tensor_split`` blocks of 3 and 2 rows), twice, (8, 6) again, a step where f raises on the
+    last rank, and one more: each step's forward collectives, whether its output and x.grad are the unsharded
+    function's bit for bit, and the error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+    failing = []
+
+    def f(block: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() in failing:
+            raise ValueError("f failed on purpose")
+        return block.sin() * block
+
+    g = cm.shard_map(f, mesh=square, in_specs=cm.P("x", "y"), out_specs=cm.P("x", "y"))
+    gen = torch.Generator().manual_seed(0)
+    batches = {"even": torch.randn(8, 6, generator=gen), "uneven": torch.randn(5, 6, generator=gen)}
+    seen: Dict[str, Any] = {"counts": [], "exact": [], "error": ""}
+    for step in ("even",) * 3 + ("uneven",) * 2 + ("even", "fault", "even"):
+        failing[:] = [3] if step == "fault" else []
+        x = batches["even" if step == "fault" else step].clone().requires_grad_()
+        ref = x.detach().clone().requires_grad_()
+        (ref.sin() * ref).pow(2).sum().backward()
+        try:
+            with wire_tap.counting() as log:
+                y = g(x)
+            seen["counts"].append(len(log.names()))
+            y.pow(2).sum().backward()
+            seen["exact"].append(torch.equal(y, ref.detach().sin() * ref.detach()) and torch.equal(x.grad, ref.grad))
+        except cm.CmapError as exc:
+            seen["error"] = str(exc)
+    return seen
+
+
+def test_tiles_assemble_from_one_gather_and_fall_back_where_uneven(worlds):
+    """Tiles of one shape on every rank come back in the whole mesh's round (3 collectives: a round per axis, then
+    the whole mesh's with the data; the first step is left out, as the whole mesh's group may be one an earlier
+    check used); uneven tiles fall back to the lengths round and the per-axis gathers, with the same values; a fault
+    in f is every rank's CmapError, and the next step is right."""
+    for seen in worlds(4).run(check_tiles_in_a_loop, deadline=DEADLINE):
+        assert seen["exact"] == [True] * 7, seen
+        counts = seen["counts"]
+        assert [counts[k] for k in (1, 2, 5, 6)] == [3] * 4, counts  # the faulty step (7th) counted nothing
+        assert counts[3] > 3 and counts[4] > 3, counts
+        assert "f failed on purpose" in seen["error"] and "group rank 3" in seen["error"], seen["error"]
 
 
 # -------------------------------------------------------------------------------------------- shard_map's steady exit

@@ -204,3 +204,14 @@ def test_a_steady_training_step_sends_each_way_s_data_with_its_round(host_worlds
         assert seen.exact, f"B={seen.B}: x.grad is not vmap's"
         assert seen.forward.events == [per_call.TOGETHER] * per_call.COUNTED, seen.forward.events
         assert seen.backward.events == [per_call.TOGETHER] * per_call.COUNTED, seen.backward.events
+
+
+def test_tiles_assemble_from_one_gather_on_the_host_group(host_worlds):
+    """With rounds on a host group, tiles of one shape come back from one gather on the data's group, behind the
+    axes' rounds and the whole mesh's (4 collectives); uneven tiles fall back with the same values."""
+    import test_collectives_per_call as per_call
+
+    for seen in host_worlds(4).run(per_call.check_tiles_in_a_loop, deadline=DEADLINE):
+        assert seen["exact"] == [True] * 7, seen
+        assert [seen["counts"][k] for k in (1, 2, 5, 6)] == [4] * 4, seen["counts"]
+        assert "f failed on purpose" in seen["error"] and "group rank 3" in seen["error"], seen["error"]

@@ -27,9 +27,9 @@ from ..wire import comm
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
 from ..wire.link import Link, link_for
-from ..wire.roles import EVEN, KEEP, Role, Rows
+from ..wire.roles import EVEN, KEEP, Role, Rows, is_rows
 from . import dtensor
-from .blocks import assemble, assemble_local, block_lengths, cut, cut_local
+from .blocks import Tiles, assemble, assemble_local, block_lengths, cut, cut_local
 from .compiled import REASONS, TENSOR, Traced
 from .conclude import Carried, Outcome, conclude
 from .mesh import Mesh, MeshJoints, MeshView, manual_ranks, resolve_mesh, running
@@ -269,8 +269,8 @@ class _Eager(EagerKind):
         flat, out_tree = tree_flatten(ran.out)
         what = f"the outputs of {site.call}"
         if gathered is not None:  # the exit's round gathered the outputs that needed it
-            for i, value in zip(carried.leaves, gathered):
-                flat[i] = value
+            for i, value, tiles in zip(carried.leaves, gathered, carried.tiles):
+                flat[i] = value if tiles is None else tiles.assemble(value)
         elif site.opts.local or ran.out_mesh is not None:  # blocks: left as they are, or placed as DTensors
             flat = assemble_local(flat, ran.places, where.links, what)
             if ran.out_mesh is not None:
@@ -285,28 +285,34 @@ EAGER = _Eager()
 
 def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
     """The outputs the exit can gather itself: every output whose assembly needs communication, where each one's is
-    a single gather over the whole mesh's group (split along one dim over every mesh axis, whose rows the group's rank
-    order holds in the spec's order, or replicated over every axis: the value at whole-group rank 0), with the rounds
-    on the data's own group (CPU data on gloo). Every rank decides alike from its specs and its outputs' structure
-    (which the exit's round checks before any data moves)."""
+    a single gather over the whole mesh's group: split along one dim over every mesh axis, whose rows the group's
+    rank order holds in the spec's order; split over every mesh axis otherwise (:class:`~.blocks.Tiles`: a flat run
+    per rank, rearranged after), where no other output is split; or replicated over every axis (the value at
+    whole-group rank 0). The rounds are on the data's own group (CPU data on gloo). Every rank decides alike from its
+    specs and its outputs' structure (which the exit's round checks before any data moves)."""
     view = where.view
     if site.opts.local or ran.out_mesh is not None or not view.row_major():
         return None
     flat = tree_flatten(ran.out)[0]
     found: Dict[int, Role] = {}
+    tiled: Dict[int, Tiles] = {}
     for i, (value, place) in enumerate(zip(flat, ran.places)):
         if not isinstance(value, torch.Tensor) or not (place.split or place.replicated):
             continue  # the block is the value: nothing to assemble
         dim = place.dim_over(view.names)
+        tiles = Tiles.of(place, view, value) if dim is None else None
         if dim is not None:
             found[i] = Rows(dim, None)
+        elif tiles is not None:
+            found[i], tiled[i] = Rows(0, None), tiles
         elif place.replicated == view.names and not place.split:
             found[i] = EVEN
         else:
             return None
-    if not found:
-        return None
-    return Carried(tuple(found), tuple(found.values()), tuple(flat[i] for i in found))
+    if not found or (tiled and sum(map(is_rows, found.values())) > 1):
+        return None  # one row count per rank: a tile's entries and another output's rows would make two
+    values = tuple(flat[i].reshape(-1) if i in tiled else flat[i] for i in found)
+    return Carried(tuple(found), tuple(found.values()), values, tuple(tiled.get(i) for i in found))
 
 
 def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

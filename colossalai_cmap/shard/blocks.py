@@ -19,7 +19,8 @@ an output leaves through a ``Join(ONCE)`` (each rank its cotangent over the axis
 replicated value count once).
 """
 
-from typing import Any, Dict, List, Optional, Sequence
+import math
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,6 +75,41 @@ def assemble_local(values: Sequence[Any], places: Sequence[Placement], links: Di
         [Step(a, ONCE) for a in p.replicated] if isinstance(v, torch.Tensor) else [] for v, p in zip(values, places)
     ]
     return _run(list(values), steps, lambda axis, roles, xs: join(JoinSpec(links[axis], roles, what, Kind.SYNC), xs))
+
+
+class Tiles(NamedTuple):
+    """How to assemble an output split over every mesh axis, along several dims or along one in another order than
+    the mesh's, from one gather over the whole mesh's group: each rank sends its block as one flat run, the runs
+    come back in group-rank order (row-major over the mesh), and one permutation puts every block in its place.
+    This holds where every rank's block has this rank's shape; the exit's round checks that first.
+
+    Attributes:
+        mesh: the mesh's axis sizes, in mesh order.
+        block: this rank's block shape.
+        order: the permutation of the gathered ``(*mesh, *block)`` that puts each dim's axes (major first) before it.
+        shape: the global shape.
+    """
+
+    mesh: Tuple[int, ...]
+    block: Tuple[int, ...]
+    order: Tuple[int, ...]
+    shape: Tuple[int, ...]
+
+    @staticmethod
+    def of(place: Placement, view: Any, value: torch.Tensor) -> Optional["Tiles"]:
+        """The tiles of ``value``'s blocks, where ``place`` splits it over every axis of ``view`` and replicates it
+        over none; else None."""
+        split = dict(place.split)
+        if place.replicated or sorted(a for axes in split.values() for a in axes) != sorted(view.names):
+            return None
+        at = {a: k for k, a in enumerate(view.names)}
+        order = [k for d in range(value.dim()) for k in [at[a] for a in split.get(d, ())] + [len(at) + d]]
+        shape = [n * math.prod(view.sizes[a] for a in split.get(d, ())) for d, n in enumerate(value.shape)]
+        return Tiles(tuple(view.sizes[a] for a in view.names), tuple(value.shape), tuple(order), tuple(shape))
+
+    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The global value from every rank's flat run, gathered in group-rank order (differentiable)."""
+        return gathered.view(*self.mesh, *self.block).permute(self.order).reshape(self.shape)
 
 
 def block_lengths(values: Sequence[Any], places: Sequence[Placement]) -> Optional[torch.Tensor]:

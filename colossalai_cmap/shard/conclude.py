@@ -57,6 +57,12 @@ class Carried(NamedTuple):
     leaves: Tuple[int, ...]
     roles: Tuple[Role, ...]
     values: Tuple[torch.Tensor, ...]
+    tiles: Tuple[Any, ...]  # per output, its :class:`~.blocks.Tiles` (sent as one flat run), or None
+
+    def tile_shapes(self) -> int:
+        """A digest of this rank's tiled blocks' shapes (0: none): every rank's must match to assemble them."""
+        shapes = tuple(t.block for t in self.tiles if t is not None)
+        return digest(shapes) if shapes else 0
 
     def lengths(self) -> List[int]:
         """This rank's block length of each carried output split into rows."""
@@ -163,7 +169,7 @@ def _carry(
         values = tuple(_no_rows(v, r) for v, r in zip(values, roles))
     # the exit's batch says which lengths this rank took as known: ranks that kept different ones find out after the
     # round, before any data moves, and carry again (not in the round's name, so the rounds learn its size)
-    assumed = exit_._replace(flags=flags, batch=0 if known is None else digest(known))
+    assumed = exit_._replace(flags=flags, batch=0 if known is None else digest(known), values=carried.tile_shapes())
     spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=assumed._replace(agree=_KNOWN + exit_.agree))
     try:
         got = join(spec._replace(learned=learned), values)
@@ -172,6 +178,8 @@ def _carry(
             raise
         return None, LENGTHS_CHANGED, learned
     mask = functools.reduce(lambda m, h: m | h.flags, learned.table, 0)
+    if len({h.values for h in learned.table}) > 1:  # tiles of other shapes: the runs cannot be rearranged as one
+        mask |= UNEVEN_CARRIED
     return (None if mask else tuple(got)), mask, learned
 
 
