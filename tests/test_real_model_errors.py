@@ -267,10 +267,10 @@ def test_other_layouts(worlds):
         assert "Make every rank's output the same shape, dtype and structure" in message, message
         assert "model.generate" not in message, message  # the padding advice is for lengths only
     assert (
-        "(output ['b']: group rank 0: float32 2-d, out_specs P('x'), group rank 1: float64 2-d, out_specs P('x'))"
+        "(output ['b']: group rank 0: float32 (*, 3), out_specs P('x'), group rank 1: float64 (*, 3), out_specs P('x'))"
         in dtypes_shard
     ), dtypes_shard
     assert (
-        "(group rank 0: output ['a'] float32 2-d, out_specs P('x'); group rank 1: output ['a'] float32 2-d, "
-        "out_specs P('x'), output ['b'] float32 2-d, out_specs P('x'))" in structures_shard
+        "(group rank 0: output ['a'] float32 (*, 3), out_specs P('x'); group rank 1: output ['a'] float32 (*, 3), "
+        "out_specs P('x'), output ['b'] float32 (*, 3), out_specs P('x'))" in structures_shard
     ), structures_shard
