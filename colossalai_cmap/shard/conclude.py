@@ -73,6 +73,8 @@ class Carried(NamedTuple):
 # lengths (every rank then sends its lengths in a round, and assembles axis by axis), or another length than the one
 # every rank kept (every rank then carries them again, the round telling the lengths).
 UNEVEN_CARRIED, LENGTHS_CHANGED = 1, 2
+TILES_DIFFER = 4  # not sent: every rank reads it off the table, where the ranks' tiles have other shapes
+_UNEVEN_TILES: Tuple[int, ...] = ()  # kept for a layout whose tiles were uneven: its exits send lengths, until even
 
 
 _KNOWN = ("batch",)  # checked first: ranks that took different lengths as known fall back, whatever else differs
@@ -138,14 +140,23 @@ def _lengths_of_every_rank(whole: Link, exit_: Exit, outcome: Outcome) -> Conclu
 def _gathered_outputs(whole: Link, exit_: Exit, outcome: Outcome, carried: Carried) -> Concluded:
     """The exit's round gathering the carried outputs, their row counts the ones the last such exit agreed where
     every rank kept them; once more with the round's own where a rank's changed; or, where a rank's carried blocks
-    differ in length, every rank's lengths in a round of their own (nothing gathered)."""
+    differ in length or its tiles have another shape than a peer's, every rank's lengths in a round of their own
+    (nothing gathered). After uneven tiles the next exits of that layout send their lengths first, until the lengths
+    show the tiles even again."""
     kept, key = state_of(whole.group.pg).exits, outcome.layout_sig  # not the call's name: ranks may differ there
+    if kept.get(key) == _UNEVEN_TILES:  # the runs would be sent in vain: the lengths first, until the tiles are even
+        concluded = _lengths_of_every_rank(whole, exit_, outcome)
+        if len({tuple(lengths) for lengths in concluded.table}) == 1:  # the carried tile is the only split output
+            kept.pop(key)
+        return concluded
     got, mask, learned = _carry(whole, exit_, carried, kept.get(key))  # known lengths: the data need not wait
-    if mask & LENGTHS_CHANGED and not mask & UNEVEN_CARRIED:  # every rank read the same table: once more, as new
+    if mask & LENGTHS_CHANGED and not mask & (UNEVEN_CARRIED | TILES_DIFFER):  # every rank read the table: again
         kept.pop(key, None)
         got, mask, learned = _carry(whole, exit_, carried, None)
     if mask:  # every rank read the same table: each sends its lengths, and assembles
         kept.pop(key, None)
+        if mask & TILES_DIFFER:
+            kept[key] = _UNEVEN_TILES
         return _lengths_of_every_rank(whole, exit_, outcome)
     if carried.lengths():
         kept[key] = tuple(h.rows for h in learned.table)
@@ -179,7 +190,7 @@ def _carry(
         return None, LENGTHS_CHANGED, learned
     mask = functools.reduce(lambda m, h: m | h.flags, learned.table, 0)
     if len({h.values for h in learned.table}) > 1:  # tiles of other shapes: the runs cannot be rearranged as one
-        mask |= UNEVEN_CARRIED
+        mask |= TILES_DIFFER
     return (None if mask else tuple(got)), mask, learned
 
 
