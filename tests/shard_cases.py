@@ -3,12 +3,12 @@ gradients with a single-process reference that computes the same global function
 
 import importlib
 from functools import partial
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from cases import F64, assert_same
+from cases import F64, assert_same, sum_tolerance
 from torch.utils._pytree import tree_leaves, tree_map
 
 import colossalai_cmap as cm
@@ -404,6 +404,57 @@ def check_failure(where: str) -> str:
     except cm.CmapError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def check_failures_in_a_loop_on_a_mesh() -> List[str]:
+    """On a 2 x 2 mesh, a training loop whose f sums over "y", then over "x": each rank in turn raises before the
+    first psum, between them, and after both, while its peers wait in collectives over either axis or at the exit;
+    every failing step is a CmapError naming that rank, and the step after it has the unsharded values and
+    gradients. Returns each failing step's message (or "no error"), then "ok" for each good step."""
+    m = mesh((2, 2), ("x", "y"))
+    plan = {"where": "", "rank": -1}
+
+    def f(b: torch.Tensor) -> torch.Tensor:
+        here = dist.get_rank() == plan["rank"]
+        if here and plan["where"] == "before":
+            raise ValueError("boom before")
+        y = cm.psum(b.sin(), "y")
+        if here and plan["where"] == "between":
+            raise ValueError("boom between")
+        z = cm.psum(y, "x")
+        if here and plan["where"] == "after":
+            raise ValueError("boom after")
+        return z * b
+
+    g = shard_map(f, m, P("x", "y"), P("x", "y"))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    # the psums add 4 terms in another order than the reference: each result is within 2 gamma_8 of the largest
+    # sum|terms|, here at most 4 * 8 (|x| + 1)^2 (|sin|, |cos| <= 1; the gradient's terms are products of those)
+    tolerance = sum_tolerance(8, 32 * (float(x.abs().max()) + 1) ** 2, torch.float64)
+    seen = []
+    for rank in range(4):
+        for where in ("before", "between", "after", ""):
+            plan.update(where=where, rank=rank)
+            given = x.clone().requires_grad_()
+            try:
+                g(given).pow(2).sum().backward()
+            except cm.CmapError as exc:
+                seen.append(str(exc))
+                continue
+            if where:
+                seen.append("no error")
+                continue
+            ref = x.clone().requires_grad_()
+            blocks = [blk.sin() for row in ref.tensor_split(2, 0) for blk in row.tensor_split(2, 1)]
+            total = sum(blocks)
+            out = torch.cat(
+                [torch.cat([total * blk for blk in row.tensor_split(2, 1)], 1) for row in ref.tensor_split(2, 0)]
+            )
+            out.pow(2).sum().backward()
+            assert_same(g(x), out.detach(), tolerance, "values")
+            assert_same(given.grad, ref.grad, tolerance, "gradients")
+            seen.append("ok")
+    return seen
 
 
 def check_carried_outputs_fail_alike() -> Dict[str, str]:

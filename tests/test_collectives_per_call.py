@@ -454,11 +454,12 @@ MESH_CASES = {  # case: (forward collectives, backward collectives)
 @pytest.mark.parametrize("case", list(MESH_CASES))
 def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, case):
     """An output split over both axes of a 2 x 2 mesh, along one dim or two, in either order: the whole mesh's round
-    carries it after the axes' status rounds (a rank waiting in a collective over one axis is told of a failure only
-    by a round on that axis), each rank's block as one run, rearranged after. In backward, the input's gradient
+    carries it after the axes' status rounds, which are in flight together (a rank waiting in a collective over one
+    axis is told of a failure only by a round on that axis), each rank's block as one run, rearranged after. In backward, the input's gradient
     blocks are one gather over the whole mesh where the rows are split in mesh order, else one per axis."""
     seen = worlds(4).run(check_shard_map_case, case, deadline=DEADLINE)[0]
     assert seen.exact and seen.grad_error == 0, seen
+    assert all(events[:4] == TOGETHER for events in seen.forward.events), seen.forward.events  # the axes' rounds
     forward, backward = MESH_CASES[case]
     assert all(len(names) == forward for names in seen.forward.names), seen.forward
     assert all(len(names) == backward for names in seen.backward.names), seen.backward

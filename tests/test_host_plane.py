@@ -215,3 +215,15 @@ def test_tiles_assemble_from_one_gather_on_the_host_group(host_worlds):
         assert seen["exact"] == [True] * 7, seen
         assert [seen["counts"][k] for k in (1, 2, 6)] == [4] * 3, seen["counts"]
         assert "f failed on purpose" in seen["error"] and "group rank 3" in seen["error"], seen["error"]
+
+
+def test_failures_in_a_loop_on_a_mesh_on_the_host_group(host_worlds):
+    """The exit's axis rounds, in flight together on their host groups: a rank that raises before, between or after
+    collectives over either axis is every rank's CmapError naming it, and the next training step is right."""
+    for seen in host_worlds(4).run(sc.check_failures_in_a_loop_on_a_mesh, deadline=DEADLINE):
+        assert seen[3::4] == ["ok"] * 4, seen
+        assert all(
+            f"group rank {k // 4} (global rank {k // 4}) raised ValueError" in t
+            for k, t in enumerate(seen)
+            if k % 4 != 3
+        )

@@ -71,6 +71,18 @@ def test_failure_on_one_rank(worlds, where, rank, kind):
         assert f"group rank {rank} (global rank {rank}) raised {kind}" in text, text
 
 
+def test_failures_in_a_loop_on_a_mesh(worlds):
+    """The exit's axis rounds go out together: a rank that raises before, between or after collectives over either
+    axis is every rank's CmapError naming it, and the next training step is right."""
+    for seen in worlds(4).run(sc.check_failures_in_a_loop_on_a_mesh):
+        for k, text in enumerate(seen):
+            rank, where = divmod(k, 4)
+            if where == 3:
+                assert text == "ok", (k, text)
+            else:
+                assert f"group rank {rank} (global rank {rank}) raised ValueError: boom" in text, (k, text)
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_carried_outputs_fail_alike(worlds, size):
     for seen in worlds(size).run(sc.check_carried_outputs_fail_alike):

@@ -143,6 +143,14 @@ def _read(rows: List[List[int]], payloads: torch.Tensor) -> Round:
     return Round._make(found[:-1] + (payloads,))
 
 
+class Issued(NamedTuple):
+    """A round in flight: its all-gather, its name, and the data sent right behind it (None: none)."""
+
+    work: Any
+    name: str
+    early: Any
+
+
 def run_round(
     link: Link, header: Header, also: Optional[Callable[[], Any]] = None, what: Optional[str] = None
 ) -> Round:
@@ -151,18 +159,31 @@ def run_round(
     that did not send early, in a round where a peer did, sends a stand-in of the agreed shape, whatever round it is
     in, so the collectives pair up in the same order on every rank. ``what`` names the collective an ``OP`` or
     ``SYNC`` round precedes, for a peer's error should this rank stop here."""
+    return finish_round(link, issue_round(link, header, also, what))
+
+
+def issue_round(
+    link: Link, header: Header, also: Optional[Callable[[], Any]] = None, what: Optional[str] = None
+) -> Issued:
+    """:func:`run_round`'s first half: the round's all-gather issued (and ``also``'s data behind it), nothing waited
+    for."""
     ch, group = link.channel(), link.round_group
     ch.write_header(pack_header(header))
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
     buffers = ch.buffers
     work = comm.issue_all_gather(buffers.recv_flat, buffers.send, group, link.call, name)
-    early = also() if also is not None else None
-    comm.wait_for(work, group, link.call, link.timeout)
+    return Issued(work, name, also() if also is not None else None)
+
+
+def finish_round(link: Link, issued: Issued) -> Round:
+    """:func:`run_round`'s second half: the round waited for and read, the early data waited for or met."""
+    ch, group = link.channel(), link.round_group
+    comm.wait_for(issued.work, group, link.call, link.timeout)
     if link.host is None:  # the table sits in the data's own buffers
         stats.host_read()
-    rnd = _read(ch.read_rows(), buffers.payloads)
-    if early is not None:
-        comm.wait_for(early, link.group, link.call, link.timeout, ch.last_data.collective())
+    rnd = _read(ch.read_rows(), ch.buffers.payloads)
+    if issued.early is not None:
+        comm.wait_for(issued.early, link.group, link.call, link.timeout, ch.last_data.collective())
     elif rnd.early:
         _stand_in(ch.last_data, link)
     ch.agree(rnd.name, rnd.need)
@@ -190,6 +211,17 @@ def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] =
         if rnd.kind == Kind.STATUS:
             return rnd
         header, also = header._replace(early=0), None
+
+
+def status_rounds(links: Sequence[Link], header: Header) -> None:
+    """:func:`status_round` on each link's group, every first round issued before any is waited for (on groups that
+    are all different, so they cost about one round's time); a group whose round met a peer still in an ``OP`` or
+    ``SYNC`` round repeats it alone, as :func:`status_round` does. Every round is posted before this rank waits for
+    any, so a peer waiting in a collective on one group is told while this rank waits on another."""
+    issued = [(link, issue_round(link, header)) for link in links]
+    for link, pending in issued:
+        if finish_round(link, pending).kind != Kind.STATUS:
+            status_round(link, header)
 
 
 def checked_round(link: Link, header: Header, what: str, also: Optional[Callable[[], Any]] = None) -> Round:
