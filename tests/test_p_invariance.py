@@ -284,3 +284,32 @@ def test_shard_map_behaves_alike_at_every_mesh_size(worlds):
         for r, outcomes in enumerate(per_rank):
             for k, (got, want) in enumerate(zip(outcomes, expected)):
                 assert got[0] == want[0] and _same(got[1:], want[1:]), f"case {k}, P={P}, rank {r}: {got} vs {want}"
+
+
+def _shard_map_2d_calls() -> List[Any]:
+    """This rank's outcome of shard_map calls on a mesh of shape (1, world) with axes ("i", "j") (1 x 1 at P = 1), whose
+    outputs are split over both axes: tiles along two dims, either order, and one dim in the order the mesh does not
+    hold; even and uneven."""
+    from shard_cases import mesh
+
+    m = mesh((1, dist.get_world_size()), ("i", "j"))
+    specs = [cm.P("i", "j"), cm.P("j", "i"), cm.P(("j", "i")), cm.P(None, ("j", "i"))]
+    outcomes = []
+    for spec in specs:
+        for shape in ((6, 6), (5, 7)):
+            x = torch.arange(shape[0] * shape[1], dtype=torch.float64).view(shape).requires_grad_()
+            out = cm.shard_map(lambda b: b * b + 1, m, spec, spec)(x)
+            (out**2).sum().backward()
+            outcomes.append(("ok", out.detach(), x.grad))
+    return outcomes
+
+
+def test_tiles_behave_alike_at_every_mesh_size(worlds):
+    """Outputs split over both axes of a (1, P) mesh come back the same, values and gradients, at P = 1, 2 and 3:
+    from one gather of every rank's tile where the tiles are even, axis by axis where they are not."""
+    by_size = {P: worlds(P).run(_shard_map_2d_calls) for P in (1, 2, 3)}
+    expected = by_size[1][0]
+    for P, per_rank in by_size.items():
+        for r, outcomes in enumerate(per_rank):
+            for k, (got, want) in enumerate(zip(outcomes, expected)):
+                assert got[0] == want[0] and _same(got[1:], want[1:]), f"case {k}, P={P}, rank {r}: {got} vs {want}"
