@@ -523,10 +523,10 @@ def _layout(flat: Sequence[Any], places: Sequence[Placement], assembled: bool) -
     """What every rank's outputs must agree on, leaf by leaf: the path, the spec, and a tensor's dtype and sizes, its
     split dims' left out (blocks may be uneven there), or another leaf's type. Blocks that stay as they are
     (``local=True``) agree on their number of dims only: nothing joins them."""
-    return tuple((p.path, tuple(p.spec), _kind(v, p, assembled)) for v, p in zip(flat, places))
+    return tuple((p.path, tuple(p.spec), _leaf_layout(v, p, assembled)) for v, p in zip(flat, places))
 
 
-def _kind(value: Any, place: Placement, assembled: bool) -> Any:
+def _leaf_layout(value: Any, place: Placement, assembled: bool) -> Any:
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
     if not assembled:

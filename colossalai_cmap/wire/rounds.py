@@ -144,10 +144,9 @@ def _read(rows: List[List[int]], payloads: torch.Tensor) -> Round:
 
 
 class Issued(NamedTuple):
-    """A round in flight: its all-gather, its name, and the data sent right behind it (None: none)."""
+    """A round in flight: its all-gather, and the data sent right behind it (None: none)."""
 
     work: Any
-    name: str
     early: Any
 
 
@@ -172,7 +171,7 @@ def issue_round(
     name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
     buffers = ch.buffers
     work = comm.issue_all_gather(buffers.recv_flat, buffers.send, group, link.call, name)
-    return Issued(work, name, also() if also is not None else None)
+    return Issued(work, also() if also is not None else None)
 
 
 def finish_round(link: Link, issued: Issued) -> Round:
