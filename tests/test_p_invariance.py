@@ -278,7 +278,12 @@ def _shard_map_calls() -> List[Any]:
 def test_shard_map_behaves_alike_at_every_mesh_size(worlds):
     """shard_map on a mesh of one takes the steps it takes on any mesh: the same values, gradients and errors at
     P = 1, 2 and 3."""
-    by_size = {P: worlds(P).run(_shard_map_calls) for P in (1, 2, 3)}
+    _assert_alike_at_every_size(worlds, _shard_map_calls)
+
+
+def _assert_alike_at_every_size(worlds: Any, calls: Any) -> None:
+    """Every rank's outcomes of ``calls`` at P = 1, 2 and 3 are the P = 1 outcomes, case by case."""
+    by_size = {P: worlds(P).run(calls) for P in (1, 2, 3)}
     expected = by_size[1][0]
     for P, per_rank in by_size.items():
         for r, outcomes in enumerate(per_rank):
@@ -307,9 +312,4 @@ def _shard_map_2d_calls() -> List[Any]:
 def test_tiles_behave_alike_at_every_mesh_size(worlds):
     """Outputs split over both axes of a (1, P) mesh come back the same, values and gradients, at P = 1, 2 and 3:
     from one gather of every rank's tile where the tiles are even, axis by axis where they are not."""
-    by_size = {P: worlds(P).run(_shard_map_2d_calls) for P in (1, 2, 3)}
-    expected = by_size[1][0]
-    for P, per_rank in by_size.items():
-        for r, outcomes in enumerate(per_rank):
-            for k, (got, want) in enumerate(zip(outcomes, expected)):
-                assert got[0] == want[0] and _same(got[1:], want[1:]), f"case {k}, P={P}, rank {r}: {got} vs {want}"
+    _assert_alike_at_every_size(worlds, _shard_map_2d_calls)
