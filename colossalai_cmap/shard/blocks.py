@@ -30,7 +30,7 @@ from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
 from ..wire.link import Link
 from ..wire.roles import COPY, EVEN, FIRST, ONCE, Rows, is_rows, tensor_split_sizes
 from ..wire.rounds import Kind
-from .specs import Placement, Step
+from .specs import OffGrid, Placement, Step
 
 WHOLE = ("the whole mesh",)  # the step key of a cut over the whole mesh's group (no axis name is a tuple)
 
@@ -137,7 +137,7 @@ def assemble(
     for i, (v, p) in enumerate(zip(values, places)):  # every rank read the same table: every rank raises alike
         found = p.off_grid(view.sizes, length(i)) if isinstance(v, torch.Tensor) else None
         if found is not None:
-            raise _blocks_off_grid(what, p, view, length(i), *found)
+            raise _blocks_off_grid(what, p, view, length(i), found)
     steps = [
         p.assemble_steps(view.sizes, view.coords, length(i)) if isinstance(v, torch.Tensor) else []
         for i, (v, p) in enumerate(zip(values, places))
@@ -149,9 +149,9 @@ def assemble(
     return _run(list(values), steps, apply)
 
 
-def _blocks_off_grid(what: str, place: Placement, view: Any, length: Any, dim: int, first: dict, at: dict) -> CmapError:
-    """Blocks split along several dims whose lengths along ``dim`` differ where only other dims' axes differ."""
-    axes = dict(place.split)[dim]
+def _blocks_off_grid(what: str, place: Placement, view: Any, length: Any, found: OffGrid) -> CmapError:
+    """Blocks split along several dims whose lengths along one of them differ where only other dims' axes differ."""
+    dim, axes = found.dim, dict(place.split)[found.dim]
 
     def rank(coords: dict) -> str:
         shown = ", ".join(f"{a}={coords[a]}" for a in view.names if a in coords)
@@ -159,9 +159,9 @@ def _blocks_off_grid(what: str, place: Placement, view: Any, length: Any, dim: i
 
     return CmapError(
         f"{what}: the blocks of {place.path} (out_specs P({', '.join(map(repr, tuple(place.spec)))})) do not tile "
-        f"one global value: along dim {dim}, split over {{{', '.join(axes)}}}, {rank(first)} and {rank(at)}. A "
-        f"block's length along a split dim may differ only with the axes that split that dim; make every rank's "
-        f"block along dim {dim} the same length where those coordinates are the same."
+        f"one global value: along dim {dim}, split over {{{', '.join(axes)}}}, {rank(found.first)} and "
+        f"{rank(found.at)}. A block's length along a split dim may differ only with the axes that split that dim; "
+        f"make every rank's block along dim {dim} the same length where those coordinates are the same."
     )
 
 

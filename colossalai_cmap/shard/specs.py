@@ -60,6 +60,15 @@ class Step(NamedTuple):
     role: Role
 
 
+class OffGrid(NamedTuple):
+    """Where a leaf's blocks do not tile one global value: the split dim, and two coordinates (a dict of axis to
+    index each) whose blocks along it differ in length though only axes that split other dims tell them apart."""
+
+    dim: int
+    first: dict
+    at: dict
+
+
 @dataclass(frozen=True)
 class Placement:
     """How one leaf maps to blocks.
@@ -89,7 +98,7 @@ class Placement:
         steps = [Step(a, r) for d, axes in self.split for a, r in zip(axes, _rows(d, shape[d], axes, sizes, coords))]
         return steps + [Step(a, COPY) for a in self.replicated]
 
-    def off_grid(self, sizes: dict, length: Callable[[dict, int], int]) -> Optional[Tuple[int, dict, dict]]:
+    def off_grid(self, sizes: dict, length: Callable[[dict, int], int]) -> Optional["OffGrid"]:
         """Where the blocks of a leaf split along several dims do not tile one global value: the first split dim, and
         two coordinates (replicated axes at 0, whose blocks are the value) whose blocks along it differ in length
         though only axes that split other dims tell them apart. None where they tile."""
@@ -101,7 +110,7 @@ class Placement:
                 at = {**{a: 0 for a in self.replicated}, **dict(zip(tuple(axes) + tuple(others), c))}
                 first = {**at, **{a: 0 for a in others}}
                 if length(at, d) != length(first, d):
-                    return d, first, at
+                    return OffGrid(d, first, at)
         return None
 
     def assemble_steps(self, sizes: dict, coords: dict, length: Callable[[dict, int], int]) -> List[Step]:
