@@ -12,6 +12,7 @@ once the same call has run twice before), the next 3 are counted, each on its ow
 its own, so that what earlier calls left in a group's rounds does not change the count.
 """
 
+import time
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import pytest
@@ -444,22 +445,22 @@ def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
 
 
 MESH_CASES = {  # case: (forward collectives, backward collectives)
-    "2-D mesh, rows over (x, y)": (3, 1),
-    "2-D mesh, rows over (y, x)": (3, 2),
-    "2-D mesh, tiles P(x, y)": (3, 2),
-    "2-D mesh, tiles P(y, x)": (3, 2),
+    "2-D mesh, rows over (x, y)": (1, 1),
+    "2-D mesh, rows over (y, x)": (1, 2),
+    "2-D mesh, tiles P(x, y)": (1, 2),
+    "2-D mesh, tiles P(y, x)": (1, 2),
 }
 
 
 @pytest.mark.parametrize("case", list(MESH_CASES))
-def test_a_2d_mesh_exit_has_one_round_per_axis_and_one_over_the_whole(worlds, case):
-    """An output split over both axes of a 2 x 2 mesh, along one dim or two, in either order: the whole mesh's round
-    carries it after the axes' status rounds, which are in flight together (a rank waiting in a collective over one
-    axis is told of a failure only by a round on that axis), each rank's block as one run, rearranged after. In backward, the input's gradient
-    blocks are one gather over the whole mesh where the rows are split in mesh order, else one per axis."""
+def test_a_2d_mesh_exit_is_one_round_over_the_whole_where_f_communicates_on_no_axis(worlds, case):
+    """An output split over both axes of a 2 x 2 mesh, along one dim or two, in either order, by an f that takes no
+    collective over one axis: no rank can be waiting in a round on an axis, so the exit is the whole mesh's round
+    alone, carrying each rank's block as one run, rearranged after. In backward, the input's gradient blocks are one
+    gather over the whole mesh where the rows are split in mesh order, else one per axis."""
     seen = worlds(4).run(check_shard_map_case, case, deadline=DEADLINE)[0]
     assert seen.exact and seen.grad_error == 0, seen
-    assert all(events[:4] == TOGETHER for events in seen.forward.events), seen.forward.events  # the axes' rounds
+    assert all(events == ONE_ROUND for events in seen.forward.events), seen.forward.events
     forward, backward = MESH_CASES[case]
     assert all(len(names) == forward for names in seen.forward.names), seen.forward
     assert all(len(names) == backward for names in seen.backward.names), seen.backward
@@ -501,18 +502,83 @@ def check_tiles_in_a_loop() -> Dict[str, Any]:
 
 
 def test_tiles_assemble_from_one_gather_and_fall_back_where_uneven(worlds):
-    """Tiles of one shape on every rank come back in the whole mesh's round (3 collectives: a round per axis, then
-    the whole mesh's with the data; the first step is left out, as the whole mesh's group may be one an earlier
-    check used). Uneven tiles fall back to the lengths round and the per-axis gathers, with the same values; after
-    them, a step sends its lengths first until they show even tiles. A fault in f is every rank's CmapError, and the
-    next step is right."""
+    """Tiles of one shape on every rank come back in the whole mesh's round, alone (the first step is left out, as
+    the whole mesh's group may be one an earlier check used). Uneven tiles fall back to the lengths round and the
+    per-axis gathers, with the same values; after them, a step sends its lengths first until they show even tiles.
+    A fault in f is every rank's CmapError, and the next step is right."""
     for seen in worlds(4).run(check_tiles_in_a_loop, deadline=DEADLINE):
         assert seen["exact"] == [True] * 7, seen
         counts = seen["counts"]
-        assert [counts[k] for k in (1, 2, 6)] == [3] * 3, counts  # the faulty step (7th) counted nothing
+        assert [counts[k] for k in (1, 2, 6)] == [1] * 3, counts  # the faulty step (7th) counted nothing
         # the first uneven step's runs went in vain; the next steps send their lengths first, until they are even
-        assert counts[3] > counts[4] == counts[5] > 3, counts
+        assert counts[3] > counts[4] == counts[5] > 1, counts
         assert "f failed on purpose" in seen["error"] and "group rank 3" in seen["error"], seen["error"]
+
+
+AXIS_STEPS = (  # step: (f's collective over mesh axes, or None; whether the last rank raises before it)
+    ("plain", None, False),
+    ("plain", None, False),
+    ("raises before psum over y", "y", True),
+    ("plain", None, False),
+    ("psum over y", "y", False),
+    ("psum over y", "y", False),
+    ("raises before psum over y", "y", True),
+    ("plain", None, False),
+    ("raises before psum over the mesh", ("x", "y"), True),
+)
+
+
+def check_collectives_on_an_axis(timeout: float) -> Dict[str, Any]:
+    """``shard_map(f, mesh, P('x'), P('x'))`` on a 2 x 2 mesh of its own, ``f`` as :data:`AXIS_STEPS` says, step by
+    step: each step's collectives, whether its output is right, its error and how long it took; then the same on a
+    second mesh whose first call raises on the last rank before a psum over the whole mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    step: Dict[str, Any] = {}
+
+    def f(block: torch.Tensor) -> torch.Tensor:
+        if step["raises"] and rank == last:
+            raise ValueError("f failed on purpose")
+        return (block if step["axes"] is None else cm.psum(block, step["axes"])).sin()
+
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    per_y = {None: x, "y": x * 2, ("x", "y"): torch.cat([x[:4] + x[4:]] * 2)}  # the psum over y is of equal blocks
+    seen: Dict[str, Any] = {"counts": [], "exact": [], "errors": [], "seconds": []}
+    meshes = [init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y")) for _ in range(2)]
+    steps = [(meshes[0], *s) for s in AXIS_STEPS[:-1]] + [(meshes[1], *AXIS_STEPS[-1])]
+    for mesh, label, axes, raises in steps:
+        step.update(axes=axes, raises=raises)
+        g = cm.shard_map(f, mesh=mesh, in_specs=cm.P("x"), out_specs=cm.P("x"), timeout=timeout)
+        began = time.perf_counter()
+        with wire_tap.counting() as log:
+            try:
+                seen["exact"].append(torch.equal(g(x), per_y[axes].sin()))
+            except cm.CmapError as exc:
+                seen["errors"].append((label, str(exc)))
+        seen["seconds"].append(time.perf_counter() - began)
+        seen["counts"].append(len(log.names()))
+    return seen
+
+
+def test_an_exit_takes_rounds_on_the_axes_once_f_has_taken_one_there(worlds):
+    """On a 2 x 2 mesh, an exit is the whole mesh's round alone until f takes a collective over one axis; that
+    first collective is announced in a round over the whole mesh, and from then on every exit of that mesh takes a
+    round on each axis's group first (a rank waiting in a psum over y is told only by a round over y). A rank that
+    raises before the psum, before or after the mesh is marked, and before a psum over the whole mesh, is every
+    rank's CmapError at once, not at the timeout, and the next step is right."""
+    timeout = 30.0
+    for seen in worlds(4).run(check_collectives_on_an_axis, timeout, deadline=DEADLINE):
+        assert seen["exact"] == [True] * 6, seen
+        counts = seen["counts"]
+        # each step ends in a gather over x (the blocks of P('x')); a plain step before it is the whole's round;
+        # psum over y: announced, its round (the data rides), the axes' rounds, the whole's; then the same without
+        # the announcement; a plain step on the marked mesh keeps the axes' rounds
+        assert [counts[k] for k in (1, 3, 4, 5, 7)] == [2, 2, 6, 5, 4], counts
+        assert [label for label, _ in seen["errors"]] == [s[0] for s in AXIS_STEPS if s[2]], seen["errors"]
+        for label, error in seen["errors"]:
+            assert "f failed on purpose" in error and "group rank 3" in error, (label, error)
+        assert max(seen["seconds"]) < timeout / 3, seen["seconds"]
 
 
 # -------------------------------------------------------------------------------------------- shard_map's steady exit

@@ -207,13 +207,13 @@ def test_a_steady_training_step_sends_each_way_s_data_with_its_round(host_worlds
 
 
 def test_tiles_assemble_from_one_gather_on_the_host_group(host_worlds):
-    """With rounds on a host group, tiles of one shape come back from one gather on the data's group, behind the
-    axes' rounds and the whole mesh's (4 collectives); uneven tiles fall back with the same values."""
+    """With rounds on a host group, tiles of one shape come back from one gather on the data's group, right behind
+    the whole mesh's round (2 collectives); uneven tiles fall back with the same values."""
     import test_collectives_per_call as per_call
 
     for seen in host_worlds(4).run(per_call.check_tiles_in_a_loop, deadline=DEADLINE):
         assert seen["exact"] == [True] * 7, seen
-        assert [seen["counts"][k] for k in (1, 2, 6)] == [4] * 3, seen["counts"]
+        assert [seen["counts"][k] for k in (1, 2, 6)] == [2] * 3, seen["counts"]
         assert "f failed on purpose" in seen["error"] and "group rank 3" in seen["error"], seen["error"]
 
 
@@ -227,3 +227,16 @@ def test_failures_in_a_loop_on_a_mesh_on_the_host_group(host_worlds):
             for k, t in enumerate(seen)
             if k % 4 != 3
         )
+
+
+def test_a_failure_before_a_collective_over_part_of_a_mesh_is_prompt_on_the_host_group(host_worlds):
+    """With rounds on a host group, the announcement of f's first collective over one axis, and the axes' rounds of a
+    marked mesh's exit, reach a rank that raised before it, or before a psum over the whole mesh, at once."""
+    import test_collectives_per_call as per_call
+
+    timeout = 30.0
+    for seen in host_worlds(4).run(per_call.check_collectives_on_an_axis, timeout, deadline=DEADLINE):
+        assert seen["exact"] == [True] * 6, seen
+        assert [label for label, _ in seen["errors"]] == [s[0] for s in per_call.AXIS_STEPS if s[2]], seen["errors"]
+        assert all("f failed on purpose" in error for _, error in seen["errors"]), seen["errors"]
+        assert max(seen["seconds"]) < timeout / 3, seen["seconds"]

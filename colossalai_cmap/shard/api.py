@@ -23,7 +23,7 @@ from ..errors import CmapError
 from ..integration.groups import collective_device
 from ..nesting import gradients_tracked, nested_in_split, splitting
 from ..torch_internals import tree_flatten, tree_map, tree_unflatten
-from ..wire import comm
+from ..wire import comm, rounds
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
 from ..wire.link import Link, link_for
@@ -256,7 +256,9 @@ class _Eager(EagerKind):
         return found, given.kwargs
 
     def run(self, site: ShardMapped, where: Where, entered: Any, tag: CallTag, start: int) -> Ran:
-        return _run_f(site, where, *entered, tag, start)
+        axes = [where.links[n] for n in where.view.names]
+        with rounds.within_mesh(where.whole, axes):  # a round on part of the mesh is announced: the exit must know
+            return _run_f(site, where, *entered, tag, start)
 
     def failed(self, site: ShardMapped, where: Where, exc: BaseException) -> Failed:
         return Failed(where.view.whole.failure(exc), exc)

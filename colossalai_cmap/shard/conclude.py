@@ -1,9 +1,10 @@
 """A ``shard_map`` call's exit: an exception on one rank is a ``CmapError`` on every rank of the mesh.
 
 While ``f`` runs, a rank may wait in a collective over one mesh axis, so its peers along that axis are the ones who
-must tell it. The exit is therefore a status round on each axis's group, all in flight together, then one on the
-whole mesh's group (an axis whose group is the whole mesh's has only that one). A rank that failed posts its failure
-in every round; a peer waiting in a collective on that axis sees it, gives the collective up, and comes to the exit
+must tell it. Once a call on the mesh has taken a round on part of it inside ``f`` (announced on the whole mesh,
+:func:`~colossalai_cmap.wire.rounds.within_mesh`, so every rank knows), the exit is therefore a status round on each
+axis's group, all in flight together, then one on the whole mesh's group; until then, and on a mesh of one axis, it
+is the whole mesh's round alone. A rank that failed posts its failure in every round; a peer waiting in a collective on that axis sees it, gives the collective up, and comes to the exit
 too. Every rank goes through the same rounds in the same order, and the last one, over the whole mesh, tells every
 rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they may
 be uneven), so they cost no round of their own. Where every output's assembly is one gather over the whole mesh's
@@ -104,7 +105,9 @@ def conclude(
     blocks differ in length: then a second round sends every rank's block lengths, and nothing comes back gathered."""
     failed = outcome.failed
     status = Status.FAILED if failed is not None else Status.OK
-    axes = [links[name] for name in view.names if links[name].group.pg is not whole.group.pg]
+    axes = [links[n] for n in view.names if links[n].group.pg is not whole.group.pg]
+    if not rounds.parts_in_func(whole, [links[n] for n in view.names]):
+        axes = []  # no rank can be waiting in a round on an axis: the whole mesh's round tells every rank
     rounds.status_rounds(axes, Header(kind=Kind.STATUS, status=status, inline=1))  # in flight together
     if failed is not None:
         raise_failed(whole, failed)

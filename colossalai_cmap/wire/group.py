@@ -58,6 +58,10 @@ class GroupState:
         exits: what ``shard_map`` exits' last rounds told every rank (every rank's block length of the outputs the
             exit carried, by the outputs' layout digest), kept alike on every rank so that a steady exit knows the
             lengths before its round and can send its data right behind it.
+        parts_in_func: the meshes over this group (each by its axes' groups) where a map call has taken a round on
+            part of the mesh (an axis's group, or several axes') while its ``f`` ran. A mesh is added by a round on
+            this group that every rank passes (:func:`~colossalai_cmap.wire.rounds.within_mesh`), so alike on every
+            rank; from then on, its exits take a round on each axis's group before the whole mesh's.
     """
 
     group: Group
@@ -68,6 +72,7 @@ class GroupState:
     host: Optional[Group] = None
     sources: Dict[Any, Any] = field(default_factory=dict)
     exits: Dict[Any, Tuple[int, ...]] = field(default_factory=dict)
+    parts_in_func: Set[Tuple[Any, ...]] = field(default_factory=set)
 
 
 _STATES: Dict[int, Tuple[Any, GroupState]] = {}  # id(pg) -> (pg, state): the pg kept alive, so ids are not reused

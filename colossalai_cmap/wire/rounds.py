@@ -14,6 +14,10 @@ Kinds of round: ``STATUS`` ends a call's forward pass; ``OP`` precedes a collect
 carries a collective outside ``func`` (backward, and cmap's own data movement). A ``STATUS`` round that meets a peer
 still in an ``OP`` or ``SYNC`` round repeats: that peer sees it, gives up its collective, and comes to its next
 round.
+
+A map call on a mesh says so (:func:`within_mesh`): inside its ``f``, the first round on part of the mesh is announced
+in a round over the whole mesh, so that the call's exit knows, alike on every rank, whether it needs a round on each
+axis's group to reach a rank waiting there.
 """
 
 import contextlib
@@ -27,6 +31,7 @@ import torch
 from .. import stats
 from ..errors import CmapError, CollectiveAborted, RankFailure
 from . import comm
+from .group import state_of
 from .link import Link
 
 # ---- the round: its header, and the rounds a call takes
@@ -166,9 +171,11 @@ def issue_round(
 ) -> Issued:
     """:func:`run_round`'s first half: the round's all-gather issued (and ``also``'s data behind it), nothing waited
     for."""
+    name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
+    if getattr(_WITHIN, "meshes", ()):
+        _announce_part(link, ROUND_NAMES[header.kind] if what is None else what)
     ch, group = link.channel(), link.round_group
     ch.write_header(pack_header(header))
-    name = ROUND_NAMES[header.kind] if what is None else f"{ROUND_NAMES[header.kind]} ({what})"
     buffers = ch.buffers
     work = comm.issue_all_gather(buffers.recv_flat, buffers.send, group, link.call, name)
     return Issued(work, also() if also is not None else None)
@@ -198,6 +205,61 @@ def _stand_in(shape: Any, link: Link) -> None:
         recv = torch.empty((group.size, shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
     pending = comm.issue_stacked(recv, send, shape.dst, group, link.call, shape.what())
     comm.wait_for(pending, group, link.call, link.timeout, name)
+
+
+# ---- rounds on part of a mesh, while a call's f runs on the whole of it
+
+PART_DIGEST = 0x6A2D0002  # the round that tells a mesh's ranks a round on part of it follows
+_WITHIN = threading.local()  # .meshes: (whole mesh's link, the mesh's key) of the calls whose f runs on this thread,
+# outermost first
+
+
+@contextlib.contextmanager
+def within_mesh(whole: Link, axes: Sequence[Link]) -> Iterator[None]:
+    """While a map call's ``f`` runs on a mesh (its whole group ``whole``'s, its axes' groups ``axes``'): the first
+    round on any other group (an axis's, several axes', a nested call's) is announced first, in an ``OP`` round on
+    the whole mesh's group that every rank must pass, and marks the mesh (in
+    :attr:`~.group.GroupState.parts_in_func`, alike on every rank).
+
+    A rank waiting in a round on part of the mesh is told of a peer's failure only by a round on that part. Until a
+    mesh is marked, no rank can be waiting in one (its announcement needs every rank), so the exit is one round on the
+    whole mesh's group; once it is marked, the exit takes a round on each axis's group first, and f's rounds on parts
+    of the mesh need no announcement."""
+    meshes = getattr(_WITHIN, "meshes", ())
+    _WITHIN.meshes = meshes + ((whole, _mesh_key(axes)),)
+    try:
+        yield
+    finally:
+        _WITHIN.meshes = meshes
+
+
+def parts_in_func(whole: Link, axes: Sequence[Link]) -> bool:
+    """Whether a call on this mesh has taken a round on part of it inside its ``f`` (:func:`within_mesh`)."""
+    return _mesh_key(axes) in state_of(whole.round_group.pg).parts_in_func
+
+
+def _mesh_key(axes: Sequence[Link]) -> Tuple[Any, ...]:
+    """A mesh as this rank tells it from another on the same ranks: its axes' groups (each mesh makes its own)."""
+    return tuple(link.round_group.pg for link in axes)
+
+
+def _announce_part(link: Link, name: str) -> None:
+    """Before a round on ``link``'s group: on each enclosing mesh of which it is a part and that is not marked yet,
+    the round that announces it (outermost first; a mesh's own announcement is announced on the meshes around it)."""
+    meshes = _WITHIN.meshes
+    for i, (whole, key) in enumerate(meshes):
+        marked = state_of(whole.round_group.pg).parts_in_func
+        if key in marked or whole.round_group.pg is link.round_group.pg:
+            continue
+        _WITHIN.meshes = meshes[:i]
+        try:
+            header = Header(kind=Kind.OP, digest=PART_DIGEST, inline=1)
+            raise_failures(
+                checked_round(whole, header, f"{name}, announced on the whole mesh"), None, None, whole, True
+            )
+        finally:
+            _WITHIN.meshes = meshes
+        marked.add(key)
 
 
 def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
