@@ -236,7 +236,7 @@ def test_a_failure_before_a_collective_over_part_of_a_mesh_is_prompt_on_the_host
 
     timeout = 30.0
     for seen in host_worlds(4).run(per_call.check_collectives_on_an_axis, timeout, deadline=DEADLINE):
-        assert seen["exact"] == [True] * 6, seen
-        assert [label for label, _ in seen["errors"]] == [s[0] for s in per_call.AXIS_STEPS if s[2]], seen["errors"]
+        assert seen["exact"] == [True] * 7, seen
+        assert [label for label, _ in seen["errors"]] == [s[0] for s in per_call.AXIS_STEPS if s[3]], seen["errors"]
         assert all("f failed on purpose" in error for _, error in seen["errors"]), seen["errors"]
         assert max(seen["seconds"]) < timeout / 3, seen["seconds"]

@@ -13,10 +13,10 @@ from .records import Failed
 T = TypeVar("T")
 
 
-def raise_failed(link: Link, failed: Failed) -> None:
+def raise_failed(link: Link, failed: Failed, along: Sequence[Link] = ()) -> None:
     """This rank's failure, posted in a status round over ``link``'s group and raised there on every rank (alone, the
-    one-rank ``CmapError`` at once)."""
-    report_failure(JoinSpec(link, (), kind=Kind.STATUS), failed.failure, failed.cause)
+    one-rank ``CmapError`` at once); ``along``: the groups whose status rounds go with it, all issued together."""
+    report_failure(JoinSpec(link, (), kind=Kind.STATUS), failed.failure, failed.cause, along)
 
 
 def agreed(

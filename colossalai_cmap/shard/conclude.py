@@ -103,14 +103,12 @@ def conclude(
     """Every round of the exit, or the same ``CmapError`` on every rank. With ``carried``, the exit's round gathers
     those outputs too (differentiably: the backward of each is the cut of each rank's rows), unless a rank's carried
     blocks differ in length: then a second round sends every rank's block lengths, and nothing comes back gathered."""
-    failed = outcome.failed
-    status = Status.FAILED if failed is not None else Status.OK
     axes = [links[n] for n in view.names if links[n].group.pg is not whole.group.pg]
     if not rounds.parts_in_func(whole, [links[n] for n in view.names]):
         axes = []  # no rank can be waiting in a round on an axis: the whole mesh's round tells every rank
-    rounds.status_rounds(axes, Header(kind=Kind.STATUS, status=status, inline=1))  # in flight together
-    if failed is not None:
-        raise_failed(whole, failed)
+    if outcome.failed is not None:  # with the whole mesh's round: a peer may wait in a collective over every axis
+        raise_failed(whole, outcome.failed, along=axes)
+    rounds.status_rounds(axes, Header(kind=Kind.STATUS, inline=1))  # in flight together
     exit_ = Exit(
         status=Status.OK,
         input_sig=0,

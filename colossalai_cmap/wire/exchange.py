@@ -352,13 +352,15 @@ def _output(role: Role, mine: torch.Tensor, found: Optional[torch.Tensor]) -> Op
     return mine if role in IN_PLACE else None  # a travelling tensor off dst
 
 
-def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException) -> None:
-    """This rank's side of a call's exit when func raised here: the same round, then every rank raises."""
+def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException, along: Sequence[Link] = ()) -> None:
+    """This rank's side of a call's exit when func raised here: the same round, then every rank raises. ``along``:
+    groups whose status rounds this rank's exit takes too, issued with this one, all before any is waited for (a peer
+    may be waiting on any of them)."""
     link = spec.link
     if not link.wired:  # alone: this rank's failure is the whole table
         raise rounds.told(CmapError.from_failures(link.call, [failure], link.group.rank), link) from cause
     header = Header(kind=Kind.STATUS, status=Status.FAILED, inline=1)
-    rnd = rounds.status_round(link, header)
+    rnd = rounds.status_rounds([*along, link], header)[-1]
     rounds.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 

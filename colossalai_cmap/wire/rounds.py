@@ -274,15 +274,18 @@ def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] =
         header, also = header._replace(early=0), None
 
 
-def status_rounds(links: Sequence[Link], header: Header) -> None:
+def status_rounds(links: Sequence[Link], header: Header) -> List[Round]:
     """:func:`status_round` on each link's group, every first round issued before any is waited for (on groups that
     are all different, so they cost about one round's time); a group whose round met a peer still in an ``OP`` or
     ``SYNC`` round repeats it alone, as :func:`status_round` does. Every round is posted before this rank waits for
-    any, so a peer waiting in a collective on one group is told while this rank waits on another."""
+    any, so a peer waiting in a collective on one group is told while this rank waits on another. Each group's last
+    round, in order."""
     issued = [(link, issue_round(link, header)) for link in links]
+    done = []
     for link, pending in issued:
-        if finish_round(link, pending).kind != Kind.STATUS:
-            status_round(link, header)
+        rnd = finish_round(link, pending)
+        done.append(rnd if rnd.kind == Kind.STATUS else status_round(link, header))
+    return done
 
 
 def checked_round(link: Link, header: Header, what: str, also: Optional[Callable[[], Any]] = None) -> Round:
