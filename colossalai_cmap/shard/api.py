@@ -302,7 +302,7 @@ def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
         if not isinstance(value, torch.Tensor) or not (place.split or place.replicated):
             continue  # the block is the value: nothing to assemble
         dim = place.dim_over(view.names)
-        tiles = Tiles.of(place, view, value) if dim is None else None
+        tiles = Tiles.of(place, view, tuple(value.shape)) if dim is None else None
         if dim is not None:
             found[i] = Rows(dim, None)
         elif tiles is not None:

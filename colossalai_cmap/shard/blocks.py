@@ -3,7 +3,9 @@
 Cutting a block is a ``Split`` per axis (this rank's rows along a split axis; along an axis the spec leaves out, the
 value itself): no communication. Its transpose, in backward, is a ``Join`` per axis in the reverse order: the
 block's gradients summed over the replicated axes, then gathered along the split ones, so each global input's
-``.grad`` is the whole gradient, on every rank.
+``.grad`` is the whole gradient, on every rank. A value split over every axis is cut by one ``Split`` over the
+whole mesh instead, where the whole mesh's group holds its blocks in rank order (or, for its gradient, a copy in
+tile order does, up to :data:`~colossalai_cmap.wire.link.FUSE_BYTES`), so that its transpose is one gather.
 
 Assembling is a ``Join`` per axis: along an axis the spec leaves out, the value at coordinate 0 of that axis (jax
 reads a replicated output from one device too: role ``EVEN``); then every block, gathered along the split axes. Its
@@ -25,9 +27,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CmapError
+from ..nesting import gradients_tracked
 from ..torch_internals import outside_transforms
-from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, split
-from ..wire.link import Link
+from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
+from ..wire.link import FUSE_BYTES, Link
 from ..wire.roles import COPY, EVEN, FIRST, ONCE, Rows, is_rows, tensor_split_sizes
 from ..wire.rounds import Kind
 from .specs import OffGrid, Placement, Step
@@ -46,13 +49,35 @@ def cut(
     """Each global value's block on this rank (the tag marks the entry, as a cmap call's). A value split along one
     dim over every axis of a mesh of several, in mesh order, is cut by one ``Split`` over the whole mesh's group
     where that group holds the ranks row-major (the same blocks): its transpose, in backward, is one gather, not one
-    per axis."""
-    steps = [_cut_steps(v, p, view) if isinstance(v, torch.Tensor) else [] for v, p in zip(values, places)]
+    per axis. So is a value split over every axis otherwise, into tiles of one shape, whose gradient is wanted: it
+    is copied into tile order first (:meth:`Tiles.stack`), so that its backward is one gather, not one per axis."""
+    tiles = [_tiles_to_stack(v, p, view) for v, p in zip(values, places)]
+    values = [v if t is None else t.stack(v) for v, t in zip(values, tiles)]
+    steps = [
+        [Step(WHOLE, Rows(0, (1,) * len(view.whole.ranks)))] if t is not None else _cut_steps(v, p, view)
+        for v, p, t in zip(values, places, tiles)
+    ]
     links = {**links, WHOLE: whole}
-    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
+    out = _run(values, steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
+    return [v if t is None else v.squeeze(0) for v, t in zip(out, tiles)]
 
 
-def _cut_steps(value: torch.Tensor, place: Placement, view: Any) -> List[Step]:
+def _tiles_to_stack(value: Any, place: Placement, view: Any) -> Optional["Tiles"]:
+    """The tiles of a global value worth a copy into tile order: its gradient is wanted, the whole mesh's group,
+    holding the ranks row-major, does not cut it by one ``Split`` as it is, and it is no larger than a round carries
+    (above that, a gather per axis costs about what one does, and the copy would be a second global value alive)."""
+    if not isinstance(value, torch.Tensor) or len(view.names) < 2 or not view.row_major():
+        return None
+    if value.numel() * value.element_size() > FUSE_BYTES:
+        return None
+    if not (gradients_tracked() and requires_grad(value)) or place.dim_over(view.names) is not None:
+        return None
+    return Tiles.even_in(place, view, value)
+
+
+def _cut_steps(value: Any, place: Placement, view: Any) -> List[Step]:
+    if not isinstance(value, torch.Tensor):
+        return []
     dim = place.dim_over(view.names) if len(view.names) > 1 and view.row_major() else None
     if dim is not None:
         return [Step(WHOLE, Rows(dim, tensor_split_sizes(value.shape[dim], len(view.whole.ranks))))]
@@ -96,20 +121,37 @@ class Tiles(NamedTuple):
     shape: Tuple[int, ...]
 
     @staticmethod
-    def of(place: Placement, view: Any, value: torch.Tensor) -> Optional["Tiles"]:
-        """The tiles of ``value``'s blocks, where ``place`` splits it over every axis of ``view`` and replicates it
-        over none; else None."""
+    def of(place: Placement, view: Any, block: Sequence[int]) -> Optional["Tiles"]:
+        """The tiles of blocks of shape ``block``, where ``place`` splits them over every axis of ``view`` and
+        replicates them over none; else None."""
         split = dict(place.split)
         if place.replicated or sorted(a for axes in split.values() for a in axes) != sorted(view.names):
             return None
         at = {a: k for k, a in enumerate(view.names)}
-        order = [k for d in range(value.dim()) for k in [at[a] for a in split.get(d, ())] + [len(at) + d]]
-        shape = [n * math.prod(view.sizes[a] for a in split.get(d, ())) for d, n in enumerate(value.shape)]
-        return Tiles(tuple(view.sizes[a] for a in view.names), tuple(value.shape), tuple(order), tuple(shape))
+        order = [k for d in range(len(block)) for k in [at[a] for a in split.get(d, ())] + [len(at) + d]]
+        shape = [n * math.prod(view.sizes[a] for a in split.get(d, ())) for d, n in enumerate(block)]
+        return Tiles(tuple(view.sizes[a] for a in view.names), tuple(block), tuple(order), tuple(shape))
+
+    @staticmethod
+    def even_in(place: Placement, view: Any, value: torch.Tensor) -> Optional["Tiles"]:
+        """The tiles of global ``value`` cut as ``place`` says, where each is the same shape (every split dim
+        divides by its axes' sizes); else None."""
+        split = dict(place.split)
+        ways = [math.prod(view.sizes[a] for a in split.get(d, ())) for d in range(value.dim())]
+        if any(n % k for n, k in zip(value.shape, ways)):
+            return None
+        return Tiles.of(place, view, tuple(n // k for n, k in zip(value.shape, ways)))
 
     def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
         """The global value from every rank's flat run, gathered in group-rank order (differentiable)."""
         return gathered.view(*self.mesh, *self.block).permute(self.order).reshape(self.shape)
+
+    def stack(self, value: torch.Tensor) -> torch.Tensor:
+        """:meth:`assemble`'s inverse: global ``value`` as ``[P, *block]``, rank r's tile at r (a copy, differentiable:
+        its backward is :meth:`assemble`'s permutation)."""
+        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
+        permuted = [self.mesh[k] if k < len(self.mesh) else self.block[k - len(self.mesh)] for k in self.order]
+        return value.reshape(permuted).permute(inverse).reshape(math.prod(self.mesh), *self.block)
 
 
 def block_lengths(values: Sequence[Any], places: Sequence[Placement]) -> Optional[torch.Tensor]:
