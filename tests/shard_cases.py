@@ -2,6 +2,7 @@
 gradients with a single-process reference that computes the same global function, in float64 (cases.F64)."""
 
 import importlib
+import time
 from functools import partial
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -404,6 +405,45 @@ def check_failure(where: str) -> str:
     except cm.CmapError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def check_random_collectives_and_failures(steps: int, seed: int, timeout: float) -> List[Tuple[Any, ...]]:
+    """On a 2 x 2 mesh of its own, ``steps`` training steps of an f that makes a random sequence of collectives (a psum
+    over x, y or both, or none) under a random spec, on an input that requires grad or not; in some, a random rank
+    raises before a random one of them, or after them all. Returns each step as (collectives, (rank, point) of the
+    failure or None, spec, what came back: "ok", "CmapError" naming that rank, or the surprise, seconds)."""
+    import random
+
+    rank, rng, plan = dist.get_rank(), random.Random(seed), {}
+    m = mesh((2, 2), ("x", "y"))
+
+    def f(b: torch.Tensor) -> torch.Tensor:
+        for k, axes in enumerate(plan["ops"]):
+            if plan["fail"] == (rank, k):
+                raise ValueError(f"boom before collective {k}")
+            b = cm.psum(b, axes).sin() if axes else b.cos()
+        if plan["fail"] == (rank, len(plan["ops"])):
+            raise ValueError("boom after them all")
+        return b * 2
+
+    seen = []
+    for step in range(steps):
+        ops = tuple(rng.choice([None, "x", "y", ("x", "y")]) for _ in range(rng.randint(0, 3)))
+        fail = (rng.randrange(4), rng.randint(0, len(ops))) if rng.random() < 0.4 else None
+        spec = rng.choice([P("x"), P(("x", "y")), P("x", "y"), P(("y", "x")), P()])
+        plan.update(ops=ops, fail=fail)
+        x = randn(8, 4, seed=step).requires_grad_(rng.random() < 0.5)
+        g = shard_map(f, m, spec, spec, check_vma=False, timeout=timeout)
+        began = time.perf_counter()
+        try:
+            y = g(x)
+            if x.requires_grad:
+                y.pow(2).sum().backward()
+            got = "ok"
+        except cm.CmapError as exc:
+            got = "CmapError" if fail is not None and f"group rank {fail[0]} (global" in str(exc) else str(exc)
+        seen.append((ops, fail, repr(spec), got, time.perf_counter() - began))
+    return seen
 
 
 def check_failures_in_a_loop_on_a_mesh() -> List[str]:

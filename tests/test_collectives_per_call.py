@@ -547,7 +547,7 @@ def check_collectives_on_an_axis(timeout: float) -> Dict[str, Any]:
     per_y = {None: x, "y": x * 2, ("x", "y"): torch.cat([x[:4] + x[4:]] * 2) * 2}  # blocks are equal along y
     # a sum of 4 terms in another order: within 3 eps of 4 max|x|, and sin's own rounding (eps / 2); a + a is exact
     tolerance = 3 * torch.finfo(x.dtype).eps * 4 * float(x.abs().max()) + torch.finfo(x.dtype).eps
-    seen: Dict[str, Any] = {"counts": [], "exact": [], "errors": [], "seconds": []}
+    seen: Dict[str, Any] = {"counts": [], "exact": [], "errors": [], "seconds": [], "events": []}
     meshes = [init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y")) for _ in range(2)]
     for label, which, axes, raises in AXIS_STEPS:
         step.update(axes=axes, raises=raises)
@@ -561,13 +561,15 @@ def check_collectives_on_an_axis(timeout: float) -> Dict[str, Any]:
                 seen["errors"].append((label, str(exc)))
         seen["seconds"].append(time.perf_counter() - began)
         seen["counts"].append(len(log.names()))
+        seen["events"].append(log.events)
     return seen
 
 
 def test_an_exit_takes_rounds_on_the_axes_once_f_has_taken_one_there(worlds):
     """On a 2 x 2 mesh, an exit is the whole mesh's round alone until f takes a collective over one axis; that
     first collective is announced in a round over the whole mesh, and from then on every exit of that mesh takes a
-    round on each axis's group first (a rank waiting in a psum over y is told only by a round over y). A rank that
+    round on each axis's group too (a rank waiting in a psum over y is told only by a round over y), all three in
+    flight together. A rank that
     raises before the psum, before or after the mesh is marked, and before a psum over the whole mesh, on a marked
     mesh or not, is every rank's CmapError at once, not at the timeout, and the next step is right."""
     timeout = 30.0
@@ -575,9 +577,12 @@ def test_an_exit_takes_rounds_on_the_axes_once_f_has_taken_one_there(worlds):
         assert seen["exact"] == [True] * 7, seen
         counts = seen["counts"]
         # each step ends in a gather over x (the blocks of P('x')); a plain step before it is the whole's round;
-        # psum over y: announced, its round (the data rides), the axes' rounds, the whole's; then the same without
+        # psum over y: announced, its round (the data rides), the axes' rounds and the whole's; then the same without
         # the announcement; a plain step on the marked mesh keeps the axes' rounds
         assert [counts[k] for k in (1, 3, 4, 5, 7)] == [2, 2, 6, 5, 4], counts
+        # a marked mesh's exit: the axes' rounds and the whole mesh's all issued before any is waited for
+        exit_rounds = [("issue", "all_gather_into_tensor")] * 3 + [("wait", "all_gather_into_tensor")] * 3
+        assert seen["events"][5][2:8] == exit_rounds and seen["events"][7][:6] == exit_rounds, seen["events"]
         assert [label for label, _ in seen["errors"]] == [s[0] for s in AXIS_STEPS if s[3]], seen["errors"]
         for label, error in seen["errors"]:
             assert "f failed on purpose" in error and "group rank 3" in error, (label, error)

@@ -83,6 +83,18 @@ def test_failures_in_a_loop_on_a_mesh(worlds):
                 assert f"group rank {rank} (global rank {rank}) raised ValueError: boom" in text, (k, text)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_collectives_and_failures_on_a_mesh(worlds, seed):
+    """Random sequences of psums over either axis of a 2 x 2 mesh or both, under random specs, with a random rank
+    raising at a random point in some steps: every failing step is every rank's CmapError naming that rank, at once
+    (well within the timeout), and every other step runs, forward and backward."""
+    timeout = 30.0
+    for seen in worlds(4).run(sc.check_random_collectives_and_failures, 40, seed, timeout):
+        for ops, fail, spec, got, seconds in seen:
+            assert got == ("ok" if fail is None else "CmapError"), (ops, fail, spec, got)
+            assert seconds < timeout / 3, (ops, fail, spec, seconds)
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_carried_outputs_fail_alike(worlds, size):
     for seen in worlds(size).run(sc.check_carried_outputs_fail_alike):

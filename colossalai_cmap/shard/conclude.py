@@ -3,8 +3,8 @@
 While ``f`` runs, a rank may wait in a collective over one mesh axis, so its peers along that axis are the ones who
 must tell it. Once a call on the mesh has taken a round on part of it inside ``f`` (announced on the whole mesh,
 :func:`~colossalai_cmap.wire.rounds.within_mesh`, so every rank knows), the exit is therefore a status round on each
-axis's group, all in flight together, then one on the whole mesh's group; until then, and on a mesh of one axis, it
-is the whole mesh's round alone. A rank that failed posts its failure in every round; a peer waiting in a collective on that axis sees it, gives the collective up, and comes to the exit
+axis's group and one on the whole mesh's group, all in flight together; until then, and on a mesh of one axis, it is
+the whole mesh's round alone. A rank that failed posts its failure in every round; a peer waiting in a collective on that axis sees it, gives the collective up, and comes to the exit
 too. Every rank goes through the same rounds in the same order, and the last one, over the whole mesh, tells every
 rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they may
 be uneven), so they cost no round of their own. Where every output's assembly is one gather over the whole mesh's
@@ -36,7 +36,7 @@ from ..wire.exchange import Exit, JoinSpec, Learned, join, join_values
 from ..wire.group import state_of
 from ..wire.link import Link
 from ..wire.roles import Role, Rows, is_rows
-from ..wire.rounds import Disagreement, Header, Kind, Status
+from ..wire.rounds import Disagreement, Kind, Status
 from .mesh import MeshView
 
 
@@ -106,9 +106,8 @@ def conclude(
     axes = [links[n] for n in view.names if links[n].group.pg is not whole.group.pg]
     if not rounds.parts_in_func(whole, [links[n] for n in view.names]):
         axes = []  # no rank can be waiting in a round on an axis: the whole mesh's round tells every rank
-    if outcome.failed is not None:  # with the whole mesh's round: a peer may wait in a collective over every axis
+    if outcome.failed is not None:
         raise_failed(whole, outcome.failed, along=axes)
-    rounds.status_rounds(axes, Header(kind=Kind.STATUS, inline=1))  # in flight together
     exit_ = Exit(
         status=Status.OK,
         input_sig=0,
@@ -118,6 +117,7 @@ def conclude(
         flags=0,
         values=0,
         agree=("digest", "graph_sig"),
+        along=tuple(axes),  # with the whole mesh's round: a peer may wait in a collective over an axis, or every axis
     )
     # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
     if carried is None:
@@ -150,6 +150,7 @@ def _gathered_outputs(whole: Link, exit_: Exit, outcome: Outcome, carried: Carri
             kept.pop(key)
         return concluded
     got, mask, learned = _carry(whole, exit_, carried, kept.get(key))  # known lengths: the data need not wait
+    exit_ = exit_._replace(along=())  # the axes' rounds went with the first
     if mask & LENGTHS_CHANGED and not mask & (UNEVEN_CARRIED | TILES_DIFFER):  # every rank read the table: again
         kept.pop(key, None)
         got, mask, learned = _carry(whole, exit_, carried, None)

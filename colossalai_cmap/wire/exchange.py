@@ -70,6 +70,7 @@ class Exit(NamedTuple):
     values: int
     agree: Tuple[str, ...] = ()
     agree_nonempty: Tuple[str, ...] = ()
+    along: Tuple[Link, ...] = ()  # groups whose status rounds go with this exit's first round (a mesh's axes)
 
 
 @dataclass(eq=False)
@@ -360,7 +361,7 @@ def report_failure(spec: JoinSpec, failure: RankFailure, cause: BaseException, a
     if not link.wired:  # alone: this rank's failure is the whole table
         raise rounds.told(CmapError.from_failures(link.call, [failure], link.group.rank), link) from cause
     header = Header(kind=Kind.STATUS, status=Status.FAILED, inline=1)
-    rnd = rounds.status_rounds([*along, link], header)[-1]
+    rnd = rounds.status_round(link, header, along=along)
     rounds.raise_failures(rnd, failure, cause, link)
     raise AssertionError("unreachable: this rank reported a failure")  # pragma: no cover
 
@@ -399,7 +400,7 @@ def _header(spec: JoinSpec, rt: Any, failure: Any, early: bool = False) -> Heade
 def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = None) -> Round:
     link = spec.link
     if spec.kind == Kind.STATUS:
-        return rounds.status_round(link, header, early)
+        return rounds.status_round(link, header, early, spec.exit.along if spec.exit is not None else ())
     return rounds.checked_round(link, header, spec.what, early)
 
 

@@ -61,7 +61,7 @@ class GroupState:
         parts_in_func: the meshes over this group (each by its axes' groups) where a map call has taken a round on
             part of the mesh (an axis's group, or several axes') while its ``f`` ran. A mesh is added by a round on
             this group that every rank passes (:func:`~colossalai_cmap.wire.rounds.within_mesh`), so alike on every
-            rank; from then on, its exits take a round on each axis's group before the whole mesh's.
+            rank; from then on, its exits take a round on each axis's group with the whole mesh's.
     """
 
     group: Group

@@ -223,7 +223,7 @@ def within_mesh(whole: Link, axes: Sequence[Link]) -> Iterator[None]:
 
     A rank waiting in a round on part of the mesh is told of a peer's failure only by a round on that part. Until a
     mesh is marked, no rank can be waiting in one (its announcement needs every rank), so the exit is one round on the
-    whole mesh's group; once it is marked, the exit takes a round on each axis's group first, and f's rounds on parts
+    whole mesh's group; once it is marked, the exit takes a round on each axis's group too, and f's rounds on parts
     of the mesh need no announcement."""
     meshes = getattr(_WITHIN, "meshes", ())
     _WITHIN.meshes = meshes + ((whole, _mesh_key(axes)),)
@@ -262,30 +262,31 @@ def _announce_part(link: Link, name: str) -> None:
         marked.add(key)
 
 
-def status_round(link: Link, header: Header, also: Optional[Callable[[], Any]] = None) -> Round:
+def status_round(
+    link: Link, header: Header, also: Optional[Callable[[], Any]] = None, along: Sequence[Link] = ()
+) -> Round:
     """The round at the end of a call's forward pass; repeats while a peer is still in an ``OP`` or ``SYNC`` round
     (it gives that up). A repeat has the size of the round before it (the channel keeps it), so the payload packed
     for the first stays where it is; data sent early with the first was met by the peers' stand-ins, so a repeat
-    sends none."""
-    while True:
+    sends none.
+
+    ``along``: other groups (a mesh's axes) where a peer may be waiting, each given a status round of its own (this
+    header's status, nothing else), repeated on its own as this one is. Every first round is issued, this one last,
+    before any is waited for, so a peer waiting on one group is told while this rank waits on another, and the rounds
+    cost about one round's time; they are waited for in the order issued."""
+    if along:
+        plain = Header(kind=Kind.STATUS, status=header.status, inline=1)
+        issued = [(other, issue_round(other, plain)) for other in along]
+        first = issue_round(link, header, also)
+        for other, pending in issued:
+            if finish_round(other, pending).kind != Kind.STATUS:
+                status_round(other, plain)
+        rnd = finish_round(link, first)
+    else:
         rnd = run_round(link, header, also)
-        if rnd.kind == Kind.STATUS:
-            return rnd
-        header, also = header._replace(early=0), None
-
-
-def status_rounds(links: Sequence[Link], header: Header) -> List[Round]:
-    """:func:`status_round` on each link's group, every first round issued before any is waited for (on groups that
-    are all different, so they cost about one round's time); a group whose round met a peer still in an ``OP`` or
-    ``SYNC`` round repeats it alone, as :func:`status_round` does. Every round is posted before this rank waits for
-    any, so a peer waiting in a collective on one group is told while this rank waits on another. Each group's last
-    round, in order."""
-    issued = [(link, issue_round(link, header)) for link in links]
-    done = []
-    for link, pending in issued:
-        rnd = finish_round(link, pending)
-        done.append(rnd if rnd.kind == Kind.STATUS else status_round(link, header))
-    return done
+    while rnd.kind != Kind.STATUS:
+        rnd = run_round(link, header._replace(early=0))
+    return rnd
 
 
 def checked_round(link: Link, header: Header, what: str, also: Optional[Callable[[], Any]] = None) -> Round:
