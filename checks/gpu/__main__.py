@@ -134,7 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if opts.as_rank:
         from checks.gpu import rank
 
-        return rank.main(opts)
+        rank.main(opts)  # it ends the process
     return launch(opts)
 
 
