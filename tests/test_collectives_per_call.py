@@ -465,6 +465,57 @@ def test_a_2d_mesh_exit_is_one_round_over_the_whole_where_f_communicates_on_no_a
     assert all(events == ONE_ROUND for events in seen.backward.events), seen.backward.events
 
 
+def check_copies_on_a_2d_mesh(axis: str, check_vma: bool) -> Dict[str, Any]:
+    """``shard_map(f, mesh, P(axis), P(axis))`` on a 2 x 2 mesh, ``f`` a psum over the other axis times the block:
+    the forward collectives of steady calls and of their backward; whether the gradient and a double backward's
+    equal the same call's under a ``torch.func`` transform (which assembles axis by axis) bit for bit; and whether
+    the values are the unsharded function's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+    other = "y" if axis == "x" else "x"
+    spec = cm.P(axis) if axis == "x" else cm.P(None, axis)
+    g = cm.shard_map(
+        lambda b: cm.psum(b.sin(), other) * b, mesh=square, in_specs=spec, out_specs=spec, check_vma=check_vma
+    )
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    fwd, bwd = count(lambda: g(x.clone().requires_grad_()).pow(2).sum(), backward=True)
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        return g(t).pow(2).sum()
+
+    xg = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(loss(xg), xg, create_graph=True)
+    (second,) = torch.autograd.grad(grad.pow(2).sum(), xg)
+    # the same call under a function transform: assembled axis by axis, as before the exit carried it
+    by_axis = torch.func.grad(loss)(x)
+    second_by_axis = torch.func.grad(lambda t: torch.func.grad(loss)(t).pow(2).sum())(x)
+    return {
+        "forward": fwd.names,
+        "backward": bwd.names,
+        "grad": torch.equal(grad, by_axis),
+        "second": torch.equal(second, second_by_axis),
+        "unsharded": torch.allclose(g(x), 2 * x.sin() * x, rtol=0, atol=4 * torch.finfo(x.dtype).eps),
+    }
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["typed", "untyped"])
+@pytest.mark.parametrize("axis", ["x", "y"])
+def test_an_output_equal_along_one_axis_rides_in_the_whole_mesh_s_round(worlds, axis, check_vma):
+    """P('x') (or P(None, 'y')) on a 2 x 2 mesh, equal along the other axis: the ranks at coordinate 0 of that axis
+    send their blocks in the exit's round over the whole mesh, the others no rows: no gather follows the exit (nor,
+    untyped, a broadcast along the other axis). Backward
+    and double backward are those of the assembly axis by axis, bit for bit."""
+    for seen in worlds(4).run(check_copies_on_a_2d_mesh, axis, check_vma, deadline=DEADLINE):
+        # psum's round; the exit on the mesh psum marked: the axes' rounds and the whole mesh's, which carries it
+        assert all(len(names) == 4 for names in seen["forward"]), seen["forward"]
+        assert seen["grad"] and seen["second"] and seen["unsharded"], seen
+        # backward as the assembly axis by axis had it: psum's transpose, the input's gradient gathered over the axis
+        # (with types no sum over the other axis: the gradient is whole already)
+        assert all(len(names) == (2 if check_vma else 3) for names in seen["backward"]), seen["backward"]
+
+
 def check_tiles_in_a_loop() -> Dict[str, Any]:
     """``shard_map(f, mesh, P('x', 'y'), P('x', 'y'))`` on a 2 x 2 mesh, training steps on (8, 6), then (5, 6), whose
     tiles are uneven (``tensor_split`` blocks of 3 and 2 rows), twice, (8, 6) again, a step where f raises on the
@@ -576,10 +627,10 @@ def test_an_exit_takes_rounds_on_the_axes_once_f_has_taken_one_there(worlds):
     for seen in worlds(4).run(check_collectives_on_an_axis, timeout, deadline=DEADLINE):
         assert seen["exact"] == [True] * 7, seen
         counts = seen["counts"]
-        # each step ends in a gather over x (the blocks of P('x')); a plain step before it is the whole's round;
+        # the whole mesh's round carries the P('x') output (from the ranks at y = 0); a plain step is that round;
         # psum over y: announced, its round (the data rides), the axes' rounds and the whole's; then the same without
         # the announcement; a plain step on the marked mesh keeps the axes' rounds
-        assert [counts[k] for k in (1, 3, 4, 5, 7)] == [2, 2, 6, 5, 4], counts
+        assert [counts[k] for k in (1, 3, 4, 5, 7)] == [1, 1, 5, 4, 3], counts
         # a marked mesh's exit: the axes' rounds and the whole mesh's all issued before any is waited for
         exit_rounds = [("issue", "all_gather_into_tensor")] * 3 + [("wait", "all_gather_into_tensor")] * 3
         assert seen["events"][5][2:8] == exit_rounds and seen["events"][7][:6] == exit_rounds, seen["events"]

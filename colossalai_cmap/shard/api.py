@@ -22,14 +22,14 @@ from ..engine.records import Failed
 from ..errors import CmapError
 from ..integration.groups import collective_device
 from ..nesting import gradients_tracked, nested_in_split, splitting
-from ..torch_internals import tree_flatten, tree_map, tree_unflatten
+from ..torch_internals import current_level, tree_flatten, tree_map, tree_unflatten
 from ..wire import comm, rounds
 from ..wire.comm import default_timeout
 from ..wire.exchange import CallTag, SplitSpec, split
 from ..wire.link import Link, link_for
 from ..wire.roles import EVEN, KEEP, Role, Rows, is_rows
 from . import dtensor
-from .blocks import Tiles, assemble, assemble_local, block_lengths, cut, cut_local
+from .blocks import Copies, Tiles, assemble, assemble_local, block_lengths, cut, cut_local
 from .compiled import REASONS, TENSOR, Traced
 from .conclude import Carried, Outcome, conclude
 from .mesh import Mesh, MeshJoints, MeshView, manual_ranks, resolve_mesh, running
@@ -267,12 +267,17 @@ class _Eager(EagerKind):
         """The exit over every axis, then the outputs assembled (or left as blocks, or placed as DTensors)."""
         outcome = Outcome(ran) if isinstance(ran, Failed) else ran.outcome
         carried = None if isinstance(ran, Failed) else _carried(site, where, ran)
-        table, gathered = conclude(site.call, where.view, where.links, where.whole, outcome, carried)
+        table, gathered, rows = conclude(site.call, where.view, where.links, where.whole, outcome, carried)
         flat, out_tree = tree_flatten(ran.out)
         what = f"the outputs of {site.call}"
         if gathered is not None:  # the exit's round gathered the outputs that needed it
-            for i, value, tiles in zip(carried.leaves, gathered, carried.tiles):
-                flat[i] = value if tiles is None else tiles.assemble(value)
+            for i, value, tiles, copies in zip(carried.leaves, gathered, carried.tiles, carried.copies):
+                if tiles is not None:
+                    flat[i] = tiles.assemble(value)
+                elif copies is not None:
+                    flat[i] = copies.assemble(flat[i], ran.places[i], where.links, where.view, value, rows, what)
+                else:
+                    flat[i] = value
         elif site.opts.local or ran.out_mesh is not None:  # blocks: left as they are, or placed as DTensors
             flat = assemble_local(flat, ran.places, where.links, what)
             if ran.out_mesh is not None:
@@ -289,32 +294,51 @@ def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
     """The outputs the exit can gather itself: every output whose assembly needs communication, where each one's is
     a single gather over the whole mesh's group: split along one dim over every mesh axis, whose rows the group's
     rank order holds in the spec's order; split over every mesh axis otherwise (:class:`~.blocks.Tiles`: a flat run
-    per rank, rearranged after), where no other output is split; or replicated over every axis (the value at
-    whole-group rank 0). The rounds are on the data's own group (CPU data on gloo). Every rank decides alike from its
-    specs and its outputs' structure (which the exit's round checks before any data moves)."""
+    per rank, rearranged after), where no other output is split; replicated over every axis (the value at
+    whole-group rank 0); or, on a mesh of two axes outside function transforms, split over one axis and equal along
+    the other (:class:`~.blocks.Copies`: sent by the ranks at coordinate 0 of the other), where every split output is
+    of that kind. The rounds are on the data's own group (CPU data on gloo). Every rank decides alike from its specs
+    and its outputs' structure (which the exit's round checks before any data moves)."""
     view = where.view
     if site.opts.local or ran.out_mesh is not None or not view.row_major():
         return None
     flat = tree_flatten(ran.out)[0]
     found: Dict[int, Role] = {}
     tiled: Dict[int, Tiles] = {}
+    copied: Dict[int, Copies] = {}
     for i, (value, place) in enumerate(zip(flat, ran.places)):
         if not isinstance(value, torch.Tensor) or not (place.split or place.replicated):
             continue  # the block is the value: nothing to assemble
         dim = place.dim_over(view.names)
         tiles = Tiles.of(place, view, tuple(value.shape)) if dim is None else None
+        copies = Copies.of(place, view) if dim is None and tiles is None and current_level() is None else None
         if dim is not None:
             found[i] = Rows(dim, None)
         elif tiles is not None:
             found[i], tiled[i] = Rows(0, None), tiles
+        elif copies is not None:
+            found[i], copied[i] = Rows(copies.dim, None), copies
         elif place.replicated == view.names and not place.split:
             found[i] = EVEN
         else:
             return None
-    if not found or (tiled and sum(map(is_rows, found.values())) > 1):
-        return None  # one row count per rank: a tile's entries and another output's rows would make two
-    values = tuple(flat[i].reshape(-1) if i in tiled else flat[i] for i in found)
-    return Carried(tuple(found), tuple(found.values()), values, tuple(tiled.get(i) for i in found))
+    rows = sum(map(is_rows, found.values()))
+    if not found or (tiled and rows > 1) or (copied and (len(set(copied.values())) > 1 or len(copied) < rows)):
+        return None  # one row count per rank: a tile's entries and another output's rows would make two, and so
+        # would copies that send no rows beside blocks that do
+    values = tuple(_sent(flat[i], tiled.get(i), copied.get(i), view) for i in found)
+    leaves = tuple(found)
+    return Carried(leaves, tuple(found.values()), values, tuple(map(tiled.get, leaves)), tuple(map(copied.get, leaves)))
+
+
+def _sent(value: torch.Tensor, tiles: Optional[Tiles], copies: Optional[Copies], view: MeshView) -> torch.Tensor:
+    """What this rank sends of a carried output: its block (as one run, for tiles); for copies, detached (the Joins
+    of :meth:`Copies.assemble` carry its gradient), and no rows off coordinate 0."""
+    if tiles is not None:
+        return value.reshape(-1)
+    if copies is not None:
+        return value.detach().narrow(copies.dim, 0, value.shape[copies.dim] if copies.sends(view) else 0)
+    return value
 
 
 def _run(site: ShardMapped, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

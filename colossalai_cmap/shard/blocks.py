@@ -154,6 +154,51 @@ class Tiles(NamedTuple):
         return value.reshape(permuted).permute(inverse).reshape(math.prod(self.mesh), *self.block)
 
 
+class Copies(NamedTuple):
+    """An output of a mesh of two axes split along ``dim`` over ``axis`` and equal along ``over`` (replicated there,
+    or invariant with types): the exit's round over the whole mesh gathers it from the ranks at coordinate 0 of
+    ``over``, which the whole mesh's group holds in ``axis`` order (row-major); the others send no rows."""
+
+    dim: int
+    axis: str
+    over: str
+
+    @staticmethod
+    def of(place: Placement, view: Any) -> Optional["Copies"]:
+        """The copies of an output ``place`` splits along one dim over one axis of a two-axis ``view``; else None."""
+        if len(view.names) != 2 or len(place.split) != 1 or len(place.split[0][1]) != 1:
+            return None
+        (dim, (axis,)), (over,) = place.split[0], [a for a in view.names if a != place.split[0][1][0]]
+        return Copies(dim, axis, over) if set(place.replicated) <= {over} else None
+
+    def sends(self, view: Any) -> bool:
+        """Whether this rank's block travels: it is the copy at coordinate 0."""
+        return view.coords[self.over] == 0
+
+    def assemble(
+        self,
+        block: torch.Tensor,
+        place: Placement,
+        links: Dict[str, Link],
+        view: Any,
+        gathered: Any,
+        rows: Any,
+        what: str,
+    ) -> torch.Tensor:
+        """The global value the exit's round gathered (``rows``: every rank's rows sent, in whole-group order), through
+        the Joins :func:`assemble` would run, their results given: nothing moves, and backward and forward-mode AD
+        are :func:`assemble`'s."""
+        chunks = tuple(rows[view.whole_rank({self.axis: j, self.over: 0})] for j in range(view.sizes[self.axis]))
+        value = block
+        if self.over in place.replicated:  # the value at coordinate 0 of the copies' axis
+            j = view.coords[self.axis]
+            mine = gathered.narrow(self.dim, sum(chunks[:j]), chunks[j]).clone()
+            (value,) = join(JoinSpec(links[self.over], (EVEN,), what, Kind.SYNC, known=(mine,)), [value])
+        spec = JoinSpec(links[self.axis], (Rows(self.dim, chunks),), what, Kind.SYNC, known=(gathered,))
+        (value,) = join(spec, [value])
+        return value
+
+
 def block_lengths(values: Sequence[Any], places: Sequence[Placement]) -> Optional[torch.Tensor]:
     """This rank's block length along every split dim of every output, as one row ``[1, k]`` on the host (None:
     nothing is split). Blocks need not be equal, so every rank's row travels in the exit's round over the whole

@@ -9,7 +9,8 @@ too. Every rank goes through the same rounds in the same order, and the last one
 rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they may
 be uneven), so they cost no round of their own. Where every output's assembly is one gather over the whole mesh's
 group (each split along one dim over every mesh axis, in the group's rank order; split over every axis otherwise, as
-tiles sent as one flat run per rank; or replicated over them all), the exit carries those outputs itself: their rows
+tiles sent as one flat run per rank; replicated over them all; or, on a mesh of two axes, split over one and equal
+along the other, sent by the ranks at coordinate 0 of the other), the exit carries those outputs itself: their rows
 are the lengths, and a repeated call on a one-axis mesh costs the exit round alone (:class:`Carried`); on a host
 plane, the round and the gather of the data, sent right behind the round once a call repeats the lengths the group's
 last such exit agreed (kept alike on every rank in :attr:`~colossalai_cmap.wire.group.GroupState.exits`). A round
@@ -61,6 +62,7 @@ class Carried(NamedTuple):
     roles: Tuple[Role, ...]
     values: Tuple[torch.Tensor, ...]
     tiles: Tuple[Any, ...]  # per output, its :class:`~.blocks.Tiles` (sent as one flat run), or None
+    copies: Tuple[Any, ...] = ()  # per output, its :class:`~.blocks.Copies` (rows from coordinate 0 of one axis only)
 
     def tile_shapes(self) -> int:
         """A digest of this rank's tiled blocks' shapes (0: none): every rank's must match to assemble them."""
@@ -90,6 +92,7 @@ class Concluded(NamedTuple):
 
     table: List[List[int]]
     gathered: Optional[Tuple[torch.Tensor, ...]] = None
+    rows: Tuple[int, ...] = ()  # with ``gathered``: the rows each rank sent of its carried outputs, in group-rank order
 
 
 def conclude(
@@ -159,9 +162,10 @@ def _gathered_outputs(whole: Link, exit_: Exit, outcome: Outcome, carried: Carri
         if mask & TILES_DIFFER:
             kept[key] = _UNEVEN_TILES
         return _lengths_of_every_rank(whole, exit_, outcome)
+    rows = tuple(h.rows for h in learned.table)
     if carried.lengths():
-        kept[key] = tuple(h.rows for h in learned.table)
-    return Concluded([], got)
+        kept[key] = rows
+    return Concluded([], got, rows)
 
 
 def _carry(
