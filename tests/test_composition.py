@@ -216,6 +216,21 @@ def outputs_of_every_kind(B):
             assert torch.equal(g.resolve_conj().resolve_neg(), r.resolve_conj().resolve_neg()), name
 
 
+def forward_mode_ad(B):
+    """Under ``torch.autograd.forward_ad`` (dual tensors, no torch.func transform): vmap's tangents, from the mapped
+    input's and a closure's."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, t = randn(B, 3, seed=40, dtype=F64), randn(B, 3, seed=41, dtype=F64)
+    w, tw = randn(3, seed=42, dtype=F64), randn(3, seed=43, dtype=F64)
+    with fwAD.dual_level():
+        dual_w = fwAD.make_dual(w, tw)
+        got = fwAD.unpack_dual(cm.cmap(lambda v: (v * dual_w).sin().sum())(fwAD.make_dual(x, t))).tangent
+        want = fwAD.unpack_dual(vmap(lambda v: (v * dual_w).sin().sum())(fwAD.make_dual(x, t))).tangent
+    assert got is not None, "no tangent came out"
+    _close(got, want, "forward-mode AD")
+
+
 CHECKS = [
     closure_tensor,
     closure_module,
@@ -229,6 +244,7 @@ CHECKS = [
     modes_of_grad,
     in_place,
     outputs_of_every_kind,
+    forward_mode_ad,
 ]
 
 

@@ -425,8 +425,9 @@ def requires_grad(t: Any) -> bool:
 
 
 def needs_function(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the Function machinery is needed: a derivative to track, or a function transform to obey."""
-    if current_level() is not None:
+    """Whether the Function machinery is needed: a derivative to track (forward-mode too), or a function transform to
+    obey."""
+    if current_level() is not None or in_forward_ad():
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
