@@ -275,7 +275,7 @@ class _Eager(EagerKind):
                 if tiles is not None:
                     flat[i] = tiles.assemble(value)
                 elif copies is not None:
-                    flat[i] = copies.assemble(flat[i], ran.places[i], where.links, where.view, value, rows, what)
+                    flat[i] = copies.assemble(flat[i], value, rows, links=where.links, view=where.view, what=what)
                 else:
                     flat[i] = value
         elif site.opts.local or ran.out_mesh is not None:  # blocks: left as they are, or placed as DTensors

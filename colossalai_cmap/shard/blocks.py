@@ -157,11 +157,14 @@ class Tiles(NamedTuple):
 class Copies(NamedTuple):
     """An output of a mesh of two axes split along ``dim`` over ``axis`` and equal along ``over`` (replicated there,
     or invariant with types): the exit's round over the whole mesh gathers it from the ranks at coordinate 0 of
-    ``over``, which the whole mesh's group holds in ``axis`` order (row-major); the others send no rows."""
+    ``over``, which the whole mesh's group holds in ``axis`` order (row-major); the others send no rows.
+    ``replicated``: untyped, the assembly takes the value at coordinate 0 of ``over`` (with types there is no step
+    along it)."""
 
     dim: int
     axis: str
     over: str
+    replicated: bool
 
     @staticmethod
     def of(place: Placement, view: Any) -> Optional["Copies"]:
@@ -169,7 +172,7 @@ class Copies(NamedTuple):
         if len(view.names) != 2 or len(place.split) != 1 or len(place.split[0][1]) != 1:
             return None
         (dim, (axis,)), (over,) = place.split[0], [a for a in view.names if a != place.split[0][1][0]]
-        return Copies(dim, axis, over) if set(place.replicated) <= {over} else None
+        return Copies(dim, axis, over, over in place.replicated) if set(place.replicated) <= {over} else None
 
     def sends(self, view: Any) -> bool:
         """Whether this rank's block travels: it is the copy at coordinate 0."""
@@ -178,11 +181,11 @@ class Copies(NamedTuple):
     def assemble(
         self,
         block: torch.Tensor,
-        place: Placement,
+        gathered: torch.Tensor,
+        rows: Sequence[int],
+        *,
         links: Dict[str, Link],
         view: Any,
-        gathered: Any,
-        rows: Any,
         what: str,
     ) -> torch.Tensor:
         """The global value the exit's round gathered (``rows``: every rank's rows sent, in whole-group order), through
@@ -190,7 +193,7 @@ class Copies(NamedTuple):
         are :func:`assemble`'s."""
         chunks = tuple(rows[view.whole_rank({self.axis: j, self.over: 0})] for j in range(view.sizes[self.axis]))
         value = block
-        if self.over in place.replicated:  # the value at coordinate 0 of the copies' axis
+        if self.replicated:  # the value at coordinate 0 of the copies' axis
             j = view.coords[self.axis]
             mine = gathered.narrow(self.dim, sum(chunks[:j]), chunks[j]).clone()
             (value,) = join(JoinSpec(links[self.over], (EVEN,), what, Kind.SYNC, known=(mine,)), [value])
