@@ -5,8 +5,8 @@ must tell it. Once a call on the mesh has taken a round on part of it inside ``f
 :func:`~colossalai_cmap.wire.rounds.within_mesh`, so every rank knows), the exit is therefore a status round on each
 axis's group and one on the whole mesh's group, all in flight together; until then, and on a mesh of one axis, it is
 the whole mesh's round alone. A rank that failed posts its failure in every round; a peer waiting in a collective
-on that axis sees it, gives the collective up, and comes to the exit too. Every rank goes through the same rounds in the same order, and the last one, over the whole mesh, tells every
-rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they may
+on that axis sees it, gives the collective up, and comes to the exit too. Every rank goes through the same rounds
+in the same order, and the last one, over the whole mesh, tells every rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they may
 be uneven), so they cost no round of their own. Where every output's assembly is one gather over the whole mesh's
 group (each split along one dim over every mesh axis, in the group's rank order; split over every axis otherwise, as
 tiles sent as one flat run per rank; replicated over them all; or, on a mesh of two axes, split over one and equal
