@@ -1,24 +1,24 @@
 """A ``shard_map`` call's exit: an exception on one rank is a ``CmapError`` on every rank of the mesh.
 
-While ``f`` runs, a rank may wait in a collective over one mesh axis, so its peers along that axis are the ones who
-must tell it. Once a call on the mesh has taken a round on part of it inside ``f`` (announced on the whole mesh,
+While ``f`` runs, a rank may wait in a collective over one mesh axis, so its peers along that axis are the ones who must
+tell it. Once a call on the mesh has taken a round on part of it inside ``f`` (announced on the whole mesh,
 :func:`~colossalai_cmap.wire.rounds.within_mesh`, so every rank knows), the exit is therefore a status round on each
-axis's group and one on the whole mesh's group, all in flight together; until then, and on a mesh of one axis, it is
-the whole mesh's round alone. A rank that failed posts its failure in every round; a peer waiting in a collective
-on that axis sees it, gives the collective up, and comes to the exit too. Every rank goes through the same rounds
-in the same order, and the last one, over the whole mesh, tells every rank every failure; it also carries every rank's output block lengths, which assembling the outputs needs (they may
-be uneven), so they cost no round of their own. Where every output's assembly is one gather over the whole mesh's
-group (each split along one dim over every mesh axis, in the group's rank order; split over every axis otherwise, as
-tiles sent as one flat run per rank; replicated over them all; or, on a mesh of two axes, split over one and equal
-along the other, sent by the ranks at coordinate 0 of the other), the exit carries those outputs itself: their rows
-are the lengths, and a repeated call on a one-axis mesh costs the exit round alone (:class:`Carried`); on a host
-plane, the round and the gather of the data, sent right behind the round once a call repeats the lengths the group's
-last such exit agreed (kept alike on every rank in :attr:`~colossalai_cmap.wire.group.GroupState.exits`). A round
-carries one row count per rank, so a rank whose carried outputs have blocks of different lengths sends none and says
-so in its header; every rank then sends its lengths in a second round and assembles as it would have. A rank whose
-blocks have another length than the one kept sends none either, and says so: every rank then carries the outputs
-again, the round telling the lengths. Tiles of other shapes on some rank (the header's ``values`` digests them) fall
-back as blocks of different lengths do.
+axis's group and one on the whole mesh's group, all in flight together; until then, and on a mesh of one axis, it is the
+whole mesh's round alone. A rank that failed posts its failure in every round; a peer waiting in a collective on that
+axis sees it, gives the collective up, and comes to the exit too. Every rank goes through the same rounds in the same
+order, and the last one, over the whole mesh, tells every rank every failure; it also carries every rank's output block
+lengths, which assembling the outputs needs (they may be uneven), so they cost no round of their own. Where every
+output's assembly is one gather over the whole mesh's group (each split along one dim over every mesh axis, in the
+group's rank order; split over every axis otherwise, as tiles sent as one flat run per rank; replicated over them all;
+or, on a mesh of two axes, split over one and equal along the other, sent by the ranks at coordinate 0 of the other),
+the exit carries those outputs itself: their rows are the lengths, and a repeated call on a one-axis mesh costs the exit
+round alone (:class:`Carried`); on a host plane, the round and the gather of the data, sent right behind the round once
+a call repeats the lengths the group's last such exit agreed (kept alike on every rank in
+:attr:`~colossalai_cmap.wire.group.GroupState.exits`). A round carries one row count per rank, so a rank whose carried
+outputs have blocks of different lengths sends none and says so in its header; every rank then sends its lengths in a
+second round and assembles as it would have. A rank whose blocks have another length than the one kept sends none
+either, and says so: every rank then carries the outputs again, the round telling the lengths. Tiles of other shapes on
+some rank (the header's ``values`` digests them) fall back as blocks of different lengths do.
 """
 
 import functools
