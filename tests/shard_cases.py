@@ -524,22 +524,27 @@ def check_carried_outputs_fail_alike() -> Dict[str, str]:
     return seen
 
 
-BLOCK_SHAPE_CASES = (
-    {  # case: (mesh shape (0: the rest of the world), names, specs, global shape in blocks, dim widened)
-        "split, in the round": ((0,), ("i",), P("i"), (2, 3), -1),
-        "split, past the threshold": ((0,), ("i",), P("i"), (64, 1024), -1),
-        "replicated": ((0,), ("i",), P(), (2, 300), -1),
-        "2-D mesh, tiles": ((2, 0), ("x", "y"), P("x", "y"), (2, 3, 4), -1),
-        "2-D mesh, tiles off the grid": ((2, 0), ("x", "y"), P("x", "y"), (2, 3, 4), 1),
-    }
-)
+# case: (mesh shape (0: the rest of the world), names, specs, global shape in blocks, dim widened)
+BLOCK_SHAPE_CASES = {
+    "split, in the round": ((0,), ("i",), P("i"), (2, 3), -1),
+    "split, past the threshold": ((0,), ("i",), P("i"), (64, 1024), -1),
+    "replicated": ((0,), ("i",), P(), (2, 300), -1),
+    "2-D mesh, tiles": ((2, 0), ("x", "y"), P("x", "y"), (2, 3, 4), -1),
+    "2-D mesh, tiles off the grid": ((2, 0), ("x", "y"), P("x", "y"), (2, 3, 4), 1),
+    # split over x, copies along y: the exit carries them (the ranks at y = 0 send), or beside another output
+    # whose copies run along x, assembles them axis by axis
+    "2-D mesh, copies of another length": ((2, 0), ("x", "y"), P("x"), (3, 4), 0),
+    "2-D mesh, copies of another length, beside others": ((2, 0), ("x", "y"), P("x"), (3, 4), 0),
+}
 
 
 def check_block_shapes_differ(case: str) -> Dict[str, Any]:
     """A steady loop in which one rank's output block, for one call, is one longer along one dim than its peers'
-    (``shard_map(f, mesh, spec, spec)``, f elementwise; with ``P()`` out, the sum of the rows): every rank raises
-    the same CmapError, and the calls before and after it return the unsharded values."""
+    (``shard_map(f, mesh, spec, spec)``, f elementwise; with ``P()`` out, the sum of the rows; "beside others": a
+    second output, the input block, whose copies run along the other axis): every rank raises the same CmapError,
+    and the calls before and after it return the unsharded values."""
     shape, names, spec, blocks, dim = BLOCK_SHAPE_CASES[case]
+    beside = "beside others" in case
     size, rank = dist.get_world_size(), dist.get_rank()
     sizes = tuple(n or size // 2 ** (len(shape) - 1) for n in shape)
     m = mesh(sizes, names)
@@ -549,9 +554,11 @@ def check_block_shapes_differ(case: str) -> Dict[str, Any]:
         out = b.sin()
         if mode["longer"] and rank == size - 1:
             out = torch.cat([out, out.narrow(dim, 0, 1)], dim)
-        return out if spec != P() else out.sum(0)
+        out = out if spec != P() else out.sum(0)
+        return (out, b) if beside else out
 
-    g = shard_map(f, m, P(*names) if spec == P() else spec, spec, check_vma=False)
+    out_specs = (spec, P(None, names[-1])) if beside else spec
+    g = shard_map(f, m, P(*names) if spec == P() else spec, out_specs, check_vma=False)
     grid = list(sizes) + [1] * (len(blocks) - len(sizes)) if spec != P() else [size] + [1] * (len(blocks) - 1)
     x = torch.randn(*(b * n for b, n in zip(blocks, grid)), generator=torch.Generator().manual_seed(blocks[-1]))
     expected = x.sin() if spec != P() else x[: blocks[0]].sin().sum(0)
@@ -559,7 +566,7 @@ def check_block_shapes_differ(case: str) -> Dict[str, Any]:
     for longer in (False, False, False, True, False, False):
         mode["longer"] = longer
         try:
-            seen["exact"].append(torch.equal(g(x), expected))
+            seen["exact"].append(torch.equal(g(x)[0] if beside else g(x), expected))
         except cm.CmapError as exc:
             seen["error"] = str(exc)
     return seen

@@ -106,9 +106,11 @@ def test_carried_outputs_fail_alike(worlds, size):
 @pytest.mark.parametrize("case", list(sc.BLOCK_SHAPE_CASES))
 def test_blocks_of_another_shape_fail_alike(worlds, case):
     """Blocks are assembled by rows along their split dims. A rank whose block is longer along a dim the spec does
-    not split, or whose tile does not line up with its neighbours', is the same CmapError on every rank, before any
-    data moves (never a peer's bytes read as rows, nor a collective of mismatched sizes); the next call is right."""
+    not split, whose tile does not line up with its neighbours', or whose copy of a block (along an axis the spec
+    leaves out) is longer than the others', is the same CmapError on every rank, before any data moves (never a
+    peer's bytes read as rows, nor a collective of mismatched sizes); the next call is right."""
     size = 4 if "2-D" in case else 2
+    path = "[0]" if "beside others" in case else ""
     texts = set()
     for seen in worlds(size).run(sc.check_block_shapes_differ, case):
         assert seen["exact"] == [True] * 5, seen
@@ -117,6 +119,9 @@ def test_blocks_of_another_shape_fail_alike(worlds, case):
     if "off the grid" in case:
         assert "do not tile one global value: along dim 1, split over {y}, group rank 1 (x=0, y=1) has 3" in text
         assert "group rank 3 (x=1, y=1) has 4" in text, text
+    elif "copies" in case:
+        assert "along dim 0, split over {x}, group rank 2 (x=1, y=0) has 3 and group rank 3 (x=1, y=1) has 4" in text
+        assert text.startswith(f"the outputs of shard_map(f): the blocks of the output at out_specs{path} (P('x'))")
     else:
         assert "f returned outputs of different structures, dtypes or shapes" in text, text
         longer = sc.BLOCK_SHAPE_CASES[case][3][-1] + 1

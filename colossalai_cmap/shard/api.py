@@ -328,7 +328,15 @@ def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
         # would copies that send no rows beside blocks that do
     values = tuple(_sent(flat[i], tiled.get(i), copied.get(i), view) for i in found)
     leaves = tuple(found)
-    return Carried(leaves, tuple(found.values()), values, tuple(map(tiled.get, leaves)), tuple(map(copied.get, leaves)))
+    copied_rows = tuple(flat[i].shape[c.dim] for i, c in copied.items())
+    return Carried(
+        leaves,
+        tuple(found.values()),
+        values,
+        tuple(map(tiled.get, leaves)),
+        tuple(map(copied.get, leaves)),
+        copied_rows,
+    )
 
 
 def _sent(value: torch.Tensor, tiles: Optional[Tiles], copies: Optional[Copies], view: MeshView) -> torch.Tensor:

@@ -178,6 +178,14 @@ class Copies(NamedTuple):
         """Whether this rank's block travels: it is the copy at coordinate 0."""
         return view.coords[self.over] == 0
 
+    def differ(self, shapes: Sequence[int], view: Any) -> bool:
+        """Whether some rank's ``shapes`` (each rank's, in whole-group order) differ from those of the copy at
+        coordinate 0 of ``over`` beside it: the copies along ``over`` are one value, of one shape."""
+        grid = [
+            {self.axis: j, self.over: k} for j in range(view.sizes[self.axis]) for k in range(view.sizes[self.over])
+        ]
+        return any(shapes[view.whole_rank(c)] != shapes[view.whole_rank({**c, self.over: 0})] for c in grid)
+
     def assemble(
         self,
         block: torch.Tensor,
@@ -240,7 +248,8 @@ def assemble(
 
 
 def _blocks_off_grid(what: str, place: Placement, view: Any, length: Any, found: OffGrid) -> CmapError:
-    """Blocks split along several dims whose lengths along one of them differ where only other dims' axes differ."""
+    """Blocks whose lengths along a split dim differ where only axes that do not split it differ: axes that split
+    other dims, or axes along which the blocks are copies of one value."""
     dim, axes = found.dim, dict(place.split)[found.dim]
 
     def rank(coords: dict) -> str:
@@ -248,7 +257,7 @@ def _blocks_off_grid(what: str, place: Placement, view: Any, length: Any, found:
         return f"group rank {view.whole_rank(coords)} ({shown}) has {length(coords, dim)}"
 
     return CmapError(
-        f"{what}: the blocks of {place.path} (out_specs P({', '.join(map(repr, tuple(place.spec)))})) do not tile "
+        f"{what}: the blocks of the output at out_specs{place.path} ({place.spec!r}) do not tile "
         f"one global value: along dim {dim}, split over {{{', '.join(axes)}}}, {rank(found.first)} and "
         f"{rank(found.at)}. A block's length along a split dim may differ only with the axes that split that dim; "
         f"make every rank's block along dim {dim} the same length where those coordinates are the same."

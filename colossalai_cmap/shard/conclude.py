@@ -63,11 +63,19 @@ class Carried(NamedTuple):
     values: Tuple[torch.Tensor, ...]
     tiles: Tuple[Any, ...]  # per output, its :class:`~.blocks.Tiles` (sent as one flat run), or None
     copies: Tuple[Any, ...] = ()  # per output, its :class:`~.blocks.Copies` (rows from coordinate 0 of one axis only)
+    copied_rows: Tuple[int, ...] = ()  # per output with copies, this rank's block length along its split dim
 
-    def tile_shapes(self) -> int:
-        """A digest of this rank's tiled blocks' shapes (0: none): every rank's must match to assemble them."""
-        shapes = tuple(t.block for t in self.tiles if t is not None)
+    def shapes(self) -> int:
+        """A digest of this rank's tiled blocks' shapes, or of its copied blocks' lengths (0: none): what must match
+        across ranks (every rank's, or the copies' along their axis) for the round's rows to assemble the outputs."""
+        shapes = tuple(t.block for t in self.tiles if t is not None) or self.copied_rows
         return digest(shapes) if shapes else 0
+
+    def shapes_differ(self, shapes: List[int], view: MeshView) -> bool:
+        """Whether every rank's :meth:`shapes` (in the whole mesh's group-rank order) fail to match: a tile of
+        another shape, or a copy of another length than the one at coordinate 0 of its axis (which alone is sent)."""
+        copies = next((c for c in self.copies if c is not None), None)
+        return len(set(shapes)) > 1 if copies is None else copies.differ(shapes, view)
 
     def lengths(self) -> List[int]:
         """This rank's block length of each carried output split into rows."""
@@ -78,7 +86,9 @@ class Carried(NamedTuple):
 # lengths (every rank then sends its lengths in a round, and assembles axis by axis), or another length than the one
 # every rank kept (every rank then carries them again, the round telling the lengths).
 UNEVEN_CARRIED, LENGTHS_CHANGED = 1, 2
-TILES_DIFFER = 4  # not sent: every rank reads it off the table, where the ranks' tiles have other shapes
+# not sent: every rank reads it off the table, where tiles have other shapes or copies other lengths (the lengths
+# round then tells every rank, and the assembly's check raises the same error on every rank)
+SHAPES_DIFFER = 4
 _UNEVEN_TILES: Tuple[int, ...] = ()  # kept for a layout whose tiles were uneven: its exits send lengths, until even
 
 
@@ -126,7 +136,7 @@ def conclude(
     if carried is None:
         run = functools.partial(_lengths_of_every_rank, whole, exit_, outcome)
     else:
-        run = functools.partial(_gathered_outputs, whole, exit_, outcome, carried)
+        run = functools.partial(_gathered_outputs, whole, view, exit_, outcome, carried)
     return agreed(run, whole, {"digest": lambda: outcome.layout}, functools.partial(_explain, call))
 
 
@@ -140,7 +150,7 @@ def _lengths_of_every_rank(whole: Link, exit_: Exit, outcome: Outcome) -> Conclu
         return Concluded(got[0].tolist() if got else [])
 
 
-def _gathered_outputs(whole: Link, exit_: Exit, outcome: Outcome, carried: Carried) -> Concluded:
+def _gathered_outputs(whole: Link, view: MeshView, exit_: Exit, outcome: Outcome, carried: Carried) -> Concluded:
     """The exit's round gathering the carried outputs, their row counts the ones the last such exit agreed where
     every rank kept them; once more with the round's own where a rank's changed; or, where a rank's carried blocks
     differ in length or its tiles have another shape than a peer's, every rank's lengths in a round of their own
@@ -152,14 +162,14 @@ def _gathered_outputs(whole: Link, exit_: Exit, outcome: Outcome, carried: Carri
         if len({tuple(lengths) for lengths in concluded.table}) == 1:  # the carried tile is the only split output
             kept.pop(key)
         return concluded
-    got, mask, learned = _carry(whole, exit_, carried, kept.get(key))  # known lengths: the data need not wait
+    got, mask, learned = _carry(whole, view, exit_, carried, kept.get(key))  # known lengths: the data need not wait
     exit_ = exit_._replace(along=())  # the axes' rounds went with the first
-    if mask & LENGTHS_CHANGED and not mask & (UNEVEN_CARRIED | TILES_DIFFER):  # every rank read the table: again
+    if mask & LENGTHS_CHANGED and not mask & (UNEVEN_CARRIED | SHAPES_DIFFER):  # every rank read the table: again
         kept.pop(key, None)
-        got, mask, learned = _carry(whole, exit_, carried, None)
+        got, mask, learned = _carry(whole, view, exit_, carried, None)
     if mask:  # every rank read the same table: each sends its lengths, and assembles
         kept.pop(key, None)
-        if mask & TILES_DIFFER:
+        if mask & SHAPES_DIFFER and any(t is not None for t in carried.tiles):
             kept[key] = _UNEVEN_TILES
         return _lengths_of_every_rank(whole, exit_, outcome)
     rows = tuple(h.rows for h in learned.table)
@@ -169,7 +179,7 @@ def _gathered_outputs(whole: Link, exit_: Exit, outcome: Outcome, carried: Carri
 
 
 def _carry(
-    whole: Link, exit_: Exit, carried: Carried, known: Optional[Tuple[int, ...]]
+    whole: Link, view: MeshView, exit_: Exit, carried: Carried, known: Optional[Tuple[int, ...]]
 ) -> Tuple[Optional[Tuple[torch.Tensor, ...]], int, Learned]:
     """One round carrying the outputs, their row counts ``known`` beforehand (None: the round tells them); the
     outputs gathered, or None where a rank sent no rows; every rank's flags together; and what the round told. The
@@ -185,7 +195,7 @@ def _carry(
         values = tuple(_no_rows(v, r) for v, r in zip(values, roles))
     # the exit's batch says which lengths this rank took as known: ranks that kept different ones find out after the
     # round, before any data moves, and carry again (not in the round's name, so the rounds learn its size)
-    assumed = exit_._replace(flags=flags, batch=0 if known is None else digest(known), values=carried.tile_shapes())
+    assumed = exit_._replace(flags=flags, batch=0 if known is None else digest(known), values=carried.shapes())
     spec = JoinSpec(whole, roles, "the outputs", Kind.STATUS, exit=assumed._replace(agree=_KNOWN + exit_.agree))
     try:
         got = join(spec._replace(learned=learned), values)
@@ -194,8 +204,8 @@ def _carry(
             raise
         return None, LENGTHS_CHANGED, learned
     mask = functools.reduce(lambda m, h: m | h.flags, learned.table, 0)
-    if len({h.values for h in learned.table}) > 1:  # tiles of other shapes: the runs cannot be rearranged as one
-        mask |= TILES_DIFFER
+    if carried.shapes_differ([h.values for h in learned.table], view):  # the rows cannot be assembled as sent
+        mask |= SHAPES_DIFFER
     return (None if mask else tuple(got)), mask, learned
 
 

@@ -62,7 +62,7 @@ class Step(NamedTuple):
 
 class OffGrid(NamedTuple):
     """Where a leaf's blocks do not tile one global value: the split dim, and two coordinates (a dict of axis to
-    index each) whose blocks along it differ in length though only axes that split other dims tell them apart."""
+    index each) whose blocks along it differ in length though only axes that do not split it tell them apart."""
 
     dim: int
     first: dict
@@ -99,15 +99,14 @@ class Placement:
         return steps + [Step(a, COPY) for a in self.replicated]
 
     def off_grid(self, sizes: dict, length: Callable[[dict, int], int]) -> Optional["OffGrid"]:
-        """Where the blocks of a leaf split along several dims do not tile one global value: the first split dim, and
-        two coordinates (replicated axes at 0, whose blocks are the value) whose blocks along it differ in length
-        though only axes that split other dims tell them apart. None where they tile."""
-        if len(self.split) < 2:
-            return None
+        """Where the blocks of a leaf do not tile one global value: the first split dim, and two coordinates whose
+        blocks along it differ in length though only axes that do not split it tell them apart (axes that split other
+        dims, or axes the leaf is replicated or invariant along, whose blocks are copies of one value). None where
+        they tile."""
         for d, axes in self.split:
-            others = [a for _, split_by in self.split for a in split_by if a not in axes]
-            for c in _grid(tuple(axes) + tuple(others), sizes):
-                at = {**{a: 0 for a in self.replicated}, **dict(zip(tuple(axes) + tuple(others), c))}
+            others = tuple(a for a in sizes if a not in axes)  # every mesh axis: with types, none is "replicated"
+            for c in _grid(tuple(axes) + others, sizes):
+                at = dict(zip(tuple(axes) + others, c))
                 first = {**at, **{a: 0 for a in others}}
                 if length(at, d) != length(first, d):
                     return OffGrid(d, first, at)
