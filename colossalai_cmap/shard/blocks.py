@@ -5,8 +5,7 @@ value itself): no communication. Its transpose, in backward, is a ``Join`` per a
 block's gradients summed over the replicated axes, then gathered along the split ones, so each global input's
 ``.grad`` is the whole gradient, on every rank. A value split over every axis is cut by one ``Split`` over the
 whole mesh instead, where the whole mesh's group holds its blocks in rank order (or, for its gradient, a copy in
-tile order does, up to :data:`~colossalai_cmap.wire.link.FUSE_BYTES`; untyped, with two copies of each tile where it
-is replicated along an axis), so that its transpose is one gather.
+tile order does, up to :data:`~colossalai_cmap.wire.link.FUSE_BYTES`), so that its transpose is one gather.
 
 Assembling is a ``Join`` per axis: along an axis the spec leaves out, the value at coordinate 0 of that axis (jax
 reads a replicated output from one device too: role ``EVEN``); then every block, gathered along the split axes. Its
@@ -50,9 +49,8 @@ def cut(
     """Each global value's block on this rank (the tag marks the entry, as a cmap call's). A value split along one
     dim over every axis of a mesh of several, in mesh order, is cut by one ``Split`` over the whole mesh's group
     where that group holds the ranks row-major (the same blocks): its transpose, in backward, is one gather, not one
-    per axis. So is a value split over every axis otherwise, into tiles of one shape, whose gradient is wanted (or,
-    untyped, over some axes and replicated along the others, with two copies of each tile): it is copied into tile
-    order first (:meth:`Tiles.stack`), so that its backward is one gather, not one per axis."""
+    per axis. So is a value split over every axis otherwise, into tiles of one shape, whose gradient is wanted: it
+    is copied into tile order first (:meth:`Tiles.stack`), so that its backward is one gather, not one per axis."""
     tiles = [_tiles_to_stack(v, p, view) for v, p in zip(values, places)]
     values = [v if t is None else t.stack(v) for v, t in zip(values, tiles)]
     steps = [
@@ -65,21 +63,16 @@ def cut(
 
 
 def _tiles_to_stack(value: Any, place: Placement, view: Any) -> Optional["Tiles"]:
-    """The tiles of a global value worth a copy into tile order (with copies along the axes its spec leaves out, two
-    at most): its gradient is wanted, the whole mesh's group, holding the ranks row-major, does not cut it by one
-    ``Split`` as it is, and the copy is no larger than a round carries (above that, a gather per axis costs about
-    what one does, and the copy would be more global values alive). The copies' gradients are summed by the copy's
-    backward, which for two is the per-axis transpose's sum, bit for bit (more would be summed in another order)."""
+    """The tiles of a global value worth a copy into tile order: its gradient is wanted, the whole mesh's group,
+    holding the ranks row-major, does not cut it by one ``Split`` as it is, and it is no larger than a round carries
+    (above that, a gather per axis costs about what one does, and the copy would be a second global value alive)."""
     if not isinstance(value, torch.Tensor) or len(view.names) < 2 or not view.row_major():
         return None
     if value.numel() * value.element_size() > FUSE_BYTES:
         return None
     if not (gradients_tracked() and requires_grad(value)) or place.dim_over(view.names) is not None:
         return None
-    tiles = Tiles.even_in(place, view, value)
-    if tiles is None or tiles.stacked_bytes(value) > FUSE_BYTES or tiles.copies_count() > 2:
-        return None  # more copies than two: their gradients' sum would not be the per-axis sum's, in rank order
-    return tiles
+    return Tiles.even_in(place, view, value)
 
 
 def _cut_steps(value: Any, place: Placement, view: Any) -> List[Step]:
@@ -113,49 +106,41 @@ class Tiles(NamedTuple):
     """How to assemble an output split over every mesh axis, along several dims or along one in another order than
     the mesh's, from one gather over the whole mesh's group: each rank sends its block as one flat run, the runs
     come back in group-rank order (row-major over the mesh), and one permutation puts every block in its place.
-    This holds where every rank's block has this rank's shape; the exit's round checks that first. An input's
-    tiles may also be copies along the axes its spec leaves out (:meth:`stack` only).
+    This holds where every rank's block has this rank's shape; the exit's round checks that first.
 
     Attributes:
         mesh: the mesh's axis sizes, in mesh order.
         block: this rank's block shape.
-        order: the permutation of the gathered ``(*split axes, *block)`` that puts each dim's axes (major first)
-            before it (the split axes in mesh order).
+        order: the permutation of the gathered ``(*mesh, *block)`` that puts each dim's axes (major first) before it.
         shape: the global shape.
-        copies: the positions in the mesh of the axes the value is replicated along (none for an output).
     """
 
     mesh: Tuple[int, ...]
     block: Tuple[int, ...]
     order: Tuple[int, ...]
     shape: Tuple[int, ...]
-    copies: Tuple[int, ...] = ()
 
     @staticmethod
-    def of(place: Placement, view: Any, block: Sequence[int], *, copies: bool = False) -> Optional["Tiles"]:
-        """The tiles of blocks of shape ``block``, where ``place`` splits them over every axis of ``view`` (with
-        ``copies``, over every axis it does not replicate them along, at least one); else None."""
+    def of(place: Placement, view: Any, block: Sequence[int]) -> Optional["Tiles"]:
+        """The tiles of blocks of shape ``block``, where ``place`` splits them over every axis of ``view`` and
+        replicates them over none; else None."""
         split = dict(place.split)
-        if (place.replicated and not copies) or not split:
+        if place.replicated or sorted(a for axes in split.values() for a in axes) != sorted(view.names):
             return None
-        names = [a for a in view.names if a not in place.replicated]
-        if sorted(a for axes in split.values() for a in axes) != sorted(names):
-            return None
-        at = {a: k for k, a in enumerate(names)}
+        at = {a: k for k, a in enumerate(view.names)}
         order = [k for d in range(len(block)) for k in [at[a] for a in split.get(d, ())] + [len(at) + d]]
         shape = [n * math.prod(view.sizes[a] for a in split.get(d, ())) for d, n in enumerate(block)]
-        replicated = tuple(k for k, a in enumerate(view.names) if a in place.replicated)
-        return Tiles(tuple(view.sizes[a] for a in view.names), tuple(block), tuple(order), tuple(shape), replicated)
+        return Tiles(tuple(view.sizes[a] for a in view.names), tuple(block), tuple(order), tuple(shape))
 
     @staticmethod
     def even_in(place: Placement, view: Any, value: torch.Tensor) -> Optional["Tiles"]:
-        """The tiles of global ``value`` cut as ``place`` says, copies along the axes it leaves out, where each is
-        the same shape (every split dim divides by its axes' sizes); else None."""
+        """The tiles of global ``value`` cut as ``place`` says, where each is the same shape (every split dim
+        divides by its axes' sizes); else None."""
         split = dict(place.split)
         ways = [math.prod(view.sizes[a] for a in split.get(d, ())) for d in range(value.dim())]
         if any(n % k for n, k in zip(value.shape, ways)):
             return None
-        return Tiles.of(place, view, tuple(n // k for n, k in zip(value.shape, ways)), copies=True)
+        return Tiles.of(place, view, tuple(n // k for n, k in zip(value.shape, ways)))
 
     def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
         """The global value from every rank's flat run, gathered in group-rank order (differentiable)."""
@@ -163,22 +148,10 @@ class Tiles(NamedTuple):
 
     def stack(self, value: torch.Tensor) -> torch.Tensor:
         """:meth:`assemble`'s inverse: global ``value`` as ``[P, *block]``, rank r's tile at r (a copy, differentiable:
-        its backward is :meth:`assemble`'s permutation, and the sum over the copies)."""
-        split = [n for k, n in enumerate(self.mesh) if k not in self.copies]
+        its backward is :meth:`assemble`'s permutation)."""
         inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
-        permuted = [split[k] if k < len(split) else self.block[k - len(split)] for k in self.order]
-        tiles = value.reshape(permuted).permute(inverse)  # (*split axes, *block)
-        for k in self.copies:
-            tiles = tiles.unsqueeze(k)
-        return tiles.expand(*self.mesh, *self.block).reshape(math.prod(self.mesh), *self.block)
-
-    def copies_count(self) -> int:
-        """How many ranks hold each tile (1: no copies)."""
-        return math.prod(self.mesh[k] for k in self.copies)
-
-    def stacked_bytes(self, value: torch.Tensor) -> int:
-        """The bytes :meth:`stack`'s copy of ``value`` holds."""
-        return value.numel() * value.element_size() * self.copies_count()
+        permuted = [self.mesh[k] if k < len(self.mesh) else self.block[k - len(self.mesh)] for k in self.order]
+        return value.reshape(permuted).permute(inverse).reshape(math.prod(self.mesh), *self.block)
 
 
 class Copies(NamedTuple):
