@@ -4,6 +4,8 @@
 Faults come from the public testing aid ``colossalai_cmap.faults.inject_fault``; nothing is mocked.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -302,6 +304,69 @@ def check_user_backward_failure_in_shard_map(check_vma):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_failure_in_user_backward_in_shard_map(worlds, check_vma):
     assert worlds(2).run(check_user_backward_failure_in_shard_map, check_vma, deadline=60) == [True] * 2
+
+
+# a 2 x 2 mesh's specs, typed or not, and where f's psum over y sits from the failing node: its transpose runs before
+# that node's backward raises, or after (a peer of the failing rank then waits in it)
+MESH_BACKWARD_CASES = [
+    (spec, typed, psum_first)
+    for spec in ("P('x')", "P('x', 'y')", "P(('x', 'y'))")
+    for typed in (True, False)
+    for psum_first in (True, False)
+    # left out: a guarded backward (blocks over the whole mesh) whose failure comes before an untyped psum's transpose;
+    # the guard posts it over the whole mesh while a peer waits in that transpose over y, until the timeout
+    if (spec, typed, psum_first) != ("P(('x', 'y'))", False, False)
+]
+
+
+def check_user_backward_failure_on_a_2d_mesh(spec: str, typed: bool, psum_first: bool) -> list:
+    """Training steps of shard_map(f) on a 2 x 2 mesh, f a psum over y and a node whose backward raises on one rank,
+    after a step that marks the mesh (f communicates over part of it): each step's outcome on this rank, and its
+    seconds."""
+    from shard_cases import mesh
+
+    m, rank = mesh((2, 2), ("x", "y")), dist.get_rank()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    seen = []
+    for failing in (-1, 3, -1, -1, 1, -1, -1):
+
+        def f(b):
+            if psum_first:
+                return cm.psum(FailsInBackward.apply(b, failing), "y") * 2
+            return FailsInBackward.apply(cm.psum(b, "y"), failing) * 2
+
+        spec_ = eval(spec, {"P": cm.P})
+        g = cm.shard_map(f, mesh=m, in_specs=spec_, out_specs=spec_, check_vma=typed, timeout=10)
+        start = time.perf_counter()
+        try:
+            g(x).pow(2).sum().backward()
+            outcome = "ok"
+        except cm.CmapError:
+            outcome = "CmapError"
+        except ValueError as exc:
+            outcome = "own" if rank == failing and "the user's backward failed" in str(exc) else repr(exc)
+        seen.append((failing, outcome, time.perf_counter() - start))
+    return seen
+
+
+@pytest.mark.parametrize("spec, typed, psum_first", MESH_BACKWARD_CASES)
+def test_a_failure_in_user_backward_on_a_2d_mesh_leaves_every_rank_in_step(worlds, spec, typed, psum_first):
+    """Where the backward of a shard_map on a mesh of several axes is not guarded, the failing rank raises its own
+    error, and a peer waiting for it a CmapError when the failing rank's next rounds meet it (the step after the
+    failure, on the ranks they meet), never the timeout; no process aborts (a peer's backward round that met a
+    later call's exit once gathered error details the exit never sends: gloo aborted on the sizes), and the step
+    after that runs on every rank."""
+    for rank, seen in enumerate(worlds(4).run(check_user_backward_failure_on_a_2d_mesh, spec, typed, psum_first)):
+        for (before, _, _), (failing, outcome, seconds) in zip([(-1, "", 0)] + seen, seen):
+            assert seconds < 10 / 3, (rank, seen)
+            if failing < 0 and before >= 0:  # the failing rank's next rounds meet its peers' backward: one step
+                assert outcome in ("ok", "CmapError"), (rank, seen)
+            elif failing < 0:
+                assert outcome == "ok", (rank, seen)
+            elif rank == failing:
+                assert outcome in ("own", "CmapError"), (rank, seen)
+            else:  # a peer whose backward met no round of the failing rank's finishes it
+                assert outcome in ("ok", "CmapError"), (rank, seen)
 
 
 def check_guarded_shard_map_gradients():

@@ -384,6 +384,10 @@ def raise_failures(
             raise cause
         failed = [r for r, h in enumerate(rnd.table) if h.status == Status.FAILED]
         raise CollectiveAborted(f"{link.call}: group rank(s) {failed} failed as they entered it.")
+    mine = rnd.table[link.round_group.rank].kind
+    away = [r for r, h in enumerate(rnd.table) if h.kind != mine]
+    if away:  # ranks at another kind of round (a later call's exit, which repeats its round) send no details here
+        raise told(CmapError(_away_in_backward(link.call, "a backward collective", away)), link) from cause
     found = comm.all_gather_object(failure, link.round_group, link.call, link.timeout, link.round_device)
     failures = [f for f in found if f]
     real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
