@@ -387,14 +387,20 @@ def raise_failures(
     mine = rnd.table[link.round_group.rank].kind
     away = [r for r, h in enumerate(rnd.table) if h.kind != mine]
     if away:  # ranks at another kind of round (a later call's exit, which repeats its round) send no details here
-        raise told(CmapError(_away_in_backward(link.call, "a backward collective", away)), link) from cause
+        message = _away_in_backward(_call_of(link.call), "a backward collective", away)
+        raise told(CmapError(message), link) from cause
     found = comm.all_gather_object(failure, link.round_group, link.call, link.timeout, link.round_device)
     failures = [f for f in found if f]
     real = [f for f in failures if f.exc_type != CollectiveAborted.__qualname__]
     call = link.call
     if any(h.status == Status.FAILED and h.digest == GUARD_DIGEST for h in rnd.table):  # one name on every rank
-        call = f"{call[: call.index('): ') + 1] if '): ' in call else call} (backward)"  # the call, not the round
+        call = f"{_call_of(call)} (backward)"
     raise told(CmapError.from_failures(call, real or failures, link.group.rank), link) from cause
+
+
+def _call_of(name: str) -> str:
+    """The call's name from a round's (``shard_map(f): psum('y')``): the call, not the round."""
+    return name[: name.index("): ") + 1] if "): " in name else name
 
 
 def _away_in_func(what: str, away: list) -> str:
