@@ -308,9 +308,10 @@ def test_failure_in_user_backward_in_shard_map(worlds, check_vma):
 
 # a 2 x 2 mesh's specs, typed or not, and where f's psum over y sits from the failing node: its transpose runs before
 # that node's backward raises, or after (a peer of the failing rank then waits in it)
+MESH_SPECS = {"P('x')": cm.P("x"), "P('x', 'y')": cm.P("x", "y"), "P(('x', 'y'))": cm.P(("x", "y"))}
 MESH_BACKWARD_CASES = [
     (spec, typed, psum_first)
-    for spec in ("P('x')", "P('x', 'y')", "P(('x', 'y'))")
+    for spec in MESH_SPECS
     for typed in (True, False)
     for psum_first in (True, False)
     # left out: a guarded backward (blocks over the whole mesh) whose failure comes before an untyped psum's transpose;
@@ -335,8 +336,7 @@ def check_user_backward_failure_on_a_2d_mesh(spec: str, typed: bool, psum_first:
                 return cm.psum(FailsInBackward.apply(b, failing), "y") * 2
             return FailsInBackward.apply(cm.psum(b, "y"), failing) * 2
 
-        spec_ = eval(spec, {"P": cm.P})
-        g = cm.shard_map(f, mesh=m, in_specs=spec_, out_specs=spec_, check_vma=typed, timeout=10)
+        g = cm.shard_map(f, mesh=m, in_specs=MESH_SPECS[spec], out_specs=MESH_SPECS[spec], check_vma=typed, timeout=10)
         start = time.perf_counter()
         try:
             g(x).pow(2).sum().backward()
