@@ -328,14 +328,13 @@ def _carried(site: ShardMapped, where: Where, ran: Ran) -> Optional[Carried]:
         # would copies that send no rows beside blocks that do
     values = tuple(_sent(flat[i], tiled.get(i), copied.get(i), view) for i in found)
     leaves = tuple(found)
-    copied_rows = tuple(flat[i].shape[c.dim] for i, c in copied.items())
     return Carried(
-        leaves,
-        tuple(found.values()),
-        values,
-        tuple(map(tiled.get, leaves)),
-        tuple(map(copied.get, leaves)),
-        copied_rows,
+        leaves=leaves,
+        roles=tuple(found.values()),
+        values=values,
+        tiles=tuple(map(tiled.get, leaves)),
+        copies=tuple(map(copied.get, leaves)),
+        copied_rows=tuple(flat[i].shape[c.dim] for i, c in copied.items()),
     )
 
 

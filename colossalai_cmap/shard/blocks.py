@@ -55,8 +55,9 @@ def cut(
     its backward is one gather, not one per axis."""
     # on a mesh where f communicates over part of it, a rank whose own backward raised first meets its peers on an
     # axis: they must be waiting in the axes' transposes, not in one over the whole mesh (else both wait for good)
-    marked = rounds.parts_in_func(whole, [links[n] for n in view.names])
-    tiles = [None if marked else _tiles_to_stack(v, p, view) for v, p in zip(values, places)]
+    tiles = [_tiles_to_stack(v, p, view) for v, p in zip(values, places)]
+    if any(t is not None for t in tiles) and rounds.parts_in_func(whole, [links[n] for n in view.names]):
+        tiles = [None] * len(tiles)
     values = [v if t is None else t.stack(v) for v, t in zip(values, tiles)]
     steps = [
         [Step(WHOLE, Rows(0, (1,) * len(view.whole.ranks)))] if t is not None else _cut_steps(v, p, view)
