@@ -1,7 +1,7 @@
 """This rank's part of a map call, up to its exit, as every kind runs it: the skeleton around the kind's body, and
 the step that reads the body's outputs' graph (the closure walk) and guards this rank's backward through it."""
 
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 from ..nesting import CONTROL_FLOW
 from ..torch_internals import next_sequence_nr
@@ -38,17 +38,18 @@ def walk_and_guard(
     replay: Optional[Callable[[], ContextManager[Any]]],
     walk: bool = True,
     hooks: bool = True,
+    axes: Sequence[Link] = (),
 ) -> Tuple[List[Any], int]:
     """The outputs ``flat`` of a call that started at ``start``, and the signature of the closure edges their graph
     holds (0: none; the ranks must agree on it). With ``walk``, the graph is walked for edges into tensors made
     before the call (:mod:`.closures`): hooked, their gradient summed over ``link``'s group, or with ``hooks``
     False only found. Where there are none, the graph leaves the body only through the call's entry, and this rank's
     backward through it is guarded (:mod:`~colossalai_cmap.wire.guard`; ``replay`` is the context a recomputation
-    in that backward runs in)."""
+    in that backward runs in; ``axes``: a mesh's axes' links, ``link`` its whole group's)."""
     graph_sig = 0
     if walk:
         graph_sig = closures.watch(flat, tag, start, link) if hooks else int(closures.reaches_outside(flat, tag, start))
     if graph_sig:
         tag.take_entries()
         return flat, graph_sig
-    return guard(flat, tag, link, replay), graph_sig
+    return guard(flat, tag, link, replay, axes), graph_sig

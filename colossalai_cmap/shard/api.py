@@ -408,7 +408,14 @@ def _run_f(
     # the outputs, through the guard of this rank's backward where the graph leaves f only through its entry, and
     # the signature of the closure edges it holds otherwise (untyped: hooked; typed: nothing hooks, only found)
     flat, graph_sig = walk_and_guard(
-        flat, tag, start, whole, replay=replay, walk=gradients_tracked(), hooks=typer is None
+        flat,
+        tag,
+        start,
+        whole,
+        replay=replay,
+        walk=gradients_tracked(),
+        hooks=typer is None,
+        axes=[where.links[n] for n in view.names],
     )
     out = tree_unflatten(flat, out_tree)
     if out_mesh is not None:

@@ -27,12 +27,12 @@ recomputed graph reaches the call's entry too.
 
 It guards only where nothing else owns the graph's boundary: ordinary autograd (no ``torch.func`` transform or
 forward-mode level around the call), a graph whose only ways out are the tagged nodes (the closure walk found no
-other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (a one-axis
-mesh for shard_map). Elsewhere the call's backward runs unguarded, as before.
-"""
+other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (for shard_map,
+the whole mesh's). Elsewhere the call's backward runs unguarded, as before. On a mesh of several axes a peer may wait
+in a round on one axis's group, so a failure is posted on each of them too (:func:`~.rounds.fan_out`)."""
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,16 +41,18 @@ from . import rounds
 from .exchange import CallTag, Entry, JoinSpec, join
 from .link import Link
 from .roles import split_transpose
-from .rounds import Header, Kind, Status
 
 WHAT = "the gradients of func's inputs"
 Replay = Callable[[], ContextManager[Any]]  # the context a recomputation of func (reentrant checkpointing) runs in
 
 
-def guard(flat: List[Any], tag: CallTag, link: Link, replay: Optional[Replay] = None) -> List[Any]:
+def guard(
+    flat: List[Any], tag: CallTag, link: Link, replay: Optional[Replay] = None, axes: Sequence[Link] = ()
+) -> List[Any]:
     """func's outputs ``flat``, with those that carry a gradient replaced by ``_Guard``'s stand-ins, where the
     backward through func's graph on this rank can be guarded (see the module's docstring); else ``flat``.
-    ``replay`` is the context func ran in (its modules' aliases): a recomputation in that backward runs in it."""
+    ``replay`` is the context func ran in (its modules' aliases): a recomputation in that backward runs in it.
+    ``axes``: a mesh's axes' links, where ``link`` is its whole group's (a failure is posted on each of them too)."""
     entries = tag.take_entries()
     rounds = [e for e in entries or () if e.spec is not None]
     if link.group.pg is None or not rounds or not _plain_autograd():  # a Split's Join: the round a failure rides
@@ -61,7 +63,9 @@ def guard(flat: List[Any], tag: CallTag, link: Link, replay: Optional[Replay] = 
     inputs = _inputs(entries)
     if not picked or not inputs:
         return flat
-    graph = _Graph(link, tag, tuple(flat[i] for i in picked), entries, inputs, replay or contextlib.nullcontext)
+    graph = _Graph(
+        link, tuple(axes), tag, tuple(flat[i] for i in picked), entries, inputs, replay or contextlib.nullcontext
+    )
     outs = _Guard.apply(graph, *inputs)
     guarded = list(flat)
     for i, v in zip(picked, outs):
@@ -73,10 +77,18 @@ class _Graph:
     """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs."""
 
     def __init__(
-        self, link: Link, tag: CallTag, outs: tuple, entries: List[Entry], inputs: List[torch.Tensor], replay: Replay
+        self,
+        link: Link,
+        axes: Tuple[Link, ...],
+        tag: CallTag,
+        outs: tuple,
+        entries: List[Entry],
+        inputs: List[torch.Tensor],
+        replay: Replay,
     ) -> None:
-        self.link, self.tag, self.outs, self.entries, self.inputs, self.replay = (
+        self.link, self.axes, self.tag, self.outs, self.entries, self.inputs, self.replay = (
             link,
+            axes,
             tag,
             outs,
             entries,
@@ -165,7 +177,7 @@ class _Guard(torch.autograd.Function):
                 )
             pairs = [(o, g) for o, g in zip(graph.outs, grads) if g is not None]
             if pairs and graph.boundary:
-                with rounds.guarding(), _catching(graph.tag) as caught, graph.replay():
+                with rounds.guarding(link, graph.axes), _catching(graph.tag) as caught, graph.replay():
                     torch.autograd.backward(
                         [o for o, _ in pairs],
                         [g for _, g in pairs],
@@ -178,12 +190,10 @@ class _Guard(torch.autograd.Function):
                 raise
             failure, cause = link.group.failure(exc), exc
         _let_go_unless_retained(ctx, graph)
-        if failure is not None:
-            rnd = rounds.checked_round(
-                link, Header(kind=Kind.SYNC, status=Status.FAILED, digest=rounds.GUARD_DIGEST), WHAT
-            )
-            rounds.raise_failures(rnd, failure, cause, link)
-        _transposes(graph, at)
+        with rounds.guarding(link, graph.axes):  # the boundary's rounds: a failure met there fans out too
+            if failure is not None:
+                rounds.raise_failures(rounds.failure_round(link, WHAT), failure, cause, link, posted=True)
+            _transposes(graph, at)
         return (None, *[at.get(id(x)) for x in graph.inputs])
 
 

@@ -322,18 +322,66 @@ def gather_objects(link: Link, obj: Any) -> List[Any]:
 
 
 GUARD_DIGEST = 0x6A2D0001  # a guarded backward's failure (:mod:`.guard`): its round names the call's backward
-_GUARDED = threading.local()  # depth of guarded backwards (:mod:`.guard`) running on this thread
+_GUARDED = threading.local()  # .meshes: one entry per guarded backward (:mod:`.guard`) running on this thread,
+# innermost last: (its call's whole group's link, its mesh axes' links), the axes empty for a call on one group
 
 
 @contextlib.contextmanager
-def guarding() -> Iterator[None]:
-    """Inside a guarded backward (:mod:`.guard`): a failure met in an ``OP`` round there is raised on every rank as
-    a backward's is (no call's exit follows to report it)."""
-    _GUARDED.depth = getattr(_GUARDED, "depth", 0) + 1
+def guarding(whole: Link, axes: Sequence[Link] = ()) -> Iterator[None]:
+    """Inside a guarded backward (:mod:`.guard`) of a call on ``whole``'s group: a failure met in an ``OP`` round
+    there is raised on every rank as a backward's is (no call's exit follows to report it). On a mesh of several axes
+    (``axes``, their groups other than the whole's), a failure met in a round on one of its groups is posted on each
+    of the others before it is raised (:func:`fan_out`), since a peer may be waiting in any of them."""
+    meshes = getattr(_GUARDED, "meshes", ())
+    parts = tuple(a for a in axes if a.round_group.pg is not whole.round_group.pg)
+    _GUARDED.meshes = meshes + ((whole, parts if len(parts) > 1 else ()),)
     try:
         yield
     finally:
-        _GUARDED.depth -= 1
+        _GUARDED.meshes = meshes
+
+
+def _guarded_mesh(link: Link) -> Optional[Tuple[Link, Tuple[Link, ...]]]:
+    """The innermost guarded backward's mesh (its whole group's link, its axes'), where it has several axes and
+    ``link``'s round group is one of its groups; else None."""
+    meshes = getattr(_GUARDED, "meshes", ())
+    if not meshes or not meshes[-1][1]:
+        return None
+    whole, axes = meshes[-1]
+    pg = link.round_group.pg
+    return meshes[-1] if any(g.round_group.pg is pg for g in (whole, *axes)) else None
+
+
+FAILURE = Header(kind=Kind.SYNC, status=Status.FAILED, digest=GUARD_DIGEST)
+
+
+def failure_round(link: Link, what: str) -> Round:
+    """The round a guarded backward posts its own failure in, on ``link``'s group (the call's): on a mesh of
+    several axes, posted on each axis's group too (:func:`fan_out`), so that a peer waiting in a round on any of them
+    is told. The whole group's round is returned."""
+    mesh = _guarded_mesh(link)
+    if mesh is None:
+        return checked_round(link, FAILURE, what)
+    return fan_out(mesh, None, what)
+
+
+def fan_out(mesh: Tuple[Link, Tuple[Link, ...]], met: Optional[Link], what: str) -> Optional[Round]:
+    """A failure posted once on each group of a guarded mesh (its axes', then the whole's), but ``met``'s, where
+    this rank already met it: every round is issued before any is waited for, so a peer waiting in one is told while
+    this rank waits in another, and a peer waiting in a round this rank does not post is told by a peer that does.
+
+    Each rank makes one such round per group: the failing rank posts on all of them, a rank that meets the failure in
+    a round on one group (a backward round of f's, the boundary's, or a peer's post) on the others. Every rank then
+    gathers the details over the whole group (:func:`raise_failures`). The whole group's round is returned (None if
+    ``met`` is the whole group)."""
+    whole, axes = mesh
+    skip = None if met is None else met.round_group.pg
+    issued = [(g, issue_round(g, FAILURE, what=what)) for g in (*axes, whole) if g.round_group.pg is not skip]
+    found = None
+    for g, pending in issued:
+        rnd = finish_round(g, pending)
+        found = rnd if g is whole else found
+    return found
 
 
 def told(err: CmapError, link: Link) -> CmapError:
@@ -372,18 +420,29 @@ def check_agreement(table: Tuple[Header, ...], agree: Sequence[str], agree_nonem
 
 
 def raise_failures(
-    rnd: Round, failure: Optional[RankFailure], cause: Optional[BaseException], link: Link, in_func: bool = False
+    rnd: Round,
+    failure: Optional[RankFailure],
+    cause: Optional[BaseException],
+    link: Link,
+    in_func: bool = False,
+    posted: bool = False,
 ) -> None:
     """If any rank reported a failure, every rank learns the details and raises the same ``CmapError``. ``in_func``
     (a collective inside func, whose call's exit tells every rank): the failing rank raises its own error and the
-    others ``CollectiveAborted``, so that the exit reports the failure once, as it is."""
+    others ``CollectiveAborted``, so that the exit reports the failure once, as it is. In a guarded backward on a
+    mesh of several axes, a rank that met the failure in ``rnd`` posts it on the mesh's other groups first
+    (:func:`fan_out`; ``posted``: this rank posted on all of them already, :func:`failure_round`), and the details
+    are gathered over the whole mesh."""
     if not rnd.failed:
         return
-    if in_func and not getattr(_GUARDED, "depth", 0):
+    if in_func and not getattr(_GUARDED, "meshes", ()):
         if cause is not None:
             raise cause
         failed = [r for r, h in enumerate(rnd.table) if h.status == Status.FAILED]
         raise CollectiveAborted(f"{link.call}: group rank(s) {failed} failed as they entered it.")
+    mesh = _guarded_mesh(link)
+    if mesh is not None and not posted:  # met here: on to the mesh's other groups, the details over the whole's
+        rnd, link = fan_out(mesh, link, "a failure in the backward") or rnd, mesh[0]
     mine = rnd.table[link.round_group.rank].kind
     away = [r for r, h in enumerate(rnd.table) if h.kind != mine]
     if away:  # ranks at another kind of round (a later call's exit, which repeats its round) send no details here
