@@ -189,10 +189,13 @@ def joint_ranks(view: MeshView, names: Sequence[str]) -> Tuple[int, ...]:
 
 
 def group_over(view: MeshView, ranks: Sequence[int]) -> Group:
-    """The group of these global ranks of the mesh: the whole mesh's, or one made once (by its members alone)."""
+    """The group of these global ranks of the mesh: the whole mesh's or an axis's where it holds them (axes of size
+    one taken with another), else one made once (by its members alone). A guarded backward's failure reaches a peer
+    waiting in a round on the whole mesh's group or an axis's (:func:`~colossalai_cmap.wire.rounds.fan_out`)."""
     key = tuple(sorted(ranks))
-    if key == tuple(view.whole.ranks):
-        return view.whole
+    for group in (view.whole, *view.axes.values()):
+        if key == tuple(sorted(group.ranks)):
+            return group
     pg = _WHOLE.get(key)
     if pg is None:
         pg = _WHOLE[key] = dist.new_group(list(key), use_local_synchronization=True)
