@@ -5,6 +5,7 @@ Faults come from the public testing aid ``colossalai_cmap.faults.inject_fault``;
 """
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -315,23 +316,26 @@ MESH_BACKWARD_CASES = [
 GUARDED_SPECS = {"P(('x', 'y'))"}  # blocks cut over the whole mesh's group: the rank's backward is guarded
 
 
-def check_user_backward_failure_on_a_2d_mesh(spec: str, typed: bool, psum_first: bool) -> list:
-    """Training steps of shard_map(f) on a 2 x 2 mesh, f a psum over y and a node whose backward raises on one rank,
-    after a step that marks the mesh (f communicates over part of it): each step's outcome on this rank, and its
-    seconds."""
+def check_user_backward_failure_on_a_2d_mesh(
+    spec: str, typed: bool, psum_first: bool, shape: tuple = (2, 2), names: tuple = ("x", "y"), over: Any = "y"
+) -> list:
+    """Training steps of shard_map(f) on a 2 x 2 mesh (or ``shape``), f a psum over y (or ``over``) and a node whose
+    backward raises on one rank, after a step that marks the mesh (f communicates over part of it): each step's
+    outcome on this rank, and its seconds."""
     from shard_cases import mesh
 
-    m, rank = mesh((2, 2), ("x", "y")), dist.get_rank()
+    m, rank = mesh(shape, names), dist.get_rank()
+    specs = {**MESH_SPECS, "P(names)": cm.P(names)}
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
     seen = []
     for failing in (-1, 3, -1, -1, 1, -1, -1):
 
         def f(b):
             if psum_first:
-                return cm.psum(FailsInBackward.apply(b, failing), "y") * 2
-            return FailsInBackward.apply(cm.psum(b, "y"), failing) * 2
+                return cm.psum(FailsInBackward.apply(b, failing), over) * 2
+            return FailsInBackward.apply(cm.psum(b, over), failing) * 2
 
-        g = cm.shard_map(f, mesh=m, in_specs=MESH_SPECS[spec], out_specs=MESH_SPECS[spec], check_vma=typed, timeout=10)
+        g = cm.shard_map(f, mesh=m, in_specs=specs[spec], out_specs=specs[spec], check_vma=typed, timeout=10)
         start = time.perf_counter()
         try:
             g(x).pow(2).sum().backward()
@@ -367,6 +371,18 @@ def test_a_failure_in_user_backward_on_a_2d_mesh_leaves_every_rank_in_step(world
                 assert outcome in ("own", "CmapError"), (rank, seen)
             else:  # a peer whose backward met no round of the failing rank's finishes it
                 assert outcome in ("ok", "CmapError"), (rank, seen)
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+def test_a_failure_in_user_backward_reaches_a_peer_in_a_psum_over_an_axis_and_one_of_length_one(worlds, typed):
+    """On a 2 x 1 x 2 mesh, blocks over the whole mesh (guarded), a psum over ('x', 'y') inside f: y has length one,
+    so the psum runs on x's group, where the failure's round on each axis reaches a peer waiting in its transpose.
+    Every rank raises the same CmapError in the failing step, and every other step runs."""
+    case = ("P(names)", typed, False, (2, 1, 2), ("x", "y", "z"), ("x", "y"))
+    for rank, seen in enumerate(worlds(4).run(check_user_backward_failure_on_a_2d_mesh, *case)):
+        for failing, outcome, seconds in seen:
+            assert seconds < 10 / 3, (rank, seen)
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
 
 
 def check_guarded_shard_map_gradients():
