@@ -444,6 +444,57 @@ def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
     assert all(len(names) == backward for names in seen.backward.names), seen.backward
 
 
+def check_gathers_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, float]:
+    """Training steps of ``shard_map(f)`` on a mesh of the world, f an ``all_gather`` (tiled) or a ``psum_scatter``
+    of its block's sine, on (4 P, D) float32: the counted steady steps, whether the output and x.grad are the
+    unsharded function's, and the bytes one native all_gather of the block sends."""
+    from shard_cases import mesh
+
+    size = dist.get_world_size()
+    line = mesh((size,), ("i",))
+    x = torch.rand(4 * size, D, generator=torch.Generator().manual_seed(D)) + 0.1  # sines > 0: sums cancel nothing
+    if op == "all_gather":
+        f, want = (lambda b: cm.all_gather(b.sin(), "i", tiled=True)), (lambda v: v.sin().repeat(size, 1))
+    else:
+        f = lambda b: cm.psum_scatter(b.sin().repeat(size, 1), "i", tiled=True)  # noqa: E731
+        want = lambda v: v.sin().view(size, 4, D).sum(0).repeat(size, 1)  # noqa: E731
+    g = cm.shard_map(f, mesh=line, in_specs=cm.P("i"), out_specs=cm.P("i"), check_vma=typed)
+    given = x.clone().requires_grad_()
+
+    def step() -> torch.Tensor:
+        given.grad = None
+        return g(given).pow(2).sum()
+
+    fwd, bwd = count(step, backward=True)
+    ref = x.clone().requires_grad_()
+    want(ref).pow(2).sum().backward()
+    error = ((given.grad - ref.grad).abs() / ref.grad.abs()).max().item()
+    # sums over P ranks of positive terms, in another order: P roundings of eps / 2 each
+    exact = bool(((g(x) - want(x)).abs() <= size * torch.finfo(x.dtype).eps * want(x)).all())
+    return CaseSeen(fwd, bwd, exact, error), (size - 1) * 4 * D * 4.0
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+@pytest.mark.parametrize("D", [8, 4096], ids=["rides the first round", "rides a learned round"])
+@pytest.mark.parametrize("P", [2, 3])
+def test_an_all_gather_inside_f_sends_its_rows_with_its_round(worlds, P, D, typed):
+    """An ``all_gather`` inside f is a Join of its rows: its round carries them (the round's payload learns their
+    size), so a steady step's forward is that round and the exit's, with no gather after either; ``psum_scatter``'s
+    transpose in backward, an all_gather too, is one collective as well (its forward is a round and the native
+    reduce-scatter). Values and gradients are the unsharded function's."""
+    gathered, native = worlds(P).run(check_gathers_inside_f, "all_gather", D, typed, deadline=DEADLINE)[0]
+    tolerance = 4 * P * torch.finfo(torch.float32).eps  # the sums' roundings, then a few elementwise ops
+    assert gathered.exact and gathered.grad_error <= tolerance, gathered
+    # the all_gather's round, the exit's round (carrying the P-times-longer output: its own bytes)
+    assert all(names == ("all_gather_into_tensor",) * 2 for names in gathered.forward.names), gathered.forward
+    scattered, _ = worlds(P).run(check_gathers_inside_f, "psum_scatter", D, typed, deadline=DEADLINE)[0]
+    assert scattered.exact and scattered.grad_error <= tolerance, scattered
+    # psum_scatter's transpose (the all_gather, its rows in its round), then the input's gradient gathered
+    assert all(names == ("all_gather_into_tensor",) * 2 for names in scattered.backward.names), scattered.backward
+    for names, sent in zip(scattered.backward.names, scattered.backward.sent):
+        assert sent <= 2 * (1.1 * native + ALLOWANCE), (names, sent, native)
+
+
 MESH_CASES = (
     "2-D mesh, rows over (x, y)",
     "2-D mesh, rows over (y, x)",

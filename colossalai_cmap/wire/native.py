@@ -116,9 +116,12 @@ def _reduce_scatter(spec: "NativeSpec", x: torch.Tensor) -> torch.Tensor:
     return _back(scatter_padded(_first(x, spec.dim), spec.sizes, link.group.rank, reduce_scatter), spec.dim)
 
 
-def _all_gather(spec: "NativeSpec", x: torch.Tensor) -> torch.Tensor:
-    """Every rank's rows, contiguous (a sequence's whole length feeds views)."""
-    return join_values(JoinSpec(spec.link, (Rows(spec.dim, spec.sizes),), spec.what, checked=False), [x])[0]
+def _all_gather(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every rank's rows, contiguous (a sequence's whole length feeds views). Checked, the rows are a ``Join``'s: its
+    round carries them where they fit the payload (one collective, the status with the data), else their gather
+    follows it (right behind it in backward, where the shape repeats)."""
+    rows = Rows(spec.dim, spec.sizes)
+    return join_values(JoinSpec(spec.link, (rows,), spec.what, kind=spec.kind, checked=spec.checked), tensors)[0]
 
 
 def _all_to_all(spec: "NativeSpec", x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +153,7 @@ class Collective(NamedTuple):
 
 
 ReduceScatter = Collective("reduce_scatter", _meet_and(_reduce_scatter, "reduce_scatter"), "all_gather")
-AllGather = Collective("all_gather", _meet_and(_all_gather, "all_gather"), "reduce_scatter", traced=_all_gather_traced)
+AllGather = Collective("all_gather", _all_gather, "reduce_scatter", traced=_all_gather_traced)
 AllToAll = Collective("all_to_all", _meet_and(_all_to_all, "all_to_all"), "all_to_all", swaps=True)
 _COLLECTIVES = {c.name: c for c in (ReduceScatter, AllGather, AllToAll)}
 
