@@ -697,6 +697,45 @@ def test_an_exit_takes_rounds_on_the_axes_once_f_has_taken_one_there(worlds):
         assert max(seen["seconds"]) < timeout / 3, seen["seconds"]
 
 
+def check_tiles_with_a_psum_over_one_axis(typed: bool) -> Tuple[CaseSeen, float]:
+    """Training steps of ``shard_map(lambda b: psum(sin(b), 'y') * b, P('x', 'y'), P('x', 'y'))`` on a 2 x 2 mesh,
+    on (8, 6) float32 (tiles of 4 x 3): the counted steady steps, whether the output and x.grad are the unsharded
+    function's bit for bit, and the tile's bytes."""
+    from shard_cases import mesh
+
+    square = mesh((2, 2), ("x", "y"))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    f = lambda b: cm.psum(b.sin(), "y") * b  # noqa: E731
+    g = cm.shard_map(f, mesh=square, in_specs=cm.P("x", "y"), out_specs=cm.P("x", "y"), check_vma=typed)
+
+    def unsharded(v: torch.Tensor) -> torch.Tensor:
+        tiles = v.view(2, 4, 2, 3)  # x, rows, y, columns: the sum over y of two tiles is exact in either order
+        return (tiles.sin().sum(2, keepdim=True) * tiles).reshape(8, 6)
+
+    given = x.clone().requires_grad_()
+
+    def step() -> torch.Tensor:
+        given.grad = None
+        return g(given).pow(2).sum()
+
+    fwd, bwd = count(step, backward=True)
+    ref = x.clone().requires_grad_()
+    unsharded(ref).pow(2).sum().backward()
+    exact = torch.equal(g(x), unsharded(x)) and torch.equal(given.grad, ref.grad)
+    return CaseSeen(fwd, bwd, exact, 0.0), 4 * 3 * 4.0
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+def test_tiles_enter_through_one_gather_where_f_communicates_over_one_axis(worlds, typed):
+    """Tiles of one shape whose gradient is wanted are copied into tile order and cut by one Split over the whole
+    mesh, also on a mesh where f takes a psum over one axis: their gradient is one gather, not one per axis (the
+    rank's backward is guarded, and a failure there is posted on each axis's group too). Backward: the psum's
+    transpose over y and that gather; values and gradients are the unsharded function's."""
+    for seen, _ in worlds(4).run(check_tiles_with_a_psum_over_one_axis, typed, deadline=DEADLINE):
+        assert seen.exact, seen
+        assert all(names == ("all_gather_into_tensor",) * 2 for names in seen.backward.names), seen.backward
+
+
 # -------------------------------------------------------------------------------------------- shard_map's steady exit
 def check_shard_map_steady_exit(D: int) -> Dict[str, Any]:
     """``shard_map(sin, mesh, P('i'), P('i'))`` over a 1-D mesh of the world, repeated on (4 P, D) float32; then

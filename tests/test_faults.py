@@ -319,7 +319,7 @@ MESH_SPECS = {"P('x')": cm.P("x"), "P('x', 'y')": cm.P("x", "y"), "P(('x', 'y'))
 MESH_BACKWARD_CASES = [
     (spec, typed, psum_first) for spec in MESH_SPECS for typed in (True, False) for psum_first in (True, False)
 ]
-GUARDED_SPECS = {"P(('x', 'y'))"}  # blocks cut over the whole mesh's group: the rank's backward is guarded
+GUARDED_SPECS = {"P(('x', 'y'))", "P('x', 'y')"}  # blocks cut over the whole mesh's group (even tiles stacked first)
 
 
 def check_user_backward_failure_on_a_2d_mesh(

@@ -29,7 +29,6 @@ import torch
 from ..errors import CmapError
 from ..nesting import gradients_tracked
 from ..torch_internals import outside_transforms
-from ..wire import rounds
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.link import FUSE_BYTES, Link
 from ..wire.roles import COPY, EVEN, FIRST, ONCE, Rows, is_rows, tensor_split_sizes
@@ -50,21 +49,20 @@ def cut(
     """Each global value's block on this rank (the tag marks the entry, as a cmap call's). A value split along one
     dim over every axis of a mesh of several, in mesh order, is cut by one ``Split`` over the whole mesh's group
     where that group holds the ranks row-major (the same blocks): its transpose, in backward, is one gather, not one
-    per axis. So is a value split over every axis otherwise, into tiles of one shape, whose gradient is wanted, on a
-    mesh where f takes no round over part of it: it is copied into tile order first (:meth:`Tiles.stack`), so that
-    its backward is one gather, not one per axis."""
-    # on a mesh where f communicates over part of it, a rank whose own backward raised first meets its peers on an
-    # axis: they must be waiting in the axes' transposes, not in one over the whole mesh (else both wait for good)
+    per axis. So is a value split over every axis otherwise, into tiles of one shape, whose gradient is wanted: it is
+    copied into tile order first (:meth:`Tiles.stack`), so that its backward is one gather, not one per axis. The
+    call holds the copy and its Split's output until its guard takes the entries (its Split is one of them: the rank's backward is
+    guarded, and a failure there reaches a peer in a round on any of the mesh's groups)."""
     tiles = [_tiles_to_stack(v, p, view) for v, p in zip(values, places)]
-    if any(t is not None for t in tiles) and rounds.parts_in_func(whole, [links[n] for n in view.names]):
-        tiles = [None] * len(tiles)
     values = [v if t is None else t.stack(v) for v, t in zip(values, tiles)]
+    tag.held.extend(v for v, t in zip(values, tiles) if t is not None)  # the Split's input
     steps = [
         [Step(WHOLE, Rows(0, (1,) * len(view.whole.ranks)))] if t is not None else _cut_steps(v, p, view)
         for v, p, t in zip(values, places, tiles)
     ]
     links = {**links, WHOLE: whole}
     out = _run(values, steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
+    tag.held.extend(v for v, t in zip(out, tiles) if t is not None)  # the Split's output, before its squeeze
     return [v if t is None else v.squeeze(0) for v, t in zip(out, tiles)]
 
 

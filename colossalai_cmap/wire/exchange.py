@@ -125,6 +125,8 @@ class CallTag:
     running: bool = True
     entries: List["Entry"] = field(default_factory=list)
     caught: Optional[Dict[Tuple[int, int], torch.Tensor]] = None
+    held: List[torch.Tensor] = field(default_factory=list)  # what an entry took that the call made itself (a copy
+    # in tile order): nothing else holds it until the entries are taken
 
     def note_entry(self, spec: Optional["SplitSpec"], inputs: Sequence[Any], outputs: Sequence[Any]) -> int:
         """Notes a tagged Split; returns its index among the entries, which :meth:`catch` takes."""
@@ -148,6 +150,7 @@ class CallTag:
         """The tagged Splits met, in order, with their tensors; None if one of those is gone. Cleared."""
         found, self.entries = self.entries, []
         alive = [Entry(e.spec, tuple(r() for r in e.inputs), tuple(r() for r in e.outputs)) for e in found]
+        self.held = []  # the entries hold them now
         return None if any(t is None for e in alive for t in e.inputs + e.outputs) else alive
 
 
