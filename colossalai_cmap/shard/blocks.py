@@ -51,8 +51,8 @@ def cut(
     where that group holds the ranks row-major (the same blocks): its transpose, in backward, is one gather, not one
     per axis. So is a value split over every axis otherwise, into tiles of one shape, whose gradient is wanted: it is
     copied into tile order first (:meth:`Tiles.stack`), so that its backward is one gather, not one per axis. The
-    call holds the copy and its Split's output until its guard takes the entries (its Split is one of them: the rank's backward is
-    guarded, and a failure there reaches a peer in a round on any of the mesh's groups)."""
+    call holds the copy and its Split's output until its guard takes the entries (its Split is one of them: the
+    rank's backward is guarded, and a failure there reaches a peer in a round on any of the mesh's groups)."""
     tiles = [_tiles_to_stack(v, p, view) for v, p in zip(values, places)]
     values = [v if t is None else t.stack(v) for v, t in zip(values, tiles)]
     tag.held.extend(v for v, t in zip(values, tiles) if t is not None)  # the Split's input
