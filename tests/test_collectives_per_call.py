@@ -444,6 +444,23 @@ def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
     assert all(len(names) == backward for names in seen.backward.names), seen.backward
 
 
+def count_training(
+    g: Callable[[torch.Tensor], torch.Tensor], unsharded: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> Tuple[Calls, Calls, torch.Tensor, torch.Tensor]:
+    """Training steps of ``g`` on ``x`` (the loss: its output's squares summed), counted as :func:`count` does; the
+    last step's gradient, and the unsharded function's on the same ``x``."""
+    given = x.clone().requires_grad_()
+
+    def step() -> torch.Tensor:
+        given.grad = None
+        return g(given).pow(2).sum()
+
+    fwd, bwd = count(step, backward=True)
+    ref = x.clone().requires_grad_()
+    unsharded(ref).pow(2).sum().backward()
+    return fwd, bwd, given.grad, ref.grad
+
+
 def check_gathers_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, float]:
     """Training steps of ``shard_map(f)`` on a mesh of the world, f an ``all_gather`` (tiled) or a ``psum_scatter``
     of its block's sine, on (4 P, D) float32: the counted steady steps, whether the output and x.grad are the
@@ -459,16 +476,8 @@ def check_gathers_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, floa
         f = lambda b: cm.psum_scatter(b.sin().repeat(size, 1), "i", tiled=True)  # noqa: E731
         want = lambda v: v.sin().view(size, 4, D).sum(0).repeat(size, 1)  # noqa: E731
     g = cm.shard_map(f, mesh=line, in_specs=cm.P("i"), out_specs=cm.P("i"), check_vma=typed)
-    given = x.clone().requires_grad_()
-
-    def step() -> torch.Tensor:
-        given.grad = None
-        return g(given).pow(2).sum()
-
-    fwd, bwd = count(step, backward=True)
-    ref = x.clone().requires_grad_()
-    want(ref).pow(2).sum().backward()
-    error = ((given.grad - ref.grad).abs() / ref.grad.abs()).max().item()
+    fwd, bwd, grad, ref_grad = count_training(g, want, x)
+    error = ((grad - ref_grad).abs() / ref_grad.abs()).max().item()
     # sums over P ranks of positive terms, in another order: P roundings of eps / 2 each
     exact = bool(((g(x) - want(x)).abs() <= size * torch.finfo(x.dtype).eps * want(x)).all())
     return CaseSeen(fwd, bwd, exact, error), (size - 1) * 4 * D * 4.0
@@ -712,16 +721,8 @@ def check_tiles_with_a_psum_over_one_axis(typed: bool) -> Tuple[CaseSeen, float]
         tiles = v.view(2, 4, 2, 3)  # x, rows, y, columns: the sum over y of two tiles is exact in either order
         return (tiles.sin().sum(2, keepdim=True) * tiles).reshape(8, 6)
 
-    given = x.clone().requires_grad_()
-
-    def step() -> torch.Tensor:
-        given.grad = None
-        return g(given).pow(2).sum()
-
-    fwd, bwd = count(step, backward=True)
-    ref = x.clone().requires_grad_()
-    unsharded(ref).pow(2).sum().backward()
-    exact = torch.equal(g(x), unsharded(x)) and torch.equal(given.grad, ref.grad)
+    fwd, bwd, grad, ref_grad = count_training(g, unsharded, x)
+    exact = torch.equal(g(x), unsharded(x)) and torch.equal(grad, ref_grad)
     return CaseSeen(fwd, bwd, exact, 0.0), 4 * 3 * 4.0
 
 
