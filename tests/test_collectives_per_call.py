@@ -527,9 +527,10 @@ def test_a_2d_mesh_exit_is_one_round_over_the_whole_where_f_communicates_on_no_a
 
 def check_copies_on_a_2d_mesh(axis: str, check_vma: bool) -> Dict[str, Any]:
     """``shard_map(f, mesh, P(axis), P(axis))`` on a 2 x 2 mesh, ``f`` a psum over the other axis times the block:
-    the forward collectives of steady calls and of their backward; whether the gradient, a double backward's and a
-    forward-mode tangent (``torch.autograd.forward_ad``) equal the same call's under a ``torch.func`` transform
-    (which assembles axis by axis) bit for bit; and whether the values are the unsharded function's."""
+    the forward collectives of steady calls and of their backward; whether the gradient and a forward-mode tangent
+    (``torch.autograd.forward_ad``) equal the same call's under a ``torch.func`` transform (which assembles axis by
+    axis) bit for bit, and a double backward's to its rounding; and whether the values are the unsharded
+    function's."""
     import torch.autograd.forward_ad as fwAD
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -560,7 +561,11 @@ def check_copies_on_a_2d_mesh(axis: str, check_vma: bool) -> Dict[str, Any]:
         "forward": fwd.names,
         "backward": bwd.names,
         "grad": torch.equal(grad, by_axis),
-        "second": torch.equal(second, second_by_axis),
+        # the guard (ordinary autograd) sums a double backward's terms in another order than the transform: a few
+        # roundings of eps / 2 of the largest term
+        "second": torch.allclose(
+            second, second_by_axis, rtol=0, atol=4 * torch.finfo(x.dtype).eps * second_by_axis.abs().max().item()
+        ),
         "tangent": tangent is not None and torch.equal(tangent, tangent_by_axis),
         "unsharded": torch.allclose(g(x), 2 * x.sin() * x, rtol=0, atol=4 * torch.finfo(x.dtype).eps),
     }
@@ -571,15 +576,16 @@ def check_copies_on_a_2d_mesh(axis: str, check_vma: bool) -> Dict[str, Any]:
 def test_an_output_equal_along_one_axis_rides_in_the_whole_mesh_s_round(worlds, axis, check_vma):
     """P('x') (or P(None, 'y')) on a 2 x 2 mesh, equal along the other axis: the ranks at coordinate 0 of that axis
     send their blocks in the exit's round over the whole mesh, the others no rows: no gather follows the exit (nor,
-    untyped, a broadcast along the other axis). Backward, double backward and forward-mode tangents are those of the
-    assembly axis by axis, bit for bit."""
+    untyped, a broadcast along the other axis). Backward and forward-mode tangents are those of the assembly axis by
+    axis, bit for bit; a double backward too, to the order its terms are summed in."""
     for seen in worlds(4).run(check_copies_on_a_2d_mesh, axis, check_vma, deadline=DEADLINE):
         # psum's round; the exit on the mesh psum marked: the axes' rounds and the whole mesh's, which carries it
         assert all(len(names) == 4 for names in seen["forward"]), seen["forward"]
         assert seen["grad"] and seen["second"] and seen["tangent"] and seen["unsharded"], seen
         # backward as the assembly axis by axis had it: psum's transpose, the input's gradient gathered over the axis
-        # (with types no sum over the other axis: the gradient is whole already)
-        assert all(len(names) == (2 if check_vma else 3) for names in seen["backward"]), seen["backward"]
+        # (with types no sum over the other axis: the gradient is whole already); then the guard's closing round
+        # over the whole mesh (every block entered over an axis: a rank whose rounds met no failure meets it there)
+        assert all(len(names) == (3 if check_vma else 4) for names in seen["backward"]), seen["backward"]
 
 
 def check_tiles_in_a_loop() -> Dict[str, Any]:

@@ -314,16 +314,19 @@ def test_failure_in_user_backward_in_shard_map(worlds, check_vma):
 
 
 # a 2 x 2 mesh's specs, typed or not, and where f's psum over y sits from the failing node: its transpose runs before
-# that node's backward raises, or after (a peer of the failing rank then waits in it)
-MESH_SPECS = {"P('x')": cm.P("x"), "P('x', 'y')": cm.P("x", "y"), "P(('x', 'y'))": cm.P(("x", "y"))}
-MESH_BACKWARD_CASES = [
-    (spec, typed, psum_first) for spec in MESH_SPECS for typed in (True, False) for psum_first in (True, False)
-]
-GUARDED_SPECS = {"P(('x', 'y'))", "P('x', 'y')"}  # blocks cut over the whole mesh's group (even tiles stacked first)
+# that node's backward raises, or after (a peer of the failing rank then waits in it); or f takes no collective
+MESH_SPECS = {
+    "P('x')": cm.P("x"),
+    "P(None, 'y')": cm.P(None, "y"),
+    "P('x', 'y')": cm.P("x", "y"),
+    "P(('x', 'y'))": cm.P(("x", "y")),
+}
+ORDERS = ("psum, then the failing node", "the failing node, then psum", "no collective")
+MESH_BACKWARD_CASES = [(spec, typed, order) for spec in MESH_SPECS for typed in (True, False) for order in ORDERS]
 
 
 def check_user_backward_failure_on_a_2d_mesh(
-    spec: str, typed: bool, psum_first: bool, shape: tuple = (2, 2), names: tuple = ("x", "y"), over: Any = "y"
+    spec: str, typed: bool, order: str, shape: tuple = (2, 2), names: tuple = ("x", "y"), over: Any = "y"
 ) -> list:
     """Training steps of shard_map(f) on a 2 x 2 mesh (or ``shape``), f a psum over y (or ``over``) and a node whose
     backward raises on one rank, after a step that marks the mesh (f communicates over part of it): each step's
@@ -337,16 +340,18 @@ def check_user_backward_failure_on_a_2d_mesh(
     for failing in (-1, 3, -1, -1, 1, -1, -1):
 
         def f(b):
-            if psum_first:
+            if order == ORDERS[0]:
+                return FailsInBackward.apply(cm.psum(b, over), failing) * 2
+            if order == ORDERS[1]:
                 return cm.psum(FailsInBackward.apply(b, failing), over) * 2
-            return FailsInBackward.apply(cm.psum(b, over), failing) * 2
+            return FailsInBackward.apply(b, failing) * 2
 
         g = cm.shard_map(f, mesh=m, in_specs=specs[spec], out_specs=specs[spec], check_vma=typed, timeout=10)
         start = time.perf_counter()
         try:
             g(x).pow(2).sum().backward()
             outcome = "ok"
-        except cm.CmapError as exc:  # naming the failing rank, as every rank's error in a guarded backward does
+        except cm.CmapError as exc:
             outcome = "CmapError" if f"group rank {failing} " not in str(exc) else "CmapError naming it"
         except ValueError as exc:
             outcome = "own" if rank == failing and "the user's backward failed" in str(exc) else repr(exc)
@@ -354,29 +359,19 @@ def check_user_backward_failure_on_a_2d_mesh(
     return seen
 
 
-@pytest.mark.parametrize("spec, typed, psum_first", MESH_BACKWARD_CASES)
-def test_a_failure_in_user_backward_on_a_2d_mesh_leaves_every_rank_in_step(worlds, spec, typed, psum_first):
-    """Where the backward of a shard_map on a mesh of several axes is not guarded, the failing rank raises its own
-    error, and a peer waiting for it a CmapError when the failing rank's next rounds meet it (the step after the
-    failure, on the ranks they meet), never the timeout; no process aborts (a peer's backward round that met a
-    later call's exit once gathered error details the exit never sends: gloo aborted on the sizes), and the step
-    after that runs on every rank. Where it is guarded, every rank raises a CmapError in the failing step, also
-    where a peer waits in f's psum over y for the failing rank (told by the failure's round on each axis's group),
-    and every other step runs."""
-    for rank, seen in enumerate(worlds(4).run(check_user_backward_failure_on_a_2d_mesh, spec, typed, psum_first)):
-        for (before, _, _), (failing, outcome, seconds) in zip([(-1, "", 0)] + seen, seen):
+@pytest.mark.parametrize("spec, typed, order", MESH_BACKWARD_CASES)
+def test_a_failure_in_user_backward_on_a_2d_mesh_is_every_rank_s_error_in_that_step(worlds, spec, typed, order):
+    """A shard_map's backward on a mesh of several axes is guarded whatever the blocks' groups: every rank raises a
+    CmapError naming the failing rank in the failing step, promptly, and every other step runs. The failure is
+    posted on each axis's group and the whole mesh's, so a peer waiting in f's psum over y, or in its blocks' Join
+    over x, is told; where every block entered over an axis, the guarded backward ends with a round over the whole
+    mesh, where a rank whose rounds met no failure meets it. (Before, such a backward was unguarded: the failing
+    rank raised its own error and went on, and a peer waiting for it on an axis waited for the timeout where the
+    failing rank's next call made its first round elsewhere, the group broken after.)"""
+    for rank, seen in enumerate(worlds(4).run(check_user_backward_failure_on_a_2d_mesh, spec, typed, order)):
+        for failing, outcome, seconds in seen:
             assert seconds < 10 / 3, (rank, seen)
-            outcome = "CmapError" if outcome.startswith("CmapError") and spec not in GUARDED_SPECS else outcome
-            if spec in GUARDED_SPECS:
-                assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
-            elif failing < 0 and before >= 0:  # the failing rank's next rounds meet its peers' backward: one step
-                assert outcome in ("ok", "CmapError"), (rank, seen)
-            elif failing < 0:
-                assert outcome == "ok", (rank, seen)
-            elif rank == failing:
-                assert outcome in ("own", "CmapError"), (rank, seen)
-            else:  # a peer whose backward met no round of the failing rank's finishes it
-                assert outcome in ("ok", "CmapError"), (rank, seen)
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
 
 
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
@@ -384,7 +379,7 @@ def test_a_failure_in_user_backward_reaches_a_peer_in_a_psum_over_an_axis_and_on
     """On a 2 x 1 x 2 mesh, blocks over the whole mesh (guarded), a psum over ('x', 'y') inside f: y has length one,
     so the psum runs on x's group, where the failure's round on each axis reaches a peer waiting in its transpose.
     Every rank raises the same CmapError in the failing step, and every other step runs."""
-    case = ("P(names)", typed, False, (2, 1, 2), ("x", "y", "z"), ("x", "y"))
+    case = ("P(names)", typed, ORDERS[0], (2, 1, 2), ("x", "y", "z"), ("x", "y"))
     for rank, seen in enumerate(worlds(4).run(check_user_backward_failure_on_a_2d_mesh, *case)):
         for failing, outcome, seconds in seen:
             assert seconds < 10 / 3, (rank, seen)

@@ -22,13 +22,13 @@ replicated value count once).
 """
 
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CmapError
 from ..nesting import gradients_tracked
-from ..torch_internals import outside_transforms
+from ..torch_internals import current_level, outside_transforms
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.link import FUSE_BYTES, Link
 from ..wire.roles import COPY, EVEN, FIRST, ONCE, Rows, is_rows, tensor_split_sizes
@@ -50,20 +50,29 @@ def cut(
     dim over every axis of a mesh of several, in mesh order, is cut by one ``Split`` over the whole mesh's group
     where that group holds the ranks row-major (the same blocks): its transpose, in backward, is one gather, not one
     per axis. So is a value split over every axis otherwise, into tiles of one shape, whose gradient is wanted: it is
-    copied into tile order first (:meth:`Tiles.stack`), so that its backward is one gather, not one per axis. The
-    call holds the copy and its Split's output until its guard takes the entries (its Split is one of them: the
-    rank's backward is guarded, and a failure there reaches a peer in a round on any of the mesh's groups)."""
+    copied into tile order first (:meth:`Tiles.stack`), so that its backward is one gather, not one per axis."""
     tiles = [_tiles_to_stack(v, p, view) for v, p in zip(values, places)]
     values = [v if t is None else t.stack(v) for v, t in zip(values, tiles)]
-    tag.held.extend(v for v, t in zip(values, tiles) if t is not None)  # the Split's input
     steps = [
         [Step(WHOLE, Rows(0, (1,) * len(view.whole.ranks)))] if t is not None else _cut_steps(v, p, view)
         for v, p, t in zip(values, places, tiles)
     ]
-    links = {**links, WHOLE: whole}
-    out = _run(values, steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
-    tag.held.extend(v for v, t in zip(out, tiles) if t is not None)  # the Split's output, before its squeeze
+    out = _run(values, steps, _holding_splits({**links, WHOLE: whole}, tag))
     return [v if t is None else v.squeeze(0) for v, t in zip(out, tiles)]
+
+
+def _holding_splits(links: Dict[str, Link], tag: CallTag) -> Callable[[str, Tuple[Any, ...], List[Any]], Any]:
+    """A step's ``Split`` on its axis, tagged as the call's entry; the call holds what it took and gave until the
+    guard takes the entries (the tag holds them weakly, and a copy in tile order, a chain's block between two axes
+    or a tile before its squeeze is held by nothing else): so the rank's backward is guarded."""
+
+    def apply(axis: str, roles: Tuple[Any, ...], xs: List[Any]) -> Any:
+        out = split(SplitSpec(links[axis], roles, tag), xs)
+        if current_level() is None:  # where a guard may take them (never a transform's wrappers: torch warns)
+            tag.held.extend(t for t in (*xs, *out) if isinstance(t, torch.Tensor))
+        return out
+
+    return apply
 
 
 def _tiles_to_stack(value: Any, place: Placement, view: Any) -> Optional["Tiles"]:
@@ -94,7 +103,7 @@ def cut_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[st
     steps = [
         [Step(a, COPY) for a in p.replicated] if isinstance(v, torch.Tensor) else [] for v, p in zip(values, places)
     ]
-    return _run(list(values), steps, lambda axis, roles, xs: split(SplitSpec(links[axis], roles, tag), xs))
+    return _run(list(values), steps, _holding_splits(links, tag))
 
 
 def assemble_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], what: str) -> List[Any]:

@@ -28,8 +28,10 @@ recomputed graph reaches the call's entry too.
 It guards only where nothing else owns the graph's boundary: ordinary autograd (no ``torch.func`` transform or
 forward-mode level around the call), a graph whose only ways out are the tagged nodes (the closure walk found no
 other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (for shard_map,
-the whole mesh's). Elsewhere the call's backward runs unguarded, as before. On a mesh of several axes a peer may wait
-in a round on one axis's group, so a failure is posted on each of them too (:func:`~.rounds.fan_out`)."""
+the whole mesh's or one of its axes'). Elsewhere the call's backward runs unguarded, as before. On a mesh of several
+axes a peer may wait in a round on one axis's group, so a failure is posted on each of them too
+(:func:`~.rounds.fan_out`); where no Split is on the whole mesh's group, a round there (``CLOSING``) ends the
+backward, so that a rank whose Joins met no failure meets it."""
 
 import contextlib
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -41,8 +43,10 @@ from . import rounds
 from .exchange import CallTag, Entry, JoinSpec, join
 from .link import Link
 from .roles import split_transpose
+from .rounds import Header, Kind
 
 WHAT = "the gradients of func's inputs"
+CLOSING = Header(kind=Kind.SYNC, digest=0x6A2D0003)  # the round on the whole mesh that ends a guarded backward there
 Replay = Callable[[], ContextManager[Any]]  # the context a recomputation of func (reentrant checkpointing) runs in
 
 
@@ -57,7 +61,8 @@ def guard(
     rounds = [e for e in entries or () if e.spec is not None]
     if link.group.pg is None or not rounds or not _plain_autograd():  # a Split's Join: the round a failure rides
         return flat
-    if any(e.spec.link.round_group.pg is not link.round_group.pg for e in rounds):
+    groups = [g.round_group.pg for g in (link, *axes)]  # a failure is posted on each of them
+    if any(all(e.spec.link.round_group.pg is not pg for pg in groups) for e in rounds):
         return flat
     picked = [i for i, v in enumerate(flat) if _guardable(v)]
     inputs = _inputs(entries)
@@ -96,6 +101,10 @@ class _Graph:
             replay,
         )
         self.boundary = any(o.requires_grad for e in entries for o in e.outputs)
+        # on a mesh whose Splits here are all on its axes' groups, a round on the whole mesh's ends the backward: a
+        # rank whose Joins met no failure meets it there (its peers posted it on every group of the mesh)
+        pg = link.round_group.pg
+        self.closing = bool(axes) and all(e.spec.link.round_group.pg is not pg for e in entries if e.spec is not None)
 
 
 def _inputs(entries: List[Entry]) -> List[torch.Tensor]:
@@ -194,6 +203,8 @@ class _Guard(torch.autograd.Function):
             if failure is not None:
                 rounds.raise_failures(rounds.failure_round(link, WHAT), failure, cause, link, posted=True)
             _transposes(graph, at)
+            if graph.closing:
+                rounds.raise_failures(rounds.checked_round(link, CLOSING, WHAT), None, None, link)
         return (None, *[at.get(id(x)) for x in graph.inputs])
 
 
