@@ -30,8 +30,8 @@ forward-mode level around the call), a graph whose only ways out are the tagged 
 other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (for shard_map,
 the whole mesh's or one of its axes'). Elsewhere the call's backward runs unguarded, as before. On a mesh of several
 axes a peer may wait in a round on one axis's group, so a failure is posted on each of them too
-(:func:`~.rounds.fan_out`); where no Split is on the whole mesh's group, a round there (``CLOSING``) ends the
-backward, so that a rank whose Joins met no failure meets it."""
+(:func:`~.rounds.fan_out`); where the Splits' Joins take no round on the whole mesh's group and none on some axis,
+a round on the whole mesh's (``CLOSING``) ends the backward, so that a rank whose Joins met no failure meets it."""
 
 import contextlib
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -101,10 +101,21 @@ class _Graph:
             replay,
         )
         self.boundary = any(o.requires_grad for e in entries for o in e.outputs)
-        # on a mesh whose Splits here are all on its axes' groups, a round on the whole mesh's ends the backward: a
-        # rank whose Joins met no failure meets it there (its peers posted it on every group of the mesh)
-        pg = link.round_group.pg
-        self.closing = bool(axes) and all(e.spec.link.round_group.pg is not pg for e in entries if e.spec is not None)
+        self.closing = _needs_closing(link, axes, entries)
+
+
+def _needs_closing(link: Link, axes: Sequence[Link], entries: List[Entry]) -> bool:
+    """Whether a round on the whole mesh must end the guarded backward: on a mesh of several axes, where the Splits'
+    Joins (every rank makes each, in one order) take no round on the whole mesh's group and none on some axis's longer
+    than one. Rounds on every axis reach every rank from a failing one (a rank that meets the failure posts it on
+    its other groups, where its peers' Joins still wait); rounds on some axes only leave ranks that never share a
+    group with a failing or told rank, which would finish while their peers' posts wait for them."""
+    if not axes:
+        return False
+    met = [e.spec.link.round_group.pg for e in entries if e.spec is not None]
+    if any(pg is link.round_group.pg for pg in met):
+        return False
+    return any(a.round_group.size > 1 and all(pg is not a.round_group.pg for pg in met) for a in axes)
 
 
 def _inputs(entries: List[Entry]) -> List[torch.Tensor]:
