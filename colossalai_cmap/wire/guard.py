@@ -34,6 +34,7 @@ axes a peer may wait in a round on one axis's group, so a failure is posted on e
 a round on the whole mesh's (``CLOSING``) ends the backward, so that a rank whose Joins met no failure meets it."""
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,7 +70,13 @@ def guard(
     if not picked or not inputs:
         return flat
     graph = _Graph(
-        link, tuple(axes), tag, tuple(flat[i] for i in picked), entries, inputs, replay or contextlib.nullcontext
+        link=link,
+        axes=tuple(axes),
+        tag=tag,
+        outs=tuple(flat[i] for i in picked),
+        entries=entries,
+        inputs=inputs,
+        replay=replay or contextlib.nullcontext,
     )
     outs = _Guard.apply(graph, *inputs)
     guarded = list(flat)
@@ -78,30 +85,25 @@ def guard(
     return guarded
 
 
+@dataclass(eq=False)
 class _Graph:
-    """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs."""
+    """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs; where it
+    runs (the call's link, a mesh's axes' links) and what a recomputation runs in. ``outs`` is let go (None) at the
+    end of an outer backward that did not retain its graph."""
 
-    def __init__(
-        self,
-        link: Link,
-        axes: Tuple[Link, ...],
-        tag: CallTag,
-        outs: tuple,
-        entries: List[Entry],
-        inputs: List[torch.Tensor],
-        replay: Replay,
-    ) -> None:
-        self.link, self.axes, self.tag, self.outs, self.entries, self.inputs, self.replay = (
-            link,
-            axes,
-            tag,
-            outs,
-            entries,
-            inputs,
-            replay,
-        )
-        self.boundary = any(o.requires_grad for e in entries for o in e.outputs)
-        self.closing = _needs_closing(link, axes, entries)
+    link: Link
+    axes: Tuple[Link, ...]
+    tag: CallTag
+    outs: Optional[tuple]
+    entries: List[Entry]
+    inputs: List[torch.Tensor]
+    replay: Replay
+    boundary: bool = field(init=False)  # a Split's output carries a gradient: func's graph has one to run
+    closing: bool = field(init=False)  # a round on the whole mesh ends the backward (:func:`_needs_closing`)
+
+    def __post_init__(self) -> None:
+        self.boundary = any(o.requires_grad for e in self.entries for o in e.outputs)
+        self.closing = _needs_closing(self.link, self.axes, self.entries)
 
 
 def _needs_closing(link: Link, axes: Sequence[Link], entries: List[Entry]) -> bool:
@@ -190,27 +192,27 @@ class _Guard(torch.autograd.Function):
         link = graph.link
         at: Dict[int, torch.Tensor] = {}
         failure = cause = None
-        try:
-            if graph.outs is None:
-                raise RuntimeError(
-                    "Trying to backward through the graph a second time; specify retain_graph=True the first time."
-                )
-            pairs = [(o, g) for o, g in zip(graph.outs, grads) if g is not None]
-            if pairs and graph.boundary:
-                with rounds.guarding(link, graph.axes), _catching(graph.tag) as caught, graph.replay():
-                    torch.autograd.backward(
-                        [o for o, _ in pairs],
-                        [g for _, g in pairs],
-                        retain_graph=True,  # the outer backward decides: let go at its end unless it retains
-                        create_graph=torch.is_grad_enabled(),
+        with rounds.guarding(link, graph.axes):  # a failure met in a round here fans out over the mesh's groups
+            try:
+                if graph.outs is None:
+                    raise RuntimeError(
+                        "Trying to backward through the graph a second time; specify retain_graph=True the first time."
                     )
-                at = {id(graph.entries[i].outputs[k]): g for (i, k), g in caught.items()}
-        except Exception as exc:
-            if rounds.was_told(exc, link):  # raised from a round: every rank raises it already
-                raise
-            failure, cause = link.group.failure(exc), exc
-        _let_go_unless_retained(ctx, graph)
-        with rounds.guarding(link, graph.axes):  # the boundary's rounds: a failure met there fans out too
+                pairs = [(o, g) for o, g in zip(graph.outs, grads) if g is not None]
+                if pairs and graph.boundary:
+                    with _catching(graph.tag) as caught, graph.replay():
+                        torch.autograd.backward(
+                            [o for o, _ in pairs],
+                            [g for _, g in pairs],
+                            retain_graph=True,  # the outer backward decides: let go at its end unless it retains
+                            create_graph=torch.is_grad_enabled(),
+                        )
+                    at = {id(graph.entries[i].outputs[k]): g for (i, k), g in caught.items()}
+            except Exception as exc:
+                if rounds.was_told(exc, link):  # raised from a round: every rank raises it already
+                    raise
+                failure, cause = link.group.failure(exc), exc
+            _let_go_unless_retained(ctx, graph)
             if failure is not None:
                 rounds.raise_failures(rounds.failure_round(link, WHAT), failure, cause, link, posted=True)
             _transposes(graph, at)
