@@ -582,11 +582,75 @@ def test_an_output_equal_along_one_axis_rides_in_the_whole_mesh_s_round(worlds, 
         # psum's round; the exit on the mesh psum marked: the axes' rounds and the whole mesh's, which carries it
         assert all(len(names) == 4 for names in seen["forward"]), seen["forward"]
         assert seen["grad"] and seen["second"] and seen["tangent"] and seen["unsharded"], seen
-        # backward as the assembly axis by axis had it: psum's transpose, the input's gradient gathered over the axis
-        # (untyped after its sum over the other axis); with types no sum over the other axis (the gradient is whole
-        # already), so the guard ends with a round over the whole mesh, where a rank whose Join over one axis met no
-        # failure meets it (untyped, the two axes' Joins reach every rank)
-        assert all(len(names) == 3 for names in seen["backward"]), seen["backward"]
+        # backward: psum's transpose, then the input's gradient; untyped summed over the other axis and gathered over
+        # the axis, typed (invariant along the other axis: no sum) gathered over the whole mesh from the ranks at
+        # coordinate 0 of the other axis, in one round that reaches every rank
+        want = 2 if check_vma else 3
+        assert all(len(names) == want for names in seen["backward"]), seen["backward"]
+
+
+INVARIANT_CASES = {  # label: mesh shape, axis names, the input's spec, its shape
+    "P(x) on 2 x 2": ((2, 2), ("x", "y"), cm.P("x"), (8, 6)),
+    "P(None, y) on 2 x 2": ((2, 2), ("x", "y"), cm.P(None, "y"), (6, 6)),
+    "P(x) on 2 x 2, uneven rows": ((2, 2), ("x", "y"), cm.P("x"), (5, 6)),
+    "P(z) on 2 x 1 x 2": ((2, 1, 2), ("x", "y", "z"), cm.P("z"), (8, 6)),
+    "P(x) on 2 x 2, 64 KiB blocks": ((2, 2), ("x", "y"), cm.P("x"), (8, 4096)),
+}
+
+
+def check_an_input_invariant_along_an_axis(case: str) -> Tuple[CaseSeen, Any]:
+    """Training steps of a typed ``shard_map(lambda b: b.sin() * b)`` on a float32 input whose spec splits it over
+    one axis, invariant along the others: the counted steady steps, whether the output and x.grad are the unsharded
+    function's bit for bit; a step where one rank's backward raised, each rank's error; and the bytes a rank sends
+    in a native gather of the blocks along the split axis."""
+    from shard_cases import mesh
+
+    shape, names, spec, size = INVARIANT_CASES[case]
+    failing: List[int] = []
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(t: torch.Tensor) -> torch.Tensor:
+            return t.view_as(t)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            if dist.get_rank() in failing:
+                raise ValueError("backward failed on purpose")
+            return grad
+
+    g = cm.shard_map(lambda b: Fails.apply(b.sin() * b), mesh=mesh(shape, names), in_specs=spec, out_specs=spec)
+    x = torch.randn(size, generator=torch.Generator().manual_seed(size[0]))
+    fwd, bwd, grad, ref_grad = count_training(g, lambda v: v.sin() * v, x)
+    exact = torch.equal(g(x), x.sin() * x) and torch.equal(grad, ref_grad)
+    failing.append(dist.get_world_size() - 1)
+    try:
+        g(x.clone().requires_grad_()).pow(2).sum().backward()
+        error = None
+    except cm.CmapError as exc:
+        error = str(exc)
+    return CaseSeen(fwd, bwd, exact, 0.0), error, x.numel() * 4 / 2
+
+
+@pytest.mark.parametrize("case", INVARIANT_CASES)
+def test_an_input_invariant_along_an_axis_takes_its_gradient_in_one_round(worlds, case):
+    """With types, an input split over some axes of a mesh and invariant along the others has one gradient, whose
+    blocks every rank along those axes holds alike: its transpose is one gather over the whole mesh, the ranks at
+    coordinate 0 of the other axes sending their rows and the others none. Backward is that one round (it reaches
+    every rank, so a failure in one rank's backward is every rank's CmapError in it); values and gradients are the
+    unsharded function's bit for bit. Where the empty slots of that gather would cost more than the byte budget
+    (64 KiB blocks), the gradient is gathered along the split axis, and a round over the whole mesh ends the
+    backward."""
+    for seen, error, native in worlds(4).run(check_an_input_invariant_along_an_axis, case, deadline=DEADLINE):
+        assert seen.exact, seen
+        want = ("all_gather_into_tensor",) * (2 if "KiB" in case else 1)
+        assert all(names == want for names in seen.backward.names), seen.backward
+        assert all(sent <= 1.1 * native + ALLOWANCE for sent in seen.backward.sent), (seen.backward.sent, native)
+        assert error is not None and "backward failed on purpose" in error and "group rank 3" in error, error
 
 
 def check_tiles_in_a_loop() -> Dict[str, Any]:

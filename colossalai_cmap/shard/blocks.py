@@ -5,7 +5,9 @@ value itself): no communication. Its transpose, in backward, is a ``Join`` per a
 block's gradients summed over the replicated axes, then gathered along the split ones, so each global input's
 ``.grad`` is the whole gradient, on every rank. A value split over every axis is cut by one ``Split`` over the
 whole mesh instead, where the whole mesh's group holds its blocks in rank order (or, for its gradient, a copy in
-tile order does, up to :data:`~colossalai_cmap.wire.link.FUSE_BYTES`), so that its transpose is one gather.
+tile order does, up to :data:`~colossalai_cmap.wire.link.FUSE_BYTES`), so that its transpose is one gather. So is a
+value split over some axes and invariant along the others (with types), where every rank holds a copy of the block
+at coordinate 0 of the others and only those send rows in the gather, while its empty slots cost little.
 
 Assembling is a ``Join`` per axis: along an axis the spec leaves out, the value at coordinate 0 of that axis (jax
 reads a replicated output from one device too: role ``EVEN``); then every block, gathered along the split axes. Its
@@ -31,6 +33,7 @@ from ..nesting import gradients_tracked
 from ..torch_internals import current_level, outside_transforms
 from ..wire.exchange import CallTag, JoinSpec, SplitSpec, join, requires_grad, split
 from ..wire.link import FUSE_BYTES, Link
+from ..wire.payload import costs_little
 from ..wire.roles import COPY, EVEN, FIRST, ONCE, Rows, is_rows, tensor_split_sizes
 from ..wire.rounds import Kind
 from .specs import OffGrid, Placement, Step
@@ -94,7 +97,47 @@ def _cut_steps(value: Any, place: Placement, view: Any) -> List[Step]:
     dim = place.dim_over(view.names) if len(view.names) > 1 and view.row_major() else None
     if dim is not None:
         return [Step(WHOLE, Rows(dim, tensor_split_sizes(value.shape[dim], len(view.whole.ranks))))]
+    copies = _copied_rows(value, place, view)
+    if copies is not None:
+        return [Step(WHOLE, copies)]
     return place.cut_steps(value.shape, view.sizes, view.coords)
+
+
+def _copied_rows(value: torch.Tensor, place: Placement, view: Any) -> Optional[Rows]:
+    """The rows of a value split along one dim over some axes of a mesh, in mesh order, and invariant along the
+    others (with types: no axis is replicated): cut by one ``Split`` over the whole mesh's group, each rank holding
+    a copy of the block at coordinate 0 of the other axes (:class:`~colossalai_cmap.wire.roles.Rows`' ``source``).
+    Its transpose is one gather over the whole mesh, the ranks at coordinate 0 sending their rows (in whole-group
+    order, the split axes' order, row-major) and the others none, as the exit gathers :class:`Copies`: one round,
+    where a gather along the split axes leaves ranks that share no group with a failing rank (so the guard ends it
+    with a round over the whole mesh). Only while the others' empty slots in that gather cost little
+    (:func:`~colossalai_cmap.wire.payload.costs_little`): small blocks, or few copies."""
+    if len(view.names) < 2 or place.replicated or len(place.split) != 1 or not view.row_major():
+        return None
+    dim, axes = place.split[0]
+    others = [a for a in view.names if a not in axes]
+    if not others or list(axes) != [a for a in view.names if a in axes]:
+        return None
+    blocks = tensor_split_sizes(value.shape[dim], math.prod(view.sizes[a] for a in axes))
+    slot = max(blocks) * (value.numel() // max(value.shape[dim], 1)) * value.element_size()  # one rank's rows' bytes
+    if not costs_little((len(view.whole.ranks) - 1) * slot, (len(blocks) - 1) * slot):  # the copies' empty slots
+        return None
+    sizes, source = [], []
+    for coords in _row_major(view):
+        index = 0
+        for a in axes:
+            index = index * view.sizes[a] + coords[a]
+        sizes.append(blocks[index] if all(coords[a] == 0 for a in others) else 0)
+        source.append(view.whole_rank({**coords, **{a: 0 for a in others}}))
+    return Rows(dim, tuple(sizes), tuple(source))
+
+
+def _row_major(view: Any) -> List[Dict[str, int]]:
+    """Every rank's coordinates, in the mesh's row-major order."""
+    out: List[Dict[str, int]] = [{}]
+    for a in view.names:
+        out = [{**c, a: j} for c in out for j in range(view.sizes[a])]
+    return out
 
 
 def cut_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], tag: CallTag) -> List[Any]:
@@ -295,5 +338,6 @@ def _run(values: List[Any], steps: List[List[Step]], apply: Any) -> List[Any]:
 
 
 def _lengths_of(step: Step) -> Any:
-    """Every rank's block length along the step's axis; None for a value that is not split along it."""
-    return step.role.sizes if is_rows(step.role) else None
+    """Every rank's block length along the step's axis (and whose copy each rank holds); None for a value that is
+    not split along it."""
+    return (step.role.sizes, step.role.source) if is_rows(step.role) else None

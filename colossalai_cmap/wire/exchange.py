@@ -41,7 +41,6 @@ from .roles import (
     SHARE,
     Role,
     Rows,
-    first_row,
     gather_padded,
     is_rows,
     join_transpose,
@@ -178,8 +177,8 @@ def local_transpose(spec: SplitSpec, role: Role, grad: torch.Tensor) -> torch.Te
     """A Split's transpose on this rank alone: the identity, or for rows this rank's rows in zeros of the whole."""
     if not is_rows(role):
         return grad
-    rank, sizes = spec.link.group.rank, role.sizes
-    before, after = first_row(sizes, rank), sum(sizes[rank + 1 :])
+    before, n = role.held(spec.link.group.rank)
+    after = sum(role.sizes) - before - n
     parts = [
         grad.new_zeros(_with(grad.shape, role.dim, before)),
         grad,
@@ -200,7 +199,7 @@ def split_values(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torc
     out = []
     for role, t in zip(spec.roles, tensors):
         if is_rows(role):
-            out.append(t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank]))
+            out.append(t.narrow(role.dim, *role.held(rank)))
         elif role == FIRST and rank != 0:
             out.append(torch.zeros_like(t))
         elif role in (FRACTION, SHARE):
@@ -219,6 +218,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         return spec.known
     if not spec.link.wired:  # alone: every value is already global, and a round would agree with itself
         return tuple(tensors)
+    tensors = _sent(spec, tensors)
     if not spec.checked:
         return tuple(_round_free(spec, role, t) for role, t in zip(spec.roles, tensors))
     if any(r in _TRAVELS_AS for r in spec.roles):
@@ -262,6 +262,14 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         # exchanges leave it: a training step's forward stays early where its backward's data has another shape)
         ch.last_data = data_phase.early_shape(prep, link, spec.dst) if prep is not None else None
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
+
+
+def _sent(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """What this rank sends of each tensor: a copy of another rank's rows sends none (:class:`~.roles.Rows`)."""
+    rank = spec.link.group.rank
+    if all(not is_rows(r) or r.sends(rank) for r in spec.roles):
+        return tensors
+    return [t if not is_rows(r) or r.sends(rank) else t.narrow(r.dim, 0, 0) for r, t in zip(spec.roles, tensors)]
 
 
 def _round_free(spec: JoinSpec, role: Role, x: torch.Tensor) -> torch.Tensor:

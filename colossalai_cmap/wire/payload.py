@@ -141,6 +141,12 @@ def may_grow(items: Sequence[Item], p: int, largest: int, dst: int) -> bool:
             own += 2 * (p - 1) / p * n
         else:  # rank 0's value, from the gather
             own += (p - 1) * n
+    return costs_little(fused, own)
+
+
+def costs_little(fused: float, own: float) -> bool:
+    """Whether sending ``fused`` bytes per rank instead of ``own`` (the data's own collective's) is within the budget:
+    1.1 times ``own`` plus 16 KiB."""
     return fused <= 1.1 * own + _SLACK_BYTES
 
 

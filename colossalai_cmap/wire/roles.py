@@ -8,7 +8,8 @@ global ones, with one exchange. Role by role, each is the other's transpose, so 
 =========  =====================================  ==========================================
 role       Split (global -> per rank)           Join (per rank -> global)
 =========  =====================================  ==========================================
-Rows       this rank's rows (``narrow``)          every rank's rows, in order (all-gather)
+Rows       this rank's rows (``narrow``)          every rank's rows, in order (all-gather); of
+                                                  copies (``source``), one copy of each block
 COPY       the value itself                       the sum over ranks
 KEEP       the value itself                       the value itself (no sum: a per-rank value)
 FIRST      the value on rank 0, zeros elsewhere   rank 0's value
@@ -42,14 +43,27 @@ class Rows(NamedTuple):
     """Rows along ``dim``; rank r holds ``sizes[r]`` of them, starting at ``first_row(sizes, r)``.
 
     ``sizes`` is None at a call's exit with ``src="local"``: the round's table gives each rank's row count.
+    ``source``: where several ranks hold copies of one block (a typed block invariant along a mesh axis), for each
+    rank the rank whose rows it holds; only a rank holding its own sends them in a Join (the others none: ``sizes``
+    counts what each sends), so a Join of copies is the gather of one copy of each block.
     """
 
     dim: int
     sizes: Optional[Tuple[int, ...]]
+    source: Optional[Tuple[int, ...]] = None
 
     def shifted(self) -> "Rows":
         """The same rows of a tensor with a new leading (vmap) dim."""
-        return Rows(self.dim + 1, self.sizes)
+        return self._replace(dim=self.dim + 1)
+
+    def held(self, rank: int) -> Tuple[int, int]:
+        """Where the rows rank ``rank`` holds start in the whole, and how many there are."""
+        owner = rank if self.source is None else self.source[rank]
+        return first_row(self.sizes, owner), self.sizes[owner]
+
+    def sends(self, rank: int) -> bool:
+        """Whether rank ``rank``'s rows travel in a Join: they are its own, not a copy of another rank's."""
+        return self.source is None or self.source[rank] == rank
 
 
 def tensor_split_sizes(n: int, parts: int) -> Tuple[int, ...]:

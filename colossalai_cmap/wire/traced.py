@@ -28,7 +28,6 @@ from .roles import (
     MAX,
     MIN,
     Role,
-    first_row,
     gather_padded,
     is_rows,
     join_transpose,
@@ -45,9 +44,9 @@ def move(way: str, role: Role, t: torch.Tensor, pg: Any, rank: int) -> torch.Ten
     if is_rows(role):
         if way == JOIN:
             size = len(role.sizes)
-            rows = t.movedim(role.dim, 0)
+            rows = t.movedim(role.dim, 0).narrow(0, 0, role.sizes[rank])  # a copy of another rank's rows sends none
             return gather_padded(rows, role.sizes, lambda p: functional_all_gather_op(p, size, pg)).movedim(0, role.dim)
-        return t.narrow(role.dim, first_row(role.sizes, rank), role.sizes[rank])
+        return t.narrow(role.dim, *role.held(rank))
     if way == JOIN and role in _REDUCE_OPS:
         return functional_all_reduce(t.contiguous(), _REDUCE_OPS[role], pg)
     if way == JOIN and role == FIRST:  # rank 0's value, on every rank
