@@ -504,6 +504,64 @@ def test_an_all_gather_inside_f_sends_its_rows_with_its_round(worlds, P, D, type
         assert sent <= 2 * (1.1 * native + ALLOWANCE), (names, sent, native)
 
 
+def check_data_ops_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, float]:
+    """Training steps of ``shard_map(f)`` on a mesh of the world, f a tiled ``psum_scatter``, ``all_to_all`` or a
+    ring ``ppermute`` of its block's sine, on (2 P^2, D) float64: the counted steady steps, whether the output and
+    x.grad are the unsharded function's (to the sums' rounding), and the largest relative difference."""
+    from shard_cases import mesh
+
+    size = dist.get_world_size()
+    line = mesh((size,), ("i",))
+    x = torch.rand(2 * size * size, D, dtype=torch.float64, generator=torch.Generator().manual_seed(D)) + 0.1
+    blocks = lambda v: v.sin().view(size, size, 2, D)  # noqa: E731  [rank, chunk, rows, D]: sines > 0
+    if op == "psum_scatter":
+        f = lambda b: cm.psum_scatter(b.sin(), "i", tiled=True)  # noqa: E731
+        want = lambda v: blocks(v).sum(0).reshape(-1, D)  # noqa: E731
+    elif op == "all_to_all":
+        f = lambda b: cm.all_to_all(b.sin(), "i", 0, 0, tiled=True)  # noqa: E731
+        want = lambda v: blocks(v).transpose(0, 1).reshape(-1, D)  # noqa: E731
+    else:
+        f = lambda b: cm.ppermute(b.sin(), "i", [(i, (i + 1) % size) for i in range(size)])  # noqa: E731
+        want = lambda v: blocks(v).roll(1, 0).reshape(-1, D)  # noqa: E731
+    g = cm.shard_map(f, mesh=line, in_specs=cm.P("i"), out_specs=cm.P("i"), check_vma=typed)
+    fwd, bwd, grad, ref_grad = count_training(g, want, x)
+    error = max(
+        ((g(x) - want(x)).abs() / want(x).abs()).max().item(), ((grad - ref_grad).abs() / ref_grad.abs()).max().item()
+    )
+    return CaseSeen(fwd, bwd, True, error), 0.0
+
+
+DATA_OPS = ("psum_scatter", "all_to_all", "ppermute")
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+@pytest.mark.parametrize("op", DATA_OPS)
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_small_data_op_inside_f_sends_its_data_with_its_round(worlds, P, op, typed):
+    """A small ``psum_scatter``, ``all_to_all`` or ``ppermute`` inside f sends its data in its status round (every
+    rank's, where that costs little more bytes than its own collective): a steady step's forward is that round and
+    the exit's, its backward the op's transpose and the input's gradient, one collective each. Values and gradients
+    are the unsharded function's, to the rounding of sums over P ranks."""
+    seen, _ = worlds(P).run(check_data_ops_inside_f, op, 4, typed, deadline=DEADLINE)[0]
+    assert seen.grad_error <= 4 * P * torch.finfo(torch.float64).eps, seen.grad_error
+    assert all(names == ("all_gather_into_tensor",) * 2 for names in seen.forward.names), seen.forward
+    assert all(names == ("all_gather_into_tensor",) * 2 for names in seen.backward.names), seen.backward
+
+
+@pytest.mark.parametrize("op", DATA_OPS)
+def test_a_large_data_op_inside_f_takes_its_own_collective(worlds, op):
+    """Past that (at P = 3, blocks of 192 KiB), the op's status round and then its native collective, whose bytes
+    are the native algorithm's. (At P = 2 a ppermute's round sends what its own collective would: it rides.)"""
+    native = {
+        "psum_scatter": "reduce_scatter_tensor",
+        "all_to_all": "all_to_all_single",
+        "ppermute": "all_to_all_single",
+    }
+    seen, _ = worlds(3).run(check_data_ops_inside_f, op, 4096, True, deadline=DEADLINE)[0]
+    assert seen.grad_error <= 12 * torch.finfo(torch.float64).eps, seen.grad_error
+    assert all(native[op] in names and len(names) == 3 for names in seen.forward.names), seen.forward
+
+
 MESH_CASES = (
     "2-D mesh, rows over (x, y)",
     "2-D mesh, rows over (y, x)",

@@ -8,7 +8,7 @@ docs/collectives.md.
 """
 
 import functools
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 
@@ -139,9 +139,19 @@ def gather_rows(frame: AxisFrame, rows: torch.Tensor, rule: AxisRule, name: str,
 
 
 def _spec(
-    frame: AxisFrame, rule: AxisRule, name: str, dim: int, sizes: Tuple[int, ...], recv: Tuple[int, ...] = ()
+    frame: AxisFrame,
+    rule: AxisRule,
+    name: str,
+    dim: int,
+    sizes: Tuple[int, ...],
+    recv: Tuple[int, ...] = (),
+    sent: Tuple[Tuple[int, ...], ...] = (),
 ) -> Any:
-    return NativeSpec(frame.link, dim, sizes, rule.label(name), Kind.OP, recv)
+    return NativeSpec(frame.link, dim, sizes, rule.label(name), Kind.OP, recv, sent=sent)
+
+
+def _rows(table: List[List[int]]) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(r) for r in table)
 
 
 # ------------------------------------------------------------------------------------ eager: per-example parts
@@ -195,7 +205,8 @@ def a2a_rows(
     else:
         offsets = first_rows(sizes)
         send = torch.cat([four.narrow(1, o, k).flatten(0, 1) for o, k in zip(offsets, sizes)])
-        spec = _spec(frame, rule, name, 0, tuple(n * k for k in sizes), tuple(k * n for k in sizes))
+        every = tuple(tuple(a * k for k in sizes) for a in sizes)  # rank r sends each rank its examples' chunks
+        spec = _spec(frame, rule, name, 0, tuple(n * k for k in sizes), tuple(k * n for k in sizes), every)
         got = wire_native.run(rule.collective, spec, send).unflatten(0, (B, n))  # [source example, my example]
     return got.transpose(0, 1).flatten(1, 2).movedim(1, d + 1)  # (n, B * chunk along d, ...)
 
@@ -217,7 +228,10 @@ def permute_rows(
     if _alone(frame):
         received = send
     else:
-        spec = _spec(frame, rule, name, 0, tuple(len(p) for p in sent), tuple(len(p) for p in got))
+        every = [[0] * len(sizes) for _ in sizes]  # rows from each rank to each, alike on every rank
+        for s, j in pairs:
+            every[owner[s]][owner[j]] += 1
+        spec = _spec(frame, rule, name, 0, tuple(len(p) for p in sent), tuple(len(p) for p in got), _rows(every))
         received = wire_native.run(rule.collective, spec, send)
     where = index_table(tuple(j for part in got for j in part), rows.device)
     return rows.new_zeros(rows.shape).index_copy(0, where, received)
@@ -278,7 +292,8 @@ def a2a_on_ranks(
             starts = first_rows(lengths)
             picks = tuple(k for i in by_rank for k in range(starts[i], starts[i] + lengths[i]))
             rows = rows.index_select(0, index_table(picks, rows.device))
-        spec = NativeSpec(joint.link, 0, tuple(lengths[i] for i in by_rank), what, Kind.OP, (mine,) * size)
+        sizes = tuple(lengths[i] for i in by_rank)  # every member sends the same lengths
+        spec = NativeSpec(joint.link, 0, sizes, what, Kind.OP, (mine,) * size, sent=(sizes,) * size)
         got = wire_native.run(wire_native.AllToAll, spec, rows)  # from each group rank, its chunk for this member
     parts = got.unflatten(0, (size, mine))  # [source, chunk, the other dims]
     if not _in_order(joint):
@@ -304,7 +319,11 @@ def permute_on_ranks(joint: Joint, x: torch.Tensor, sources: Tuple[int, ...], wh
     if joint.link.group.size == 1:
         received = send
     else:
-        spec = NativeSpec(joint.link, 0, tuple(send_to), what, Kind.OP, tuple(came_from))
+        every = [[0] * size for _ in range(size)]  # rows from each group rank to each, alike on every rank
+        for j, src in enumerate(sources):
+            if src >= 0:
+                every[joint.ranks[src]][joint.ranks[j]] = 1
+        spec = NativeSpec(joint.link, 0, tuple(send_to), what, Kind.OP, tuple(came_from), sent=_rows(every))
         received = wire_native.run(wire_native.AllToAll, spec, send)
     # zeros with the received row copied in: this rank's graph reaches the all-to-all even with no source, so that
     # its backward meets every peer's

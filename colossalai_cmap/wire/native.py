@@ -17,9 +17,13 @@ Collective          this rank's result                              native colle
                                                                     round                         derivative)
 ==================  ==============================================  ============================  ==================
 
-With ``checked=True`` (cmap's own exchanges) each is one status round of a fixed, small size (:mod:`.rounds`: a
-peer that failed or left meets this rank there, and every rank raises together), then the native collective on the
-data: only the rows the destination needs move. With ``checked=False`` (Megatron's sequence parallelism, in
+With ``checked=True`` (cmap's own exchanges) each is one status round (:mod:`.rounds`: a peer that failed or left
+meets this rank there, and every rank raises together), then the native collective on the data: only the rows the
+destination needs move. Small data rides in the round instead, which is an all-gather, as a ``Join``'s
+(:func:`~.exchange.join_values`): one collective. An all-gather's rows always may; a reduce-scatter's whole value (a
+sum's ``Join``, this rank's rows cut) and an all-to-all's (every rank's rows, where every rank knows every rank's
+row counts, ``sent``) while the round's bytes cost little more than the native collective's
+(:func:`~.payload.costs_little`), on a group whose rounds carry data. With ``checked=False`` (Megatron's sequence parallelism, in
 ``shard_model``) the collective runs alone, as Megatron's, and so does its transpose. Megatron's *f* and *g* are
 ``Split`` and ``Join`` of role ``COPY`` with ``checked=False`` (:mod:`.exchange`). Uneven row counts are padded to
 the largest for the first two (gloo needs equal sizes: :func:`~.roles.gather_padded`,
@@ -28,6 +32,7 @@ the largest for the first two (gloo needs equal sizes: :func:`~.roles.gather_pad
 rides along as a data dim after ``dim``).
 """
 
+import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -37,7 +42,8 @@ from ..digests import digest
 from . import comm, rounds
 from .exchange import JoinSpec, all_reduce, join_values, through
 from .link import Link
-from .roles import COPY, Rows, scatter_padded
+from .payload import costs_little
+from .roles import COPY, Rows, first_row, first_rows, scatter_padded
 from .rounds import Header, Kind, Status
 from .traced import traced_join, traced_split
 
@@ -57,6 +63,8 @@ class NativeSpec(NamedTuple):
     recv: Tuple[int, ...] = ()
     checked: bool = True  # a status round first; False: the collective alone, as Megatron's sequence parallelism
     collective: str = ""  # which :class:`Collective` (:func:`run` sets it)
+    sent: Tuple[Tuple[int, ...], ...] = ()  # an all-to-all's row counts from every rank to each, where every rank
+    # knows them (from the op's arguments): then, small, every rank's rows can ride in its round
 
     def rule(self) -> "Collective":
         return _COLLECTIVES[self.collective]
@@ -65,7 +73,9 @@ class NativeSpec(NamedTuple):
         """The spec of this collective's transpose, met in backward."""
         rule = self.rule()
         spec = self._replace(collective=rule.transpose, kind=Kind.SYNC)
-        return spec._replace(sizes=self.recv, recv=self.sizes) if rule.swaps else spec
+        if not rule.swaps:
+            return spec
+        return spec._replace(sizes=self.recv, recv=self.sizes, sent=tuple(zip(*self.sent)))
 
 
 def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
@@ -93,19 +103,27 @@ def _back(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x if dim == 0 else x.movedim(0, dim)
 
 
-def _meet_and(move: Callable[["NativeSpec", torch.Tensor], torch.Tensor], name: str) -> Any:
-    """``move`` after the spec's status round (none with ``checked=False``)."""
+def _rides(spec: "NativeSpec", x: torch.Tensor, fused_rows: int, own_rows: int) -> bool:
+    """Whether the data may ride in the status round, an all-gather of ``fused_rows`` rows from each rank, where its
+    own collective sends ``own_rows`` (the most any rank sends): small data, where the round costs little more bytes
+    (:func:`~.payload.costs_little`), on a group whose rounds carry data (not a host plane's). Alike on every rank,
+    which knows every rank's row counts."""
+    if not spec.checked or spec.link.host is not None:
+        return False
+    row = x.element_size() * math.prod(n for d, n in enumerate(x.shape) if d != spec.dim)  # alike on every rank
+    return costs_little((spec.link.group.size - 1) * fused_rows * row, own_rows * row)
 
-    def plain(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        (x,) = tensors
-        if spec.checked:
-            _meet(spec, x, name)
-        return move(spec, x)
 
-    return plain
-
-
-def _reduce_scatter(spec: "NativeSpec", x: torch.Tensor) -> torch.Tensor:
+def _reduce_scatter(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """This rank's rows of the sum. Small, it is a ``Join`` of the sum (psum's), whose round carries it, then this
+    rank's rows cut: one collective, the status with the data; else the status round, then the reduce-scatter."""
+    (x,) = tensors
+    sizes, rank = spec.sizes, spec.link.group.rank
+    if _rides(spec, x, sum(sizes), sum(sizes) - min(sizes)):
+        (total,) = join_values(JoinSpec(spec.link, (COPY,), spec.what, kind=spec.kind), [x])
+        return total.narrow(spec.dim, first_row(sizes, rank), sizes[rank])
+    if spec.checked:
+        _meet(spec, x, "reduce_scatter")
     link, what = spec.link, f"reduce_scatter ({spec.what})"
 
     def reduce_scatter(rows: torch.Tensor) -> torch.Tensor:
@@ -124,9 +142,22 @@ def _all_gather(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Te
     return join_values(JoinSpec(spec.link, (rows,), spec.what, kind=spec.kind, checked=spec.checked), tensors)[0]
 
 
-def _all_to_all(spec: "NativeSpec", x: torch.Tensor) -> torch.Tensor:
+def _all_to_all(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """From each rank, the rows it sent this rank, in rank order. Small, where every rank knows what every rank sends
+    (``sent``), every rank's rows are a ``Join``'s, whose round carries them, and this rank's are cut from each: one
+    collective; else the status round, then the all-to-all."""
+    (x,) = tensors
     link = spec.link
     rows = _first(x, spec.dim)
+    if spec.sent:
+        totals = tuple(sum(s) for s in spec.sent)
+        if _rides(spec, x, max(totals), max(t - s[r] for r, (t, s) in enumerate(zip(totals, spec.sent)))):
+            (every,) = join_values(JoinSpec(link, (Rows(0, totals),), spec.what, kind=spec.kind), [rows])
+            me, starts = link.group.rank, first_rows(totals)
+            parts = [every.narrow(0, starts[r] + first_row(s, me), s[me]) for r, s in enumerate(spec.sent)]
+            return _back(torch.cat(parts), spec.dim)
+    if spec.checked:
+        _meet(spec, x, "all_to_all")
     out = rows.new_empty((sum(spec.recv), *rows.shape[1:]))
     splits = (list(spec.recv), list(spec.sizes))
     comm.all_to_all_into(out, rows, splits, link.group, link.call, link.timeout, what=f"all_to_all ({spec.what})")
@@ -152,9 +183,9 @@ class Collective(NamedTuple):
     traced: Optional[Callable[..., torch.Tensor]] = None
 
 
-ReduceScatter = Collective("reduce_scatter", _meet_and(_reduce_scatter, "reduce_scatter"), "all_gather")
+ReduceScatter = Collective("reduce_scatter", _reduce_scatter, "all_gather")
 AllGather = Collective("all_gather", _all_gather, "reduce_scatter", traced=_all_gather_traced)
-AllToAll = Collective("all_to_all", _meet_and(_all_to_all, "all_to_all"), "all_to_all", swaps=True)
+AllToAll = Collective("all_to_all", _all_to_all, "all_to_all", swaps=True)
 _COLLECTIVES = {c.name: c for c in (ReduceScatter, AllGather, AllToAll)}
 
 
