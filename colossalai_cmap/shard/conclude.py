@@ -3,7 +3,8 @@
 While ``f`` runs, a rank may wait in a collective over one mesh axis, so its peers along that axis are the ones who must
 tell it. Once a call on the mesh has taken a round on part of it inside ``f`` (announced on the whole mesh,
 :func:`~colossalai_cmap.wire.rounds.within_mesh`, so every rank knows), the exit is therefore a status round on each
-axis's group and one on the whole mesh's group, all in flight together; until then, and on a mesh of one axis, it is the
+axis's group (and on each group of several axes ``f`` took a round on, on a mesh of three or more) and one on the
+whole mesh's group, all in flight together; until then, and on a mesh of one axis, it is the
 whole mesh's round alone. A rank that failed posts its failure in every round; a peer waiting in a collective on that
 axis sees it, gives the collective up, and comes to the exit too. Every rank goes through the same rounds in the same
 order, and the last one, over the whole mesh, tells every rank every failure; it also carries every rank's output block
@@ -117,8 +118,11 @@ def conclude(
     those outputs too (differentiably: the backward of each is the cut of each rank's rows), unless a rank's carried
     blocks differ in length: then a second round sends every rank's block lengths, and nothing comes back gathered."""
     axes = [links[n] for n in view.names if links[n].group.pg is not whole.group.pg]
-    if not rounds.parts_in_func(whole, [links[n] for n in view.names]):
+    parts = rounds.parts_in_func(whole, [links[n] for n in view.names])
+    if parts is None:
         axes = []  # no rank can be waiting in a round on an axis: the whole mesh's round tells every rank
+    else:
+        axes += parts  # and on several axes of a mesh of three or more, or a nested call's group
     if outcome.failed is not None:
         raise_failed(whole, outcome.failed, along=axes)
     exit_ = Exit(

@@ -9,7 +9,7 @@ gives every group one, so that the layout GPUs take runs on CPU too.
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,9 +59,11 @@ class GroupState:
             exit carried, by the outputs' layout digest), kept alike on every rank so that a steady exit knows the
             lengths before its round and can send its data right behind it.
         parts_in_func: the meshes over this group (each by its axes' groups) where a map call has taken a round on
-            part of the mesh (an axis's group, or several axes') while its ``f`` ran. A mesh is added by a round on
-            this group that every rank passes (:func:`~colossalai_cmap.wire.rounds.within_mesh`), so alike on every
-            rank; from then on, its exits take a round on each axis's group with the whole mesh's.
+            part of the mesh (an axis's group, several axes', a nested call's) while its ``f`` ran, each with the
+            links of the parts that are not one axis's group (this rank's group of several axes, in the order first
+            met). A mesh or a part is added by a round on this group that every rank passes
+            (:func:`~colossalai_cmap.wire.rounds.within_mesh`), so alike on every rank; from then on, its exits take
+            a round on each axis's group and on each such part with the whole mesh's.
     """
 
     group: Group
@@ -72,7 +74,7 @@ class GroupState:
     host: Optional[Group] = None
     sources: Dict[Any, Any] = field(default_factory=dict)
     exits: Dict[Any, Tuple[int, ...]] = field(default_factory=dict)
-    parts_in_func: Set[Tuple[Any, ...]] = field(default_factory=set)
+    parts_in_func: Dict[Tuple[Any, ...], List[Any]] = field(default_factory=dict)
 
 
 _STATES: Dict[int, Tuple[Any, GroupState]] = {}  # id(pg) -> (pg, state): the pg kept alive, so ids are not reused

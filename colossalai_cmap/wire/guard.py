@@ -29,8 +29,8 @@ It guards only where nothing else owns the graph's boundary: ordinary autograd (
 forward-mode level around the call), a graph whose only ways out are the tagged nodes (the closure walk found no
 other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (for shard_map,
 the whole mesh's or one of its axes'). Elsewhere the call's backward runs unguarded, as before. On a mesh of several
-axes a peer may wait in a round on one axis's group, so a failure is posted on each of them too
-(:func:`~.rounds.fan_out`); where the Splits' Joins take no round on the whole mesh's group and none on some axis,
+axes a peer may wait in a round on one axis's group (or, on a mesh of three or more, on a group of several axes that
+func took a round on), so a failure is posted on each of them too (:func:`~.rounds.fan_out`); where the Splits' Joins take no round on the whole mesh's group and none on some axis,
 a round on the whole mesh's (``CLOSING``) ends the backward, so that a rank whose Joins met no failure meets it."""
 
 import contextlib
@@ -59,11 +59,11 @@ def guard(
     ``replay`` is the context func ran in (its modules' aliases): a recomputation in that backward runs in it.
     ``axes``: a mesh's axes' links, where ``link`` is its whole group's (a failure is posted on each of them too)."""
     entries = tag.take_entries()
-    rounds = [e for e in entries or () if e.spec is not None]
-    if link.group.pg is None or not rounds or not _plain_autograd():  # a Split's Join: the round a failure rides
+    splits = [e for e in entries or () if e.spec is not None]
+    if link.group.pg is None or not splits or not _plain_autograd():  # a Split's Join: the round a failure rides
         return flat
-    groups = [g.round_group.pg for g in (link, *axes)]  # a failure is posted on each of them
-    if any(all(e.spec.link.round_group.pg is not pg for pg in groups) for e in rounds):
+    groups = [g.round_group.pg for g in (link, *axes)]  # the Splits' Joins must take one of them
+    if any(all(e.spec.link.round_group.pg is not pg for pg in groups) for e in splits):
         return flat
     picked = [i for i, v in enumerate(flat) if _guardable(v)]
     inputs = _inputs(entries)
@@ -72,6 +72,7 @@ def guard(
     graph = _Graph(
         link=link,
         axes=tuple(axes),
+        parts=(rounds.parts_in_func(link, axes) or ()) if axes else (),
         tag=tag,
         outs=tuple(flat[i] for i in picked),
         entries=entries,
@@ -88,11 +89,13 @@ def guard(
 @dataclass(eq=False)
 class _Graph:
     """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs; where it
-    runs (the call's link, a mesh's axes' links) and what a recomputation runs in. ``outs`` is let go (None) at the
+    runs (the call's link, a mesh's axes' links, and the links of the groups of several axes func took a round on)
+    and what a recomputation runs in. ``outs`` is let go (None) at the
     end of an outer backward that did not retain its graph."""
 
     link: Link
     axes: Tuple[Link, ...]
+    parts: Tuple[Link, ...]  # f's groups of several axes (a mesh of three or more): a failure is posted there too
     tag: CallTag
     outs: Optional[tuple]
     entries: List[Entry]
@@ -192,7 +195,7 @@ class _Guard(torch.autograd.Function):
         link = graph.link
         at: Dict[int, torch.Tensor] = {}
         failure = cause = None
-        with rounds.guarding(link, graph.axes):  # a failure met in a round here fans out over the mesh's groups
+        with rounds.guarding(link, graph.axes + graph.parts):  # a failure met in a round here fans out over them
             try:
                 if graph.outs is None:
                     raise RuntimeError(

@@ -223,8 +223,10 @@ def within_mesh(whole: Link, axes: Sequence[Link]) -> Iterator[None]:
 
     A rank waiting in a round on part of the mesh is told of a peer's failure only by a round on that part. Until a
     mesh is marked, no rank can be waiting in one (its announcement needs every rank), so the exit is one round on the
-    whole mesh's group; once it is marked, the exit takes a round on each axis's group too, and f's rounds on parts
-    of the mesh need no announcement."""
+    whole mesh's group; once it is marked, the exit takes a round on each axis's group too, and f's rounds on the
+    axes need no announcement. A part that is not one axis's group (several axes of a mesh of three or more, a
+    nested call's group) is announced the first time too, and noted with the mesh: the exit takes a round there as
+    well."""
     meshes = getattr(_WITHIN, "meshes", ())
     _WITHIN.meshes = meshes + ((whole, _mesh_key(axes)),)
     try:
@@ -233,9 +235,14 @@ def within_mesh(whole: Link, axes: Sequence[Link]) -> Iterator[None]:
         _WITHIN.meshes = meshes
 
 
-def parts_in_func(whole: Link, axes: Sequence[Link]) -> bool:
-    """Whether a call on this mesh has taken a round on part of it inside its ``f`` (:func:`within_mesh`)."""
-    return _mesh_key(axes) in state_of(whole.round_group.pg).parts_in_func
+def parts_in_func(whole: Link, axes: Sequence[Link]) -> Optional[Tuple[Link, ...]]:
+    """Where a call on this mesh has taken a round on part of it inside its ``f`` (:func:`within_mesh`): None if
+    nowhere, else the parts that are not one of its ``axes``' groups (this rank's link to each, named and timed as
+    ``whole``), in the order first met, alike on every rank."""
+    found = state_of(whole.round_group.pg).parts_in_func.get(_mesh_key(axes))
+    if found is None:
+        return None
+    return tuple(part._replace(call=whole.call, timeout=whole.timeout) for part in found)
 
 
 def _mesh_key(axes: Sequence[Link]) -> Tuple[Any, ...]:
@@ -246,11 +253,15 @@ def _mesh_key(axes: Sequence[Link]) -> Tuple[Any, ...]:
 def _announce_part(link: Link, name: str) -> None:
     """Before a round on ``link``'s group: on each enclosing mesh of which it is a part and that is not marked yet,
     the round that announces it (outermost first; a mesh's own announcement is announced on the meshes around it)."""
-    meshes = _WITHIN.meshes
+    meshes, pg = _WITHIN.meshes, link.round_group.pg
     for i, (whole, key) in enumerate(meshes):
         marked = state_of(whole.round_group.pg).parts_in_func
-        if key in marked or whole.round_group.pg is link.round_group.pg:
+        parts = marked.get(key)
+        if whole.round_group.pg is pg:
             continue
+        other = all(a is not pg for a in key)  # not one of the mesh's axes' groups: its exits must reach it by name
+        if parts is not None and (not other or any(p.round_group.pg is pg for p in parts)):
+            continue  # marked, and the part is an axis or noted already
         _WITHIN.meshes = meshes[:i]
         try:
             header = Header(kind=Kind.OP, digest=PART_DIGEST, inline=1)
@@ -259,7 +270,9 @@ def _announce_part(link: Link, name: str) -> None:
             )
         finally:
             _WITHIN.meshes = meshes
-        marked.add(key)
+        marked.setdefault(key, [])
+        if other:
+            marked[key].append(link)
 
 
 def status_round(
