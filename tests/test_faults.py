@@ -381,12 +381,20 @@ def test_a_failure_in_user_backward_reaches_a_peer_in_a_psum_over_an_axis_and_on
             assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
 
 
-def check_failure_before_a_psum_over_two_axes_of_three(typed: bool) -> list:
-    """Steps of shard_map(f) on a 2 x 2 x 2 mesh, f a psum over ('x', 'y'), which runs on a group of its own (the
-    ranks that share z), after steps that use it: rank 5 raises in f before the psum, then its backward raises
-    before the psum's transpose. Each step's outcome on this rank, and its seconds."""
+THREE_AXES_CASES = {  # the input's spec, the psum's axes
+    "P((x, y, z)), psum over (x, y)": (cm.P(("x", "y", "z")), ("x", "y")),
+    "P(x), psum over (x, y, z)": (cm.P("x"), ("x", "y", "z")),
+}
+
+
+def check_failure_before_a_psum_on_a_3d_mesh(case: str, typed: bool) -> list:
+    """Steps of shard_map(f) on a 2 x 2 x 2 mesh, f a psum over two axes, which runs on a group of its own (the ranks
+    that share z), or with types a psum over every axis of a block invariant along y and z (whose transpose sums
+    over (y, z), a group of its own, in backward alone); after steps that use it, rank 5 raises in f before the psum,
+    then its backward raises before the psum's transpose. Each step's outcome on this rank, and its seconds."""
     from shard_cases import mesh
 
+    spec, over = THREE_AXES_CASES[case]
     m, rank = mesh((2, 2, 2), ("x", "y", "z")), dist.get_rank()
     x = torch.randn(16, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
     seen = []
@@ -395,9 +403,9 @@ def check_failure_before_a_psum_over_two_axes_of_three(typed: bool) -> list:
         def f(b):
             if where == "forward" and rank == failing:
                 raise ValueError("f failed on purpose")
-            return FailsInBackward.apply(cm.psum(b.sin(), ("x", "y")), failing if where else -1) * b
+            return FailsInBackward.apply(cm.psum(b.sin(), over), failing if where else -1) * b
 
-        g = cm.shard_map(f, m, cm.P(("x", "y", "z")), cm.P(("x", "y", "z")), check_vma=typed, timeout=10)
+        g = cm.shard_map(f, m, spec, spec, check_vma=typed, timeout=10)
         start = time.perf_counter()
         try:
             g(x).pow(2).sum().backward()
@@ -409,13 +417,14 @@ def check_failure_before_a_psum_over_two_axes_of_three(typed: bool) -> list:
 
 
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
-def test_a_failure_reaches_a_peer_in_a_psum_over_two_axes_of_a_3d_mesh(worlds, typed):
+@pytest.mark.parametrize("case", THREE_AXES_CASES)
+def test_a_failure_reaches_a_peer_in_a_psum_over_two_axes_of_a_3d_mesh(worlds, case, typed):
     """On a 2 x 2 x 2 mesh a psum over two axes runs on a group of its own. A rank that raises before it, in f or in
     its backward, posts its failure there too (the exit's and the guarded backward's rounds take each group of
-    several axes that f took a round on), so a peer waiting in it is told: every rank raises the same CmapError
-    naming the failing rank, promptly, and every other step runs. (Before, the peers waited for the timeout, and the
-    group was broken after.)"""
-    for rank, seen in enumerate(worlds(8).run(check_failure_before_a_psum_over_two_axes_of_three, typed)):
+    several axes that f took a round on, or that a Split inside f will take one on in backward), so a peer waiting in
+    it is told: every rank raises the same CmapError naming the failing rank, promptly, and every other step runs.
+    (Before, the peers waited for the timeout, and the group was broken after.)"""
+    for rank, seen in enumerate(worlds(8).run(check_failure_before_a_psum_on_a_3d_mesh, case, typed)):
         for where, outcome, seconds in seen:
             assert seconds < 10 / 3, (rank, seen)
             assert outcome == ("CmapError naming it" if where else "ok"), (rank, seen)

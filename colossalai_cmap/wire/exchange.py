@@ -461,7 +461,10 @@ def join(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Optional[torc
 
 
 def split(spec: SplitSpec, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-    """Global values to per-rank ones, through :func:`through`."""
+    """Global values to per-rank ones, through :func:`through`. Inside a map call's ``f`` on a mesh, its group is
+    noted where its transpose's round in backward would be the only one there (:func:`~.rounds.note_split`)."""
+    if spec.checked and spec.link.wired:
+        rounds.note_split(spec.link)
     return through(Split, split_values, spec, tensors)
 
 

@@ -72,7 +72,7 @@ def guard(
     graph = _Graph(
         link=link,
         axes=tuple(axes),
-        parts=(rounds.parts_in_func(link, axes) or ()) if axes else (),
+        parts=_parts(link, axes),
         tag=tag,
         outs=tuple(flat[i] for i in picked),
         entries=entries,
@@ -107,6 +107,18 @@ class _Graph:
     def __post_init__(self) -> None:
         self.boundary = any(o.requires_grad for e in self.entries for o in e.outputs)
         self.closing = _needs_closing(self.link, self.axes, self.entries)
+
+
+def _parts(link: Link, axes: Sequence[Link]) -> Tuple[Link, ...]:
+    """The groups of a mesh, other than its whole group and its axes', that func's backward may take a round on:
+    those its rounds took (:func:`~.rounds.parts_in_func`) and those only its Splits' transposes take (a ``pcast`` to
+    varying over several axes, :func:`~.rounds.split_parts`), once each."""
+    if not axes:
+        return ()
+    found: Dict[Any, Link] = {}
+    for part in (*(rounds.parts_in_func(link, axes) or ()), *rounds.split_parts(link, axes)):
+        found.setdefault(part.round_group.pg, part)
+    return tuple(found.values())
 
 
 def _needs_closing(link: Link, axes: Sequence[Link], entries: List[Entry]) -> bool:

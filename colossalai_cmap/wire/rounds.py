@@ -210,7 +210,8 @@ def _stand_in(shape: Any, link: Link) -> None:
 # ---- rounds on part of a mesh, while a call's f runs on the whole of it
 
 PART_DIGEST = 0x6A2D0002  # the round that tells a mesh's ranks a round on part of it follows
-_WITHIN = threading.local()  # .meshes: (whole mesh's link, the mesh's key) of the calls whose f runs on this thread,
+_WITHIN = threading.local()  # .meshes: (whole mesh's link, the mesh's key, the groups its Splits noted: a list) of
+# the calls whose f runs on this thread,
 # outermost first
 
 
@@ -228,7 +229,7 @@ def within_mesh(whole: Link, axes: Sequence[Link]) -> Iterator[None]:
     nested call's group) is announced the first time too, and noted with the mesh: the exit takes a round there as
     well."""
     meshes = getattr(_WITHIN, "meshes", ())
-    _WITHIN.meshes = meshes + ((whole, _mesh_key(axes)),)
+    _WITHIN.meshes = meshes + ((whole, _mesh_key(axes), []),)
     try:
         yield
     finally:
@@ -245,6 +246,28 @@ def parts_in_func(whole: Link, axes: Sequence[Link]) -> Optional[Tuple[Link, ...
     return tuple(part._replace(call=whole.call, timeout=whole.timeout) for part in found)
 
 
+def note_split(link: Link) -> None:
+    """A ``Split`` on ``link``'s group while a map call's ``f`` runs on a mesh (a ``pcast`` to varying over several
+    axes): its transpose takes a round there in backward, which no round in ``f`` announced. Where that group is not
+    the mesh's whole group nor one of its axes', the call notes it (:func:`split_parts`)."""
+    pg = link.round_group.pg
+    for whole, key, noted in getattr(_WITHIN, "meshes", ()):
+        if pg is not whole.round_group.pg and all(a is not pg for a in key):
+            if all(p.round_group.pg is not pg for p in noted):
+                noted.append(link._replace(call=whole.call, timeout=whole.timeout))
+
+
+def split_parts(whole: Link, axes: Sequence[Link]) -> Tuple[Link, ...]:
+    """The groups the innermost call on this mesh whose ``f`` runs on this thread took a ``Split`` on, that are not
+    its whole group nor an axis's (:func:`note_split`): its backward takes a round on each. Alike on every rank that
+    ran the same ``f`` to its end, as every rank whose backward runs did."""
+    key = _mesh_key(axes)
+    for mesh_whole, mesh_key, noted in reversed(getattr(_WITHIN, "meshes", ())):
+        if mesh_key == key and mesh_whole.round_group.pg is whole.round_group.pg:
+            return tuple(noted)
+    return ()
+
+
 def _mesh_key(axes: Sequence[Link]) -> Tuple[Any, ...]:
     """A mesh as this rank tells it from another on the same ranks: its axes' groups (each mesh makes its own)."""
     return tuple(link.round_group.pg for link in axes)
@@ -254,7 +277,7 @@ def _announce_part(link: Link, name: str) -> None:
     """Before a round on ``link``'s group: on each enclosing mesh of which it is a part and that is not marked yet,
     the round that announces it (outermost first; a mesh's own announcement is announced on the meshes around it)."""
     meshes, pg = _WITHIN.meshes, link.round_group.pg
-    for i, (whole, key) in enumerate(meshes):
+    for i, (whole, key, _) in enumerate(meshes):
         marked = state_of(whole.round_group.pg).parts_in_func
         parts = marked.get(key)
         if whole.round_group.pg is pg:
