@@ -5,7 +5,7 @@ Faults come from the public testing aid ``colossalai_cmap.faults.inject_fault``;
 """
 
 import time
-from typing import Any
+from typing import Any, Callable, Tuple
 
 import pytest
 import torch
@@ -328,7 +328,7 @@ def check_user_backward_failure_on_a_2d_mesh(
     outcome on this rank, and its seconds."""
     from shard_cases import mesh
 
-    m, rank = mesh(shape, names), dist.get_rank()
+    m = mesh(shape, names)
     specs = {**MESH_SPECS, "P(names)": cm.P(names)}
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
     seen = []
@@ -342,16 +342,22 @@ def check_user_backward_failure_on_a_2d_mesh(
             return FailsInBackward.apply(b, failing) * 2
 
         g = cm.shard_map(f, mesh=m, in_specs=specs[spec], out_specs=specs[spec], check_vma=typed, timeout=10)
-        start = time.perf_counter()
-        try:
-            g(x).pow(2).sum().backward()
-            outcome = "ok"
-        except cm.CmapError as exc:
-            outcome = "CmapError" if f"group rank {failing} " not in str(exc) else "CmapError naming it"
-        except ValueError as exc:
-            outcome = "own" if rank == failing and "the user's backward failed" in str(exc) else repr(exc)
-        seen.append((failing, outcome, time.perf_counter() - start))
+        seen.append((failing, *timed_training_step(g, x, failing)))
     return seen
+
+
+def timed_training_step(g: Callable, x: torch.Tensor, failing: int) -> Tuple[str, float]:
+    """A training step of ``g`` on ``x``: "ok", "CmapError naming it" (the failing rank), another CmapError, or
+    "own" (the failing rank's own error); and its seconds."""
+    start = time.perf_counter()
+    try:
+        g(x).pow(2).sum().backward()
+        outcome = "ok"
+    except cm.CmapError as exc:
+        outcome = "CmapError" if f"group rank {failing} " not in str(exc) else "CmapError naming it"
+    except ValueError as exc:
+        outcome = "own" if dist.get_rank() == failing and "the user's backward failed" in str(exc) else repr(exc)
+    return outcome, time.perf_counter() - start
 
 
 @pytest.mark.parametrize("spec, typed, order", MESH_BACKWARD_CASES)
@@ -406,13 +412,7 @@ def check_failure_before_a_psum_on_a_3d_mesh(case: str, typed: bool) -> list:
             return FailsInBackward.apply(cm.psum(b.sin(), over), failing if where else -1) * b
 
         g = cm.shard_map(f, m, spec, spec, check_vma=typed, timeout=10)
-        start = time.perf_counter()
-        try:
-            g(x).pow(2).sum().backward()
-            outcome = "ok"
-        except cm.CmapError as exc:
-            outcome = "CmapError" if f"group rank {failing} " not in str(exc) else "CmapError naming it"
-        seen.append((where, outcome, time.perf_counter() - start))
+        seen.append((where, *timed_training_step(g, x, failing)))
     return seen
 
 
