@@ -30,8 +30,9 @@ forward-mode level around the call), a graph whose only ways out are the tagged 
 other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (for shard_map,
 the whole mesh's or one of its axes'). Elsewhere the call's backward runs unguarded, as before. On a mesh of several
 axes a peer may wait in a round on one axis's group (or, on a mesh of three or more, on a group of several axes that
-func took a round on), so a failure is posted on each of them too (:func:`~.rounds.fan_out`); where the Splits' Joins take no round on the whole mesh's group and none on some axis,
-a round on the whole mesh's (``CLOSING``) ends the backward, so that a rank whose Joins met no failure meets it."""
+func took a round on, or that a Split in func takes one on in backward), so a failure is posted on each of them too
+(:func:`~.rounds.fan_out`); where the Splits' Joins take no round on the whole mesh's group and none on some axis, a
+round on the whole mesh's (``CLOSING``) ends the backward, so that a rank whose Joins met no failure meets it."""
 
 import contextlib
 from dataclasses import dataclass, field

@@ -23,8 +23,8 @@ destination needs move. Small data rides in the round instead, which is an all-g
 (:func:`~.exchange.join_values`): one collective. An all-gather's rows always may; a reduce-scatter's whole value (a
 sum's ``Join``, this rank's rows cut) and an all-to-all's (every rank's rows, where every rank knows every rank's
 row counts, ``sent``) while the round's bytes cost little more than the native collective's
-(:func:`~.payload.costs_little`), on a group whose rounds carry data. With ``checked=False`` (Megatron's sequence parallelism, in
-``shard_model``) the collective runs alone, as Megatron's, and so does its transpose. Megatron's *f* and *g* are
+(:func:`~.payload.costs_little`), on a group whose rounds carry data. With ``checked=False`` (Megatron's sequence
+parallelism, in ``shard_model``) the collective runs alone, as Megatron's, and so does its transpose. Megatron's *f* and *g* are
 ``Split`` and ``Join`` of role ``COPY`` with ``checked=False`` (:mod:`.exchange`). Uneven row counts are padded to
 the largest for the first two (gloo needs equal sizes: :func:`~.roles.gather_padded`,
 :func:`~.roles.scatter_padded`); the all-to-all takes them as they are. Every rule is written with ``apply`` of
