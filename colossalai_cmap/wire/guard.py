@@ -90,13 +90,12 @@ def guard(
 @dataclass(eq=False)
 class _Graph:
     """What the guard's backward needs: func's outputs, the Splits at its boundary, and the guard's inputs; where it
-    runs (the call's link, a mesh's axes' links, and the links of the groups of several axes func took a round on)
-    and what a recomputation runs in. ``outs`` is let go (None) at the
-    end of an outer backward that did not retain its graph."""
+    runs (the call's link, a mesh's axes' links, and :func:`_parts`) and what a recomputation runs in. ``outs`` is let
+    go (None) at the end of an outer backward that did not retain its graph."""
 
     link: Link
     axes: Tuple[Link, ...]
-    parts: Tuple[Link, ...]  # f's groups of several axes (a mesh of three or more): a failure is posted there too
+    parts: Tuple[Link, ...]  # the mesh's other groups its backward may take a round on: a failure is posted there too
     tag: CallTag
     outs: Optional[tuple]
     entries: List[Entry]

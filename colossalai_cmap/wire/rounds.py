@@ -211,8 +211,7 @@ def _stand_in(shape: Any, link: Link) -> None:
 
 PART_DIGEST = 0x6A2D0002  # the round that tells a mesh's ranks a round on part of it follows
 _WITHIN = threading.local()  # .meshes: (whole mesh's link, the mesh's key, the groups its Splits noted: a list) of
-# the calls whose f runs on this thread,
-# outermost first
+# the calls whose f runs on this thread, outermost first
 
 
 @contextlib.contextmanager
@@ -274,8 +273,9 @@ def _mesh_key(axes: Sequence[Link]) -> Tuple[Any, ...]:
 
 
 def _announce_part(link: Link, name: str) -> None:
-    """Before a round on ``link``'s group: on each enclosing mesh of which it is a part and that is not marked yet,
-    the round that announces it (outermost first; a mesh's own announcement is announced on the meshes around it)."""
+    """Before a round on ``link``'s group: on each enclosing mesh of which it is a part and that is not marked yet
+    (or, for a part that is not one of its axes' groups, that has not noted it yet), the round that announces it
+    (outermost first; a mesh's own announcement is announced on the meshes around it)."""
     meshes, pg = _WITHIN.meshes, link.round_group.pg
     for i, (whole, key, _) in enumerate(meshes):
         marked = state_of(whole.round_group.pg).parts_in_func
