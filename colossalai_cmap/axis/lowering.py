@@ -144,6 +144,7 @@ def _spec(
     name: str,
     dim: int,
     sizes: Tuple[int, ...],
+    *,
     recv: Tuple[int, ...] = (),
     sent: Tuple[Tuple[int, ...], ...] = (),
 ) -> Any:
@@ -206,7 +207,7 @@ def a2a_rows(
         offsets = first_rows(sizes)
         send = torch.cat([four.narrow(1, o, k).flatten(0, 1) for o, k in zip(offsets, sizes)])
         every = tuple(tuple(a * k for k in sizes) for a in sizes)  # rank r sends each rank its examples' chunks
-        spec = _spec(frame, rule, name, 0, tuple(n * k for k in sizes), tuple(k * n for k in sizes), every)
+        spec = _spec(frame, rule, name, 0, tuple(n * k for k in sizes), recv=tuple(k * n for k in sizes), sent=every)
         got = wire_native.run(rule.collective, spec, send).unflatten(0, (B, n))  # [source example, my example]
     return got.transpose(0, 1).flatten(1, 2).movedim(1, d + 1)  # (n, B * chunk along d, ...)
 
@@ -231,7 +232,8 @@ def permute_rows(
         every = [[0] * len(sizes) for _ in sizes]  # rows from each rank to each, alike on every rank
         for s, j in pairs:
             every[owner[s]][owner[j]] += 1
-        spec = _spec(frame, rule, name, 0, tuple(len(p) for p in sent), tuple(len(p) for p in got), _rows(every))
+        recv = tuple(len(p) for p in got)
+        spec = _spec(frame, rule, name, 0, tuple(len(p) for p in sent), recv=recv, sent=_rows(every))
         received = wire_native.run(rule.collective, spec, send)
     where = index_table(tuple(j for part in got for j in part), rows.device)
     return rows.new_zeros(rows.shape).index_copy(0, where, received)

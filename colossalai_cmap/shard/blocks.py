@@ -23,6 +23,8 @@ an output leaves through a ``Join(ONCE)`` (each rank its cotangent over the axis
 replicated value count once).
 """
 
+import functools
+import itertools
 import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -118,26 +120,31 @@ def _copied_rows(value: torch.Tensor, place: Placement, view: Any) -> Optional[R
     others = [a for a in view.names if a not in axes]
     if not others or list(axes) != [a for a in view.names if a in axes]:
         return None
+    shape = tuple(view.sizes[a] for a in view.names)
     blocks = tensor_split_sizes(value.shape[dim], math.prod(view.sizes[a] for a in axes))
     slot = max(blocks) * (value.numel() // max(value.shape[dim], 1)) * value.element_size()  # one rank's rows' bytes
-    if not costs_little((len(view.whole.ranks) - 1) * slot, (len(blocks) - 1) * slot):  # the copies' empty slots
+    if not costs_little((math.prod(shape) - 1) * slot, (len(blocks) - 1) * slot):  # the copies' empty slots
         return None
+    sizes, source = _copies_layout(shape, tuple(a in axes for a in view.names), blocks)
+    return Rows(dim, sizes, source)
+
+
+@functools.lru_cache(maxsize=256)  # a steady loop cuts the same values
+def _copies_layout(
+    shape: Tuple[int, ...], split: Tuple[bool, ...], blocks: Tuple[int, ...]
+) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """For each rank of a mesh of ``shape`` in row-major order (the whole group's, :meth:`MeshView.row_major`): the
+    rows it sends (its block of ``blocks``, numbered over the ``split`` axes, at coordinate 0 of the others; else
+    none), and the rank whose block it holds (the one at coordinate 0 of the other axes beside it)."""
     sizes, source = [], []
-    for coords in _row_major(view):
-        index = 0
-        for a in axes:
-            index = index * view.sizes[a] + coords[a]
-        sizes.append(blocks[index] if all(coords[a] == 0 for a in others) else 0)
-        source.append(view.whole_rank({**coords, **{a: 0 for a in others}}))
-    return Rows(dim, tuple(sizes), tuple(source))
-
-
-def _row_major(view: Any) -> List[Dict[str, int]]:
-    """Every rank's coordinates, in the mesh's row-major order."""
-    out: List[Dict[str, int]] = [{}]
-    for a in view.names:
-        out = [{**c, a: j} for c in out for j in range(view.sizes[a])]
-    return out
+    for coords in itertools.product(*(range(n) for n in shape)):
+        index = held = 0
+        for c, n, s in zip(coords, shape, split):
+            index = index * n + c if s else index
+            held = held * n + (c if s else 0)
+        sizes.append(blocks[index] if all(c == 0 for c, s in zip(coords, split) if not s) else 0)
+        source.append(held)
+    return tuple(sizes), tuple(source)
 
 
 def cut_local(values: Sequence[Any], places: Sequence[Placement], links: Dict[str, Link], tag: CallTag) -> List[Any]:
