@@ -653,6 +653,8 @@ INVARIANT_CASES = {  # label: mesh shape, axis names, the input's spec, its shap
     "P(x) on 2 x 2, uneven rows": ((2, 2), ("x", "y"), cm.P("x"), (5, 6)),
     "P(z) on 2 x 1 x 2": ((2, 1, 2), ("x", "y", "z"), cm.P("z"), (8, 6)),
     "P(x) on 2 x 2, 64 KiB blocks": ((2, 2), ("x", "y"), cm.P("x"), (8, 4096)),
+    "P(None, y) on 2 x 2, 48 KiB blocks": ((2, 2), ("x", "y"), cm.P(None, "y"), (6, 4096)),
+    "P(z) on 2 x 1 x 2, 64 KiB blocks": ((2, 1, 2), ("x", "y", "z"), cm.P("z"), (8, 4096)),
 }
 
 
@@ -701,12 +703,14 @@ def test_an_input_invariant_along_an_axis_takes_its_gradient_in_one_round(worlds
     coordinate 0 of the other axes sending their rows and the others none. Backward is that one round (it reaches
     every rank, so a failure in one rank's backward is every rank's CmapError in it); values and gradients are the
     unsharded function's bit for bit. Where the empty slots of that gather would cost more than the byte budget
-    (64 KiB blocks), the gradient is gathered along the split axis, and a round over the whole mesh ends the
-    backward."""
+    (blocks of 48 KiB and up), the gradient is gathered along the split axis, and a round over the whole mesh ends
+    the backward, issued before that gather is waited for: the two are in flight together."""
     for seen, error, native in worlds(4).run(check_an_input_invariant_along_an_axis, case, deadline=DEADLINE):
         assert seen.exact, seen
         want = ("all_gather_into_tensor",) * (2 if "KiB" in case else 1)
         assert all(names == want for names in seen.backward.names), seen.backward
+        if "KiB" in case:
+            assert all(events == TOGETHER for events in seen.backward.events), seen.backward.events
         assert all(sent <= 1.1 * native + ALLOWANCE for sent in seen.backward.sent), (seen.backward.sent, native)
         assert error is not None and "backward failed on purpose" in error and "group rank 3" in error, error
 

@@ -99,6 +99,8 @@ class JoinSpec(NamedTuple):
     checked: bool = True  # a status round first; False: the collective alone (COPY or Rows), as Megatron's
     known: Optional[Tuple[torch.Tensor, ...]] = None  # the results, gathered already (by a call's exit round):
     # nothing moves, and the Function records the graph it would have (its backward and tangents are the same)
+    # rounds on other groups, as (link, header), in flight with this one's in a guarded backward (its closing round)
+    along: Tuple[Tuple[Link, Header], ...] = ()
 
     def sized_roles(self) -> Tuple[Role, ...]:
         """The roles with the row counts an exit learned from its round (``src="local"``) filled in."""
@@ -416,7 +418,7 @@ def _round(spec: JoinSpec, header: Header, early: Optional[Callable[[], Any]] = 
     link = spec.link
     if spec.kind == Kind.STATUS:
         return rounds.status_round(link, header, early, spec.exit.along if spec.exit is not None else ())
-    return rounds.checked_round(link, header, spec.what, early)
+    return rounds.checked_round(link, header, spec.what, early, spec.along)
 
 
 def _name(spec: JoinSpec) -> str:

@@ -32,7 +32,8 @@ the whole mesh's or one of its axes'). Elsewhere the call's backward runs unguar
 axes a peer may wait in a round on one axis's group (or, on a mesh of three or more, on a group of several axes that
 func took a round on, or that a Split in func takes one on in backward), so a failure is posted on each of them too
 (:func:`~.rounds.fan_out`); where the Splits' Joins take no round on the whole mesh's group and none on some axis, a
-round on the whole mesh's (``CLOSING``) ends the backward, so that a rank whose Joins met no failure meets it."""
+round on the whole mesh's (``CLOSING``) ends the backward, so that a rank whose Joins met no failure meets it. It
+is taken with the last Join's round, in flight together (:func:`~.rounds.checked_round`'s ``along``)."""
 
 import contextlib
 from dataclasses import dataclass, field
@@ -230,9 +231,15 @@ class _Guard(torch.autograd.Function):
             _let_go_unless_retained(ctx, graph)
             if failure is not None:
                 rounds.raise_failures(rounds.failure_round(link, WHAT), failure, cause, link, posted=True)
-            _transposes(graph, at)
+            # the closing round goes with the last Join, in flight together (inside another call's f, where a
+            # round may be announced first, after it)
+            along = graph.closing and not rounds.in_func_on_mesh()
+            _transposes(graph, at, ((link, CLOSING),) if along else ())
             if graph.closing:
-                rounds.raise_failures(rounds.checked_round(link, CLOSING, WHAT), None, None, link)
+                rnd = rounds.taken_along(link)
+                if rnd is None:  # not taken with a Join (none took a round: alone, or meta tensors)
+                    rnd = rounds.checked_round(link, CLOSING, WHAT)
+                rounds.raise_failures(rounds.check_round(link, CLOSING, WHAT, rnd), None, None, link)
         return (None, *[at.get(id(x)) for x in graph.inputs])
 
 
@@ -247,10 +254,13 @@ def _catching(tag: CallTag) -> Iterator[Dict[Tuple[int, int], torch.Tensor]]:
         tag.caught = None
 
 
-def _transposes(graph: _Graph, at: Dict[int, torch.Tensor]) -> None:
+def _transposes(graph: _Graph, at: Dict[int, torch.Tensor], along: Tuple[Tuple[Link, Header], ...] = ()) -> None:
     """Each boundary Split's backward, last first (a chain's outer Split gets its inner one's gradients): one
-    ``Join`` of the transposed roles, always a round (a peer's failure may wait in it)."""
-    for e in reversed(graph.entries):
+    ``Join`` of the transposed roles, always a round (a peer's failure may wait in it). ``along``: rounds the last
+    Join's round takes in flight with it (the closing round)."""
+    last = min(i for i, e in enumerate(graph.entries) if e.spec is not None)
+    for k in reversed(range(len(graph.entries))):
+        e = graph.entries[k]
         gs = [at.pop(id(o), None) for o in e.outputs]
         if e.spec is None:  # used as it is: its gradient is the alias's
             key = id(e.inputs[0])
@@ -259,7 +269,7 @@ def _transposes(graph: _Graph, at: Dict[int, torch.Tensor]) -> None:
             continue
         picked = [i for i, (x, g) in enumerate(zip(e.inputs, gs)) if g is not None and x.requires_grad]
         roles = tuple(split_transpose(e.spec.roles[i]) for i in picked)
-        spec = JoinSpec(e.spec.link, roles, sync=True)
+        spec = JoinSpec(e.spec.link, roles, sync=True, along=along if k == last else ())
         for i, g in zip(picked, join(spec, [gs[i] for i in picked])):
             key = id(e.inputs[i])
             at[key] = g if key not in at else at[key] + g

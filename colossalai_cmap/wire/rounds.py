@@ -325,11 +325,33 @@ def status_round(
     return rnd
 
 
-def checked_round(link: Link, header: Header, what: str, also: Optional[Callable[[], Any]] = None) -> Round:
+def checked_round(
+    link: Link,
+    header: Header,
+    what: str,
+    also: Optional[Callable[[], Any]] = None,
+    along: Sequence[Tuple[Link, Header]] = (),
+) -> Round:
     """An ``OP`` or ``SYNC`` round: every rank must be at the same collective (same ``digest``). A round where a
     rank posted a failure returns as it is, whatever the others were at: the caller raises it on every rank. ``also``:
-    a backward exchange's data, sent right behind the round (as :func:`status_round`'s)."""
-    rnd = run_round(link, header, also, what=what)
+    a backward exchange's data, sent right behind the round (as :func:`status_round`'s).
+
+    ``along``: rounds on other groups, inside a guarded backward (a guarded mesh's closing round), issued before this
+    one and waited for after it, so that they are in flight together; each carries its header, or where this rank
+    fails here, the failure (:data:`FAILURE`). Their readings are kept for the guarded backward (:func:`taken_along`): a
+    failure's fan-out posts nothing more there, and the guard checks them (:func:`check_round`)."""
+    if not along:
+        return check_round(link, header, what, run_round(link, header, also, what=what))
+    issued = [(g, issue_round(g, h if header.status == Status.OK else FAILURE, what=what)) for g, h in along]
+    rnd = finish_round(link, issue_round(link, header, also, what))
+    for g, pending in issued:
+        _note_along(g, finish_round(g, pending))
+    return check_round(link, header, what, rnd)
+
+
+def check_round(link: Link, header: Header, what: str, rnd: Round) -> Round:
+    """:func:`checked_round`'s checks of a finished round this rank took with ``header``: ``rnd`` if a rank posted a
+    failure or every rank was at the same collective; else, on every rank, the error saying who was elsewhere."""
     if rnd.failed:
         return rnd
     away = [] if rnd.kind == header.kind else [r for r, h in enumerate(rnd.table) if h.kind != header.kind]
@@ -358,8 +380,18 @@ def gather_objects(link: Link, obj: Any) -> List[Any]:
 
 
 GUARD_DIGEST = 0x6A2D0001  # a guarded backward's failure (:mod:`.guard`): its round names the call's backward
-_GUARDED = threading.local()  # .meshes: one entry per guarded backward (:mod:`.guard`) running on this thread,
-# innermost last: (its call's whole group's link, its mesh axes' links), the axes empty for a call on one group
+_GUARDED = threading.local()  # .meshes: one _Guarded per guarded backward (:mod:`.guard`) running on this thread,
+# innermost last
+
+
+class _Guarded(NamedTuple):
+    """A guarded backward running on this thread: its call's whole group's link, its mesh axes' links (empty for a
+    call on one group, or one axis), and the rounds it took along an exchange (:func:`checked_round`'s ``along``),
+    by process group."""
+
+    whole: Link
+    axes: Tuple[Link, ...]
+    along: Dict[Any, Round]
 
 
 @contextlib.contextmanager
@@ -370,22 +402,40 @@ def guarding(whole: Link, axes: Sequence[Link] = ()) -> Iterator[None]:
     of the others before it is raised (:func:`fan_out`), since a peer may be waiting in any of them."""
     meshes = getattr(_GUARDED, "meshes", ())
     parts = tuple(a for a in axes if a.round_group.pg is not whole.round_group.pg)
-    _GUARDED.meshes = meshes + ((whole, parts if len(parts) > 1 else ()),)
+    _GUARDED.meshes = meshes + (_Guarded(whole, parts if len(parts) > 1 else (), {}),)
     try:
         yield
     finally:
         _GUARDED.meshes = meshes
 
 
-def _guarded_mesh(link: Link) -> Optional[Tuple[Link, Tuple[Link, ...]]]:
-    """The innermost guarded backward's mesh (its whole group's link, its axes'), where it has several axes and
-    ``link``'s round group is one of its groups; else None."""
+def _guarded_mesh(link: Link) -> Optional[_Guarded]:
+    """The innermost guarded backward, where it has several axes and ``link``'s round group is one of its groups;
+    else None."""
     meshes = getattr(_GUARDED, "meshes", ())
-    if not meshes or not meshes[-1][1]:
+    if not meshes or not meshes[-1].axes:
         return None
-    whole, axes = meshes[-1]
+    found = meshes[-1]
     pg = link.round_group.pg
-    return meshes[-1] if any(g.round_group.pg is pg for g in (whole, *axes)) else None
+    return found if any(g.round_group.pg is pg for g in (found.whole, *found.axes)) else None
+
+
+def _note_along(link: Link, rnd: Round) -> None:
+    meshes = getattr(_GUARDED, "meshes", ())
+    if not meshes:
+        raise AssertionError("a round along an exchange outside a guarded backward")  # pragma: no cover
+    meshes[-1].along[link.round_group.pg] = rnd
+
+
+def taken_along(link: Link) -> Optional[Round]:
+    """The round the innermost guarded backward took on ``link``'s group along an exchange (None: none)."""
+    meshes = getattr(_GUARDED, "meshes", ())
+    return meshes[-1].along.get(link.round_group.pg) if meshes else None
+
+
+def in_func_on_mesh() -> bool:
+    """Whether this thread runs inside a map call's ``f`` on a mesh (a round on part of it is announced first)."""
+    return bool(getattr(_WITHIN, "meshes", ()))
 
 
 FAILURE = Header(kind=Kind.SYNC, status=Status.FAILED, digest=GUARD_DIGEST)
@@ -401,22 +451,28 @@ def failure_round(link: Link, what: str) -> Round:
     return fan_out(mesh, None, what)
 
 
-def fan_out(mesh: Tuple[Link, Tuple[Link, ...]], met: Optional[Link], what: str) -> Optional[Round]:
+def fan_out(mesh: _Guarded, met: Optional[Link], what: str) -> Optional[Round]:
     """A failure posted once on each group of a guarded mesh (its axes', then the whole's), but ``met``'s, where
-    this rank already met it: every round is issued before any is waited for, so a peer waiting in one is told while
-    this rank waits in another, and a peer waiting in a round this rank does not post is told by a peer that does.
+    this rank already met it, and those it took a round on along an exchange (their rounds pair with the peers' posts
+    there): every round is issued before any is waited for, so a peer waiting in one is told while this rank waits in
+    another, and a peer waiting in a round this rank does not post is told by a peer that does.
 
     Each rank makes one such round per group: the failing rank posts on all of them, a rank that meets the failure in
     a round on one group (a backward round of f's, the boundary's, or a peer's post) on the others. Every rank then
     gathers the details over the whole group (:func:`raise_failures`). The whole group's round is returned (None if
     ``met`` is the whole group)."""
-    whole, axes = mesh
     skip = None if met is None else met.round_group.pg
-    issued = [(g, issue_round(g, FAILURE, what=what)) for g in (*axes, whole) if g.round_group.pg is not skip]
+    issued = [
+        (g, issue_round(g, FAILURE, what=what))
+        for g in (*mesh.axes, mesh.whole)
+        if g.round_group.pg is not skip and g.round_group.pg not in mesh.along
+    ]
     found = None
     for g, pending in issued:
         rnd = finish_round(g, pending)
-        found = rnd if g is whole else found
+        found = rnd if g is mesh.whole else found
+    if found is None and skip is not mesh.whole.round_group.pg:
+        found = mesh.along.get(mesh.whole.round_group.pg)
     return found
 
 
