@@ -4,6 +4,7 @@
 Faults come from the public testing aid ``colossalai_cmap.faults.inject_fault``; nothing is mocked.
 """
 
+import contextlib
 import time
 from typing import Any, Callable, Tuple
 
@@ -428,6 +429,54 @@ def test_a_failure_reaches_a_peer_in_a_psum_over_two_axes_of_a_3d_mesh(worlds, c
         for where, outcome, seconds in seen:
             assert seconds < 10 / 3, (rank, seen)
             assert outcome == ("CmapError naming it" if where else "ok"), (rank, seen)
+
+
+LARGE_BLOCKS = {"P('x')": cm.P("x"), "P(None, 'y')": cm.P(None, "y")}  # (8, 4096) float32: 64 KiB blocks on 2 x 2
+LARGE_BLOCK_FAILURES = ("the user's backward", "injected in the gradient's gather")
+
+
+def check_failure_with_large_typed_blocks(spec: str, kind: str) -> list:
+    """Typed training steps of shard_map(f) on a 2 x 2 mesh whose 64 KiB blocks are split over one axis and invariant
+    along the other: their gradient is gathered along the split axis, and the round over the whole mesh that ends the
+    guarded backward goes with that gather. One rank's backward fails in func's graph, or in that gather (an injected
+    fault, before its round); each step's outcome on this rank, and its seconds."""
+    from shard_cases import mesh
+
+    m, rank = mesh((2, 2), ("x", "y")), dist.get_rank()
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    seen = []
+    for failing in (-1, 3, -1, 0, -1, 2, -1):
+        in_graph = failing if kind == LARGE_BLOCK_FAILURES[0] else -1
+        g = cm.shard_map(
+            lambda b: FailsInBackward.apply(b.sin(), in_graph) * b,
+            m,
+            LARGE_BLOCKS[spec],
+            LARGE_BLOCKS[spec],
+            timeout=10,
+        )
+        start = time.perf_counter()
+        try:
+            y = g(x)
+            with inject_fault("backward", range(4)) if rank == failing and in_graph < 0 else contextlib.nullcontext():
+                y.pow(2).sum().backward()
+            outcome = "ok"
+        except cm.CmapError as exc:
+            outcome = "CmapError naming it" if f"(global rank {failing})" in str(exc) else str(exc)
+        seen.append((failing, outcome, time.perf_counter() - start))
+    return seen
+
+
+@pytest.mark.parametrize("kind", LARGE_BLOCK_FAILURES)
+@pytest.mark.parametrize("spec", LARGE_BLOCKS)
+def test_a_failure_in_the_backward_of_large_typed_blocks_is_every_rank_s_error(worlds, spec, kind):
+    """With types, blocks too large to be cut over the whole mesh as copies take their gradient in a gather along the
+    split axis, with the round over the whole mesh in flight beside it (it ends the guarded backward, so that a rank
+    whose gather met no failure meets it there). A failure in one rank's backward, in func's graph or in that gather
+    before its round, is every rank's CmapError naming that rank, promptly, and every other step runs."""
+    for rank, seen in enumerate(worlds(4).run(check_failure_with_large_typed_blocks, spec, kind)):
+        for failing, outcome, seconds in seen:
+            assert seconds < 10 / 3, (rank, seen)
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
 
 
 def check_guarded_shard_map_gradients():
