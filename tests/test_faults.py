@@ -322,16 +322,22 @@ MESH_BACKWARD_CASES = [(spec, typed, order) for spec in MESH_SPECS for typed in 
 
 
 def check_user_backward_failure_on_a_2d_mesh(
-    spec: str, typed: bool, order: str, shape: tuple = (2, 2), names: tuple = ("x", "y"), over: Any = "y"
+    spec: str,
+    typed: bool,
+    order: str,
+    shape: tuple = (2, 2),
+    names: tuple = ("x", "y"),
+    over: Any = "y",
+    width: int = 4,
 ) -> list:
-    """Training steps of shard_map(f) on a 2 x 2 mesh (or ``shape``), f a psum over y (or ``over``) and a node whose
-    backward raises on one rank, after a step that marks the mesh (f communicates over part of it): each step's
-    outcome on this rank, and its seconds."""
+    """Training steps of shard_map(f) on a 2 x 2 mesh (or ``shape``) on an (8, ``width``) input, f a psum over y (or
+    ``over``) and a node whose backward raises on one rank, after a step that marks the mesh (f communicates over part
+    of it): each step's outcome on this rank, and its seconds."""
     from shard_cases import mesh
 
     m = mesh(shape, names)
     specs = {**MESH_SPECS, "P(names)": cm.P(names)}
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(0)).requires_grad_()
     seen = []
     for failing in (-1, 3, -1, -1, 1, -1, -1):
 
@@ -371,6 +377,21 @@ def test_a_failure_in_user_backward_on_a_2d_mesh_is_every_rank_s_error_in_that_s
     rank raised its own error and went on, and a peer waiting for it on an axis waited for the timeout where the
     failing rank's next call made its first round elsewhere, the group broken after.)"""
     for rank, seen in enumerate(worlds(4).run(check_user_backward_failure_on_a_2d_mesh, spec, typed, order)):
+        for failing, outcome, seconds in seen:
+            assert seconds < 10 / 3, (rank, seen)
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+@pytest.mark.parametrize("spec", ["P(('x', 'y'))", "P('x', 'y')"])
+def test_a_failure_in_user_backward_reaches_peers_whose_gradient_went_right_behind_their_round(worlds, spec, typed):
+    """Blocks of 16 KiB: their gradient's gather does not ride in its round, and has the shape of the exit's data
+    phase, so the peers send it right behind the round and wait for the failing rank's stand-in before they post the
+    failure on the mesh's axes. The failing rank's posts send that stand-in right behind their rounds, so it is never
+    waiting in an axis's round while its peers wait for it: every rank raises the CmapError naming it, promptly, and
+    every other step runs. (Before, every rank waited for the timeout, and the group was broken after.)"""
+    case = (spec, typed, ORDERS[2], (2, 2), ("x", "y"), "y", 2048)
+    for rank, seen in enumerate(worlds(4).run(check_user_backward_failure_on_a_2d_mesh, *case)):
         for failing, outcome, seconds in seen:
             assert seconds < 10 / 3, (rank, seen)
             assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)

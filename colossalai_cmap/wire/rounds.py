@@ -198,13 +198,17 @@ def finish_round(link: Link, issued: Issued) -> Round:
 
 def _stand_in(shape: Any, link: Link) -> None:
     """The all-gather or gather a peer's early data pairs with (its contents unused)."""
-    group, name = shape.group, shape.collective()
+    comm.wait_for(_issue_stand_in(shape, link), shape.group, link.call, link.timeout, shape.collective())
+
+
+def _issue_stand_in(shape: Any, link: Link) -> Any:
+    """:func:`_stand_in`, issued and left in flight."""
+    group = shape.group
     send = torch.empty((shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
     recv = None
     if shape.dst in (-1, group.rank):
         recv = torch.empty((group.size, shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
-    pending = comm.issue_stacked(recv, send, shape.dst, group, link.call, shape.what())
-    comm.wait_for(pending, group, link.call, link.timeout, name)
+    return comm.issue_stacked(recv, send, shape.dst, group, link.call, shape.what())
 
 
 # ---- rounds on part of a mesh, while a call's f runs on the whole of it
@@ -463,7 +467,7 @@ def fan_out(mesh: _Guarded, met: Optional[Link], what: str) -> Optional[Round]:
     ``met`` is the whole group)."""
     skip = None if met is None else met.round_group.pg
     issued = [
-        (g, issue_round(g, FAILURE, what=what))
+        (g, _post_failure(g, what))
         for g in (*mesh.axes, mesh.whole)
         if g.round_group.pg is not skip and g.round_group.pg not in mesh.along
     ]
@@ -474,6 +478,17 @@ def fan_out(mesh: _Guarded, met: Optional[Link], what: str) -> Optional[Round]:
     if found is None and skip is not mesh.whole.round_group.pg:
         found = mesh.along.get(mesh.whole.round_group.pg)
     return found
+
+
+def _post_failure(link: Link, what: str) -> Issued:
+    """A failure's round on ``link``'s group, issued. Where the group's last exit agreed on a data phase, a stand-in
+    of it goes right behind (its header says ``early``): a peer in a Join there may have sent its data behind its
+    round, and waits for this rank's before it can post the failure on the mesh's other groups, which this rank may
+    be waiting in first."""
+    shape = link.channel().last_data
+    if shape is None:
+        return issue_round(link, FAILURE, what=what)
+    return issue_round(link, FAILURE._replace(early=1), lambda: _issue_stand_in(shape, link), what)
 
 
 def told(err: CmapError, link: Link) -> CmapError:
