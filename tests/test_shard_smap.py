@@ -558,7 +558,14 @@ def test_axis_index_groups_over_a_tuple_bytes(worlds):
         print("bytes per rank, full / pairs along y / diagonal pairs:", full, along, diagonal, r["diagonal pairs"][1])
         assert abs((full - along) - (1.5 - 1.0) * n) < 1024, r
         assert along <= 1.0 * n + 16 * 1024 and diagonal <= 1.0 * n + 16 * 1024, r
-        assert r["pairs along y"][1] == r["diagonal pairs"][1], r  # the same collectives, one all-reduce per pair
+        # one all-reduce per pair in both; the status rounds may differ by one: a mesh's exits take a round on each
+        # group its calls' f used (noted with the mesh, for as long as the process keeps it), and the diagonal pairs
+        # are one more than the pairs along y, unless a check before this one used them on this mesh already
+        reduces = [
+            [name for name in r[k][1] if name != "all_gather_into_tensor"] for k in ("pairs along y", "diagonal pairs")
+        ]
+        assert reduces[0] == reduces[1] == ["all_reduce"], r
+        assert 0 <= len(r["diagonal pairs"][1]) - len(r["pairs along y"][1]) <= 1, r
 
 
 # grouped pmax and pmin (jax takes axis_index_groups there too): values only, neither is differentiable
