@@ -342,11 +342,13 @@ def checked_round(
 
     ``along``: rounds on other groups, inside a guarded backward (a guarded mesh's closing round), issued before this
     one and waited for after it, so that they are in flight together; each carries its header, or where this rank
-    fails here, the failure (:data:`FAILURE`). Their readings are kept for the guarded backward (:func:`taken_along`): a
-    failure's fan-out posts nothing more there, and the guard checks them (:func:`check_round`)."""
+    fails here, the failure as any post of it goes (:func:`_post_failure`). Their readings are kept for the guarded
+    backward (:func:`taken_along`): a failure's fan-out posts nothing more there, and the guard checks them
+    (:func:`check_round`)."""
     if not along:
         return check_round(link, header, what, run_round(link, header, also, what=what))
-    issued = [(g, issue_round(g, h if header.status == Status.OK else FAILURE, what=what)) for g, h in along]
+    failed = header.status != Status.OK
+    issued = [(g, _post_failure(g, what) if failed else issue_round(g, h, what=what)) for g, h in along]
     rnd = finish_round(link, issue_round(link, header, also, what))
     for g, pending in issued:
         _note_along(g, finish_round(g, pending))
