@@ -572,6 +572,51 @@ def test_axis_index_groups_over_a_tuple_bytes(worlds):
         assert 0 <= len(r["diagonal pairs"][1]) - len(r["pairs along y"][1]) <= 1, r
 
 
+def grouped_on_an_axis_s_groups():
+    """On a 2x2 mesh of its own: grouped psums over ("x", "y") whose groups are the y axis's ([[0, 1], [2, 3]]) and
+    the x axis's ([[0, 2], [1, 3]]), each counted once steady; then a shard_map of sin on that mesh, counted: this
+    rank's collectives, each with its group ("x" or "y" for the axes' own, else its ranks), and whether the sums are
+    exact."""
+    import torch.distributed as dist
+    import wire_tap
+    from torch.distributed.device_mesh import init_device_mesh
+
+    square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+    names = {square.get_group("x"): "x", square.get_group("y"): "y"}
+
+    def label(group):
+        return names.get(group, tuple(dist.get_process_group_ranks(group)))
+
+    x = torch.randint(-3, 4, (4, 8)).float()  # small integers: the sums are exact in any order
+    seen, exact = {}, True
+    for axis, groups, want in (("y", [[0, 1], [2, 3]], x.view(2, 2, 8).sum(1)), ("x", [[0, 2], [1, 3]], None)):
+        f = shard_map(lambda b: cm.psum(b, ("x", "y"), axis_index_groups=groups), square, P(("x", "y")), P(("x", "y")))
+        f(x)
+        with wire_tap.counting() as log:
+            y = f(x)
+        want = x.view(2, 2, 8).sum(1).repeat_interleave(2, 0) if axis == "y" else x.view(2, 2, 8).sum(0).repeat(2, 1)
+        exact = exact and torch.equal(y, want)
+        seen[axis] = [(name, label(group)) for name, group, _ in log.where]
+    plain = shard_map(torch.sin, square, P("x", "y"), P("x", "y"))
+    plain(x)
+    with wire_tap.counting() as log:
+        plain(x)
+    seen["exit"] = [(name, label(group)) for name, group, _ in log.where]
+    return seen, exact
+
+
+def test_a_grouped_psum_over_an_axis_s_groups_runs_on_that_axis_and_adds_no_round_to_the_exits(worlds):
+    """Groups over ("x", "y") that are the groups of one mesh axis make the psum that axis's own, on the axis's group
+    (no group of the same ranks beside it): the mesh's later exits take their rounds on the whole mesh and its two
+    axes only (the mesh is marked by the first psum), none on a copy of an axis."""
+    for seen, exact in worlds(4).run(grouped_on_an_axis_s_groups, deadline=60):
+        assert exact, seen
+        exit_ = [("all_gather_into_tensor", group) for group in ("x", "y", (0, 1, 2, 3))]
+        assert seen["exit"] == exit_, seen
+        for axis in ("x", "y"):  # the psum is its axis's round (8 floats ride in it), then the exit's rounds
+            assert seen[axis] == [("all_gather_into_tensor", axis)] + exit_, seen
+
+
 # grouped pmax and pmin (jax takes axis_index_groups there too): values only, neither is differentiable
 def grouped_extreme_cases(m):
     """name: (the mesh's axis names, the spec's axes, f)."""

@@ -132,7 +132,13 @@ def _grouped(x: torch.Tensor, axis_name: AxisName, op: str, groups: grouped.Grou
     if joint is not None:
         size = axis_size(axis_name)
         frame = AxisFrame(
-            link=joint.link, size=size, offset=joint.index, sizes=(1,) * size, mode=RANK, members=joint.ranks
+            link=joint.link,
+            size=size,
+            offset=joint.index,
+            sizes=(1,) * size,
+            mode=RANK,
+            mesh=joint.mesh,
+            members=joint.ranks,
         )
         return lowering.lower_rows(frame, x.unsqueeze(0), RULES[op], names, groups).squeeze(0)
     members = lowering.index_table(

@@ -30,11 +30,13 @@ class Joint(NamedTuple):
         index: this rank's index along the axes taken together, the first name major.
         ranks: the group rank of the member at each index (the group's ranks are in global-rank order, which need
             not be the index order: ``("y", "x")``).
+        mesh: the mesh the axes belong to, where sub-groups of the joint group are found (``axis_index_groups``).
     """
 
     link: Link
     index: int
     ranks: Tuple[int, ...]
+    mesh: Optional["MeshAxes"] = None
 
 
 class MeshAxes(Protocol):
@@ -42,6 +44,10 @@ class MeshAxes(Protocol):
 
     def joint(self, names: Tuple[str, ...]) -> Joint:
         """The group of these axes of the mesh taken together (made on first use, by its members alone)."""
+
+    def group(self, ranks: Tuple[int, ...]) -> Link:
+        """The link over these global ranks of the mesh: the whole mesh's group or an axis's where it holds just
+        them, else one made once for them (by its members alone)."""
 
 
 @dataclass
@@ -186,7 +192,7 @@ def joint_over(axis_name: Any, length: int = 1) -> Optional[Joint]:
         return None
     if len(names) == 1:
         frame = lookup(names[0], "collective")
-        return Joint(frame.link, frame.offset, tuple(range(frame.size)))
+        return Joint(frame.link, frame.offset, tuple(range(frame.size)), frame.mesh)
     return joint_of(names, "collective")
 
 

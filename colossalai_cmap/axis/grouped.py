@@ -4,7 +4,8 @@ members, as sub-group collectives.
 The groups partition the axis's indices (its examples, or its ranks along a mesh axis) into groups of one size;
 the order inside a group is the gather order. Each group's members live on some ranks of the axis's group: the
 groups whose members live on the same ranks form a bucket, and each bucket is one collective over those ranks
-alone, on a ``torch.distributed`` group made once for them (collectively, by its members) and kept. A bucket on
+alone: on a ``shard_map`` mesh, the mesh's group of them (an axis's, where they are one; the mesh's exits reach the
+mesh's groups only), else a ``torch.distributed`` group made once for them (collectively, by its members) and kept. A bucket on
 one rank needs no communication. Buckets run in one order on every rank, so no two ranks wait on each other in
 different groups. Nothing travels to a rank outside a group: the bytes are the sub-group's, never a full
 collective and a mask.
@@ -102,12 +103,16 @@ def layout(groups: Groups, owner: Tuple[int, ...]) -> Layout:
 _SUBGROUPS: Dict[Tuple[int, ...], Any] = {}
 
 
-def _sub_link(link: Link, ranks: Tuple[int, ...]) -> Link:
-    """The link over these group ranks of ``link``'s group: the group itself, or a group made once for them (its
-    members alone take part in making it) and kept."""
+def _sub_link(frame: AxisFrame, ranks: Tuple[int, ...]) -> Link:
+    """The link over these group ranks of the frame's group: the group itself; on a ``shard_map`` mesh, the mesh's
+    group over them (an axis's, where they are one: the collective is the axis's own, and the mesh's exits have no
+    other group to reach); else a group made once for them (its members alone take part in making it) and kept."""
+    link = frame.link
     if len(ranks) == link.group.size:
         return link
     members = tuple(link.group.ranks[r] for r in ranks)
+    if frame.mesh is not None:
+        return frame.mesh.group(members)._replace(call=link.call, timeout=link.timeout)
     pg = _SUBGROUPS.get(members)
     if pg is None:
         pg = _SUBGROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
@@ -117,7 +122,7 @@ def _sub_link(link: Link, ranks: Tuple[int, ...]) -> Link:
 def _sub_frame(frame: AxisFrame, bucket: Bucket, sizes: Sequence[int]) -> AxisFrame:
     """The frame of one bucket's collective: its ranks, each holding ``sizes`` rows."""
     me = bucket.ranks.index(_me(frame))
-    link = None if len(bucket.ranks) == 1 else _sub_link(frame.link, bucket.ranks)
+    link = None if len(bucket.ranks) == 1 else _sub_link(frame, bucket.ranks)
     return AxisFrame(link=link, size=sum(sizes), offset=first_row(sizes, me), sizes=tuple(sizes), mode=frame.mode)
 
 

@@ -18,7 +18,7 @@ from ..axis.frame import Joint
 from ..integration.plugins import plugin_mesh
 from ..torch_internals import outside_transforms
 from ..wire.group import Group, group_of
-from ..wire.link import link_for
+from ..wire.link import Link, link_for
 
 
 class Mesh:
@@ -217,8 +217,14 @@ class MeshJoints:
         group = group_over(self.view, ranks)
         index = ranks.index(group.global_rank)
         return Joint(
-            link_for(group, self.device, self.call, self.timeout), index, tuple(group.ranks.index(r) for r in ranks)
+            link_for(group, self.device, self.call, self.timeout),
+            index,
+            tuple(group.ranks.index(r) for r in ranks),
+            self,
         )
+
+    def group(self, ranks: Tuple[int, ...]) -> Link:
+        return link_for(group_over(self.view, ranks), self.device, self.call, self.timeout)
 
 
 _AXIS_VIEWS: Dict[Tuple[int, str], Tuple[MeshView, MeshView]] = {}
