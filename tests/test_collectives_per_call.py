@@ -637,8 +637,9 @@ def test_an_output_equal_along_one_axis_rides_in_the_whole_mesh_s_round(worlds, 
     untyped, a broadcast along the other axis). Backward and forward-mode tangents are those of the assembly axis by
     axis, bit for bit; a double backward too, to the order its terms are summed in."""
     for seen in worlds(4).run(check_copies_on_a_2d_mesh, axis, check_vma, deadline=DEADLINE):
-        # psum's round; the exit on the mesh psum marked: the axes' rounds and the whole mesh's, which carries it
-        assert all(len(names) == 4 for names in seen["forward"]), seen["forward"]
+        # psum's round; the exit: a round on the psum's axis, where a peer may wait in it (none on the axis no round
+        # in f took), and the whole mesh's, which carries the output
+        assert all(len(names) == 3 for names in seen["forward"]), seen["forward"]
         assert seen["grad"] and seen["second"] and seen["tangent"] and seen["unsharded"], seen
         # backward: psum's transpose, then the input's gradient; untyped summed over the other axis and gathered over
         # the axis, typed (invariant along the other axis: no sum) gathered over the whole mesh from the ranks at
@@ -815,24 +816,24 @@ def check_collectives_on_an_axis(timeout: float) -> Dict[str, Any]:
     return seen
 
 
-def test_an_exit_takes_rounds_on_the_axes_once_f_has_taken_one_there(worlds):
+def test_an_exit_takes_a_round_on_an_axis_once_f_has_taken_one_there(worlds):
     """On a 2 x 2 mesh, an exit is the whole mesh's round alone until f takes a collective over one axis; that
     first collective is announced in a round over the whole mesh, and from then on every exit of that mesh takes a
-    round on each axis's group too (a rank waiting in a psum over y is told only by a round over y), all three in
-    flight together. A rank that
-    raises before the psum, before or after the mesh is marked, and before a psum over the whole mesh, on a marked
-    mesh or not, is every rank's CmapError at once, not at the timeout, and the next step is right."""
+    round on that axis's group too (a rank waiting in a psum over y is told only by a round over y), the two in
+    flight together, and none on the other axis, where no rank can be waiting. A rank that raises before the psum,
+    before or after the axis is noted, and before a psum over the whole mesh, on a mesh with a noted axis or not, is
+    every rank's CmapError at once, not at the timeout, and the next step is right."""
     timeout = 30.0
     for seen in worlds(4).run(check_collectives_on_an_axis, timeout, deadline=DEADLINE):
         assert seen["exact"] == [True] * 7, seen
         counts = seen["counts"]
         # the whole mesh's round carries the P('x') output (from the ranks at y = 0); a plain step is that round;
-        # psum over y: announced, its round (the data rides), the axes' rounds and the whole's; then the same without
-        # the announcement; a plain step on the marked mesh keeps the axes' rounds
-        assert [counts[k] for k in (1, 3, 4, 5, 7)] == [1, 1, 5, 4, 3], counts
-        # a marked mesh's exit: the axes' rounds and the whole mesh's all issued before any is waited for
-        exit_rounds = [("issue", "all_gather_into_tensor")] * 3 + [("wait", "all_gather_into_tensor")] * 3
-        assert seen["events"][5][2:8] == exit_rounds and seen["events"][7][:6] == exit_rounds, seen["events"]
+        # psum over y: announced, its round (the data rides), y's round and the whole's; then the same without the
+        # announcement; a plain step on that mesh keeps y's round
+        assert [counts[k] for k in (1, 3, 4, 5, 7)] == [1, 1, 4, 3, 2], counts
+        # the exit: y's round and the whole mesh's, both issued before either is waited for
+        exit_rounds = [("issue", "all_gather_into_tensor")] * 2 + [("wait", "all_gather_into_tensor")] * 2
+        assert seen["events"][5][2:6] == exit_rounds and seen["events"][7][:4] == exit_rounds, seen["events"]
         assert [label for label, _ in seen["errors"]] == [s[0] for s in AXIS_STEPS if s[3]], seen["errors"]
         for label, error in seen["errors"]:
             assert "f failed on purpose" in error and "group rank 3" in error, (label, error)

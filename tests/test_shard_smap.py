@@ -607,14 +607,16 @@ def grouped_on_an_axis_s_groups():
 
 def test_a_grouped_psum_over_an_axis_s_groups_runs_on_that_axis_and_adds_no_round_to_the_exits(worlds):
     """Groups over ("x", "y") that are the groups of one mesh axis make the psum that axis's own, on the axis's group
-    (no group of the same ranks beside it): the mesh's later exits take their rounds on the whole mesh and its two
-    axes only (the mesh is marked by the first psum), none on a copy of an axis."""
+    (no group of the same ranks beside it): the mesh's later exits take their rounds on the whole mesh and the axes
+    the psums took, none on a copy of an axis."""
     for seen, exact in worlds(4).run(grouped_on_an_axis_s_groups, deadline=60):
         assert exact, seen
-        exit_ = [("all_gather_into_tensor", group) for group in ("x", "y", (0, 1, 2, 3))]
-        assert seen["exit"] == exit_, seen
-        for axis in ("x", "y"):  # the psum is its axis's round (8 floats ride in it), then the exit's rounds
-            assert seen[axis] == [("all_gather_into_tensor", axis)] + exit_, seen
+        # each psum is its axis's round (8 floats ride in it), then the exit's rounds: on each axis noted so far (in
+        # the order first met), then the whole mesh's
+        rounds = lambda *groups: [("all_gather_into_tensor", group) for group in groups]  # noqa: E731
+        assert seen["y"] == rounds("y", "y", (0, 1, 2, 3)), seen
+        assert seen["x"] == rounds("x", "y", "x", (0, 1, 2, 3)), seen
+        assert seen["exit"] == rounds("y", "x", (0, 1, 2, 3)), seen
 
 
 # grouped pmax and pmin (jax takes axis_index_groups there too): values only, neither is differentiable

@@ -117,14 +117,11 @@ def conclude(
     """Every round of the exit, or the same ``CmapError`` on every rank. With ``carried``, the exit's round gathers
     those outputs too (differentiably: the backward of each is the cut of each rank's rows), unless a rank's carried
     blocks differ in length: then a second round sends every rank's block lengths, and nothing comes back gathered."""
-    axes = [links[n] for n in view.names if links[n].group.pg is not whole.group.pg]
-    parts = rounds.parts_in_func(whole, [links[n] for n in view.names])
-    if parts is None:
-        axes = []  # no rank can be waiting in a round on an axis: the whole mesh's round tells every rank
-    else:
-        axes += parts  # and on several axes of a mesh of three or more, or a nested call's group
+    # a peer may wait in a round on a part of the mesh f took one on (an axis's group, several axes', a nested call's);
+    # on no other: the whole mesh's round tells every rank there
+    along = rounds.parts_in_func(whole, [links[n] for n in view.names])
     if outcome.failed is not None:
-        raise_failed(whole, outcome.failed, along=axes)
+        raise_failed(whole, outcome.failed, along=along)
     exit_ = Exit(
         status=Status.OK,
         input_sig=0,
@@ -134,7 +131,7 @@ def conclude(
         flags=0,
         values=0,
         agree=("digest", "graph_sig"),
-        along=tuple(axes),  # with the whole mesh's round: a peer may wait in a collective over an axis, or every axis
+        along=along,  # with the whole mesh's round
     )
     # on the error path every rank sends its outputs' layout (one collective): every rank read the same table
     if carried is None:

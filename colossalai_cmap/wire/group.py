@@ -60,10 +60,9 @@ class GroupState:
             lengths before its round and can send its data right behind it.
         parts_in_func: the meshes over this group (each by its axes' groups) where a map call has taken a round on
             part of the mesh (an axis's group, several axes', a nested call's) while its ``f`` ran, each with the
-            links of the parts that are not one axis's group (this rank's group of several axes, in the order first
-            met). A mesh or a part is added by a round on this group that every rank passes
-            (:func:`~colossalai_cmap.wire.rounds.within_mesh`), so alike on every rank; from then on, its exits take
-            a round on each axis's group and on each such part with the whole mesh's.
+            links of those parts (this rank's group of each, in the order first met). A part is added by a round on
+            this group that every rank passes (:func:`~colossalai_cmap.wire.rounds.within_mesh`), so alike on every
+            rank; from then on, the mesh's exits take a round on each part with the whole mesh's.
     """
 
     group: Group

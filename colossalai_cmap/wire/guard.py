@@ -116,9 +116,11 @@ def _parts(link: Link, axes: Sequence[Link]) -> Tuple[Link, ...]:
     varying over several axes, :func:`~.rounds.split_parts`), once each."""
     if not axes:
         return ()
+    on_axes = {a.round_group.pg for a in axes}  # the guard posts there anyway
     found: Dict[Any, Link] = {}
-    for part in (*(rounds.parts_in_func(link, axes) or ()), *rounds.split_parts(link, axes)):
-        found.setdefault(part.round_group.pg, part)
+    for part in (*rounds.parts_in_func(link, axes), *rounds.split_parts(link, axes)):
+        if part.round_group.pg not in on_axes:
+            found.setdefault(part.round_group.pg, part)
     return tuple(found.values())
 
 

@@ -222,15 +222,13 @@ _WITHIN = threading.local()  # .meshes: (whole mesh's link, the mesh's key, the 
 def within_mesh(whole: Link, axes: Sequence[Link]) -> Iterator[None]:
     """While a map call's ``f`` runs on a mesh (its whole group ``whole``'s, its axes' groups ``axes``'): the first
     round on any other group (an axis's, several axes', a nested call's) is announced first, in an ``OP`` round on
-    the whole mesh's group that every rank must pass, and marks the mesh (in
+    the whole mesh's group that every rank must pass, and the group is noted with the mesh (in
     :attr:`~.group.GroupState.parts_in_func`, alike on every rank).
 
-    A rank waiting in a round on part of the mesh is told of a peer's failure only by a round on that part. Until a
-    mesh is marked, no rank can be waiting in one (its announcement needs every rank), so the exit is one round on the
-    whole mesh's group; once it is marked, the exit takes a round on each axis's group too, and f's rounds on the
-    axes need no announcement. A part that is not one axis's group (several axes of a mesh of three or more, a
-    nested call's group) is announced the first time too, and noted with the mesh: the exit takes a round there as
-    well."""
+    A rank waiting in a round on part of the mesh is told of a peer's failure only by a round on that part. No rank
+    can be waiting in a round on a part not noted yet (its announcement needs every rank), so the exit takes a round
+    on the whole mesh's group and one on each noted part, no more: on a mesh where f took rounds over one axis only,
+    none on the others'."""
     meshes = getattr(_WITHIN, "meshes", ())
     _WITHIN.meshes = meshes + ((whole, _mesh_key(axes), []),)
     try:
@@ -239,13 +237,11 @@ def within_mesh(whole: Link, axes: Sequence[Link]) -> Iterator[None]:
         _WITHIN.meshes = meshes
 
 
-def parts_in_func(whole: Link, axes: Sequence[Link]) -> Optional[Tuple[Link, ...]]:
-    """Where a call on this mesh has taken a round on part of it inside its ``f`` (:func:`within_mesh`): None if
-    nowhere, else the parts that are not one of its ``axes``' groups (this rank's link to each, named and timed as
-    ``whole``), in the order first met, alike on every rank."""
-    found = state_of(whole.round_group.pg).parts_in_func.get(_mesh_key(axes))
-    if found is None:
-        return None
+def parts_in_func(whole: Link, axes: Sequence[Link]) -> Tuple[Link, ...]:
+    """The parts of this mesh a call has taken a round on inside its ``f`` (:func:`within_mesh`): its axes' groups
+    and others (this rank's link to each, named and timed as ``whole``), in the order first met, alike on every
+    rank; none where no call did."""
+    found = state_of(whole.round_group.pg).parts_in_func.get(_mesh_key(axes), ())
     return tuple(part._replace(call=whole.call, timeout=whole.timeout) for part in found)
 
 
@@ -277,18 +273,14 @@ def _mesh_key(axes: Sequence[Link]) -> Tuple[Any, ...]:
 
 
 def _announce_part(link: Link, name: str) -> None:
-    """Before a round on ``link``'s group: on each enclosing mesh of which it is a part and that is not marked yet
-    (or, for a part that is not one of its axes' groups, that has not noted it yet), the round that announces it
-    (outermost first; a mesh's own announcement is announced on the meshes around it)."""
+    """Before a round on ``link``'s group: on each enclosing mesh of which it is a part that the mesh has not noted
+    yet, the round that announces it (outermost first; a mesh's own announcement is announced on the meshes around
+    it)."""
     meshes, pg = _WITHIN.meshes, link.round_group.pg
     for i, (whole, key, _) in enumerate(meshes):
-        marked = state_of(whole.round_group.pg).parts_in_func
-        parts = marked.get(key)
-        if whole.round_group.pg is pg:
+        noted = state_of(whole.round_group.pg).parts_in_func
+        if whole.round_group.pg is pg or any(p.round_group.pg is pg for p in noted.get(key, ())):
             continue
-        other = all(a is not pg for a in key)  # not one of the mesh's axes' groups: its exits must reach it by name
-        if parts is not None and (not other or any(p.round_group.pg is pg for p in parts)):
-            continue  # marked, and the part is an axis or noted already
         _WITHIN.meshes = meshes[:i]
         try:
             header = Header(kind=Kind.OP, digest=PART_DIGEST, inline=1)
@@ -297,9 +289,7 @@ def _announce_part(link: Link, name: str) -> None:
             )
         finally:
             _WITHIN.meshes = meshes
-        marked.setdefault(key, [])
-        if other:
-            marked[key].append(link)
+        noted.setdefault(key, []).append(link)
 
 
 def status_round(
