@@ -775,6 +775,8 @@ AXIS_STEPS = (  # step: (which of two meshes, f's collective over mesh axes or N
     ("psum over y", 0, "y", False),
     ("raises before psum over y", 0, "y", True),
     ("plain", 0, None, False),
+    ("raises before psum over x", 0, "x", True),
+    ("psum over x", 0, "x", False),
     ("raises before psum over the mesh", 0, ("x", "y"), True),
     ("psum over the mesh", 0, ("x", "y"), False),
     ("raises before psum over the mesh", 1, ("x", "y"), True),
@@ -795,7 +797,8 @@ def check_collectives_on_an_axis(timeout: float) -> Dict[str, Any]:
         return (block if step["axes"] is None else cm.psum(block, step["axes"])).sin()
 
     x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
-    per_y = {None: x, "y": x * 2, ("x", "y"): torch.cat([x[:4] + x[4:]] * 2) * 2}  # blocks are equal along y
+    halves = torch.cat([x[:4] + x[4:]] * 2)  # a sum of two terms: exact in either order
+    per_y = {None: x, "y": x * 2, "x": halves, ("x", "y"): halves * 2}  # blocks are equal along y
     # a sum of 4 terms in another order: within 3 eps of 4 max|x|, and sin's own rounding (eps / 2); a + a is exact
     tolerance = 3 * torch.finfo(x.dtype).eps * 4 * float(x.abs().max()) + torch.finfo(x.dtype).eps
     seen: Dict[str, Any] = {"counts": [], "exact": [], "errors": [], "seconds": [], "events": []}
@@ -825,12 +828,13 @@ def test_an_exit_takes_a_round_on_an_axis_once_f_has_taken_one_there(worlds):
     every rank's CmapError at once, not at the timeout, and the next step is right."""
     timeout = 30.0
     for seen in worlds(4).run(check_collectives_on_an_axis, timeout, deadline=DEADLINE):
-        assert seen["exact"] == [True] * 7, seen
+        assert seen["exact"] == [True] * 8, seen
         counts = seen["counts"]
         # the whole mesh's round carries the P('x') output (from the ranks at y = 0); a plain step is that round;
         # psum over y: announced, its round (the data rides), y's round and the whole's; then the same without the
-        # announcement; a plain step on that mesh keeps y's round
-        assert [counts[k] for k in (1, 3, 4, 5, 7)] == [1, 1, 4, 3, 2], counts
+        # announcement; a plain step on that mesh keeps y's round; the first psum over x that runs (the one before
+        # it failed in its announcement) is announced, and the exits take x's round too
+        assert [counts[k] for k in (1, 3, 4, 5, 7, 9)] == [1, 1, 4, 3, 2, 5], counts
         # the exit: y's round and the whole mesh's, both issued before either is waited for
         exit_rounds = [("issue", "all_gather_into_tensor")] * 2 + [("wait", "all_gather_into_tensor")] * 2
         assert seen["events"][5][2:6] == exit_rounds and seen["events"][7][:4] == exit_rounds, seen["events"]
