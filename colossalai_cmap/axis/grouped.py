@@ -5,10 +5,10 @@ The groups partition the axis's indices (its examples, or its ranks along a mesh
 the order inside a group is the gather order. Each group's members live on some ranks of the axis's group: the
 groups whose members live on the same ranks form a bucket, and each bucket is one collective over those ranks
 alone: on a ``shard_map`` mesh, the mesh's group of them (an axis's, where they are one; the mesh's exits reach the
-mesh's groups only), else a ``torch.distributed`` group made once for them (collectively, by its members) and kept. A bucket on
-one rank needs no communication. Buckets run in one order on every rank, so no two ranks wait on each other in
-different groups. Nothing travels to a rank outside a group: the bytes are the sub-group's, never a full
-collective and a mask.
+mesh's groups only), else a ``torch.distributed`` group made once for them (collectively, by its members) and
+kept. A bucket on one rank needs no communication. Buckets run in one order on every rank, so no two ranks wait on
+each other in different groups. Nothing travels to a rank outside a group: the bytes are the sub-group's, never a
+full collective and a mask.
 """
 
 import functools
