@@ -16,9 +16,8 @@ import itertools
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ..wire.group import group_of
+from ..wire.group import group_for
 from ..wire.link import Link, link_for
 from ..wire.roles import first_row
 from .frame import AxisFrame
@@ -100,9 +99,6 @@ def layout(groups: Groups, owner: Tuple[int, ...]) -> Layout:
     return Layout(owner, tuple(group_of_index), tuple(position), slot, tuple(map(tuple, held)), buckets)
 
 
-_SUBGROUPS: Dict[Tuple[int, ...], Any] = {}
-
-
 def _sub_link(frame: AxisFrame, ranks: Tuple[int, ...]) -> Link:
     """The link over these group ranks of the frame's group: the group itself; on a ``shard_map`` mesh, the mesh's
     group over them (an axis's, where they are one: the collective is the axis's own, and the mesh's exits have no
@@ -113,10 +109,7 @@ def _sub_link(frame: AxisFrame, ranks: Tuple[int, ...]) -> Link:
     members = tuple(link.group.ranks[r] for r in ranks)
     if frame.mesh is not None:
         return frame.mesh.group(members)._replace(call=link.call, timeout=link.timeout)
-    pg = _SUBGROUPS.get(members)
-    if pg is None:
-        pg = _SUBGROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
-    return link_for(group_of(pg), link.device, link.call, link.timeout)
+    return link_for(group_for(members), link.device, link.call, link.timeout)
 
 
 def _sub_frame(frame: AxisFrame, bucket: Bucket, sizes: Sequence[int]) -> AxisFrame:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..axis.frame import Joint
 from ..integration.plugins import plugin_mesh
 from ..torch_internals import outside_transforms
-from ..wire.group import Group, group_of
+from ..wire.group import Group, group_for, group_of
 from ..wire.link import Link, link_for
 
 
@@ -83,7 +83,6 @@ class MeshView:
 
 
 _VIEWS: Dict[int, Tuple[Any, MeshView]] = {}  # id(mesh) -> (mesh, view): the mesh kept alive, so ids are not reused
-_WHOLE: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def resolve_mesh(call: str, mesh: Any) -> MeshView:
@@ -149,10 +148,7 @@ def _whole(axes: Dict[str, Group], ranks: Tuple[int, ...]) -> Group:
         return next(iter(axes.values()))
     if len(ranks) == dist.get_world_size():
         return group_of(dist.group.WORLD)
-    pg = _WHOLE.get(ranks)
-    if pg is None:  # only the mesh's ranks take part in making it
-        pg = _WHOLE[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return group_of(pg)
+    return group_for(ranks)  # only the mesh's ranks take part in making it
 
 
 def mesh_size(view: MeshView) -> int:
@@ -196,10 +192,7 @@ def group_over(view: MeshView, ranks: Sequence[int]) -> Group:
     for group in (view.whole, *view.axes.values()):
         if key == tuple(sorted(group.ranks)):
             return group
-    pg = _WHOLE.get(key)
-    if pg is None:
-        pg = _WHOLE[key] = dist.new_group(list(key), use_local_synchronization=True)
-    return group_of(pg)
+    return group_for(key)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ gives every group one, so that the layout GPUs take runs on CPU too.
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -119,3 +119,18 @@ def kept_groups() -> Dict[int, Tuple[Any, GroupState]]:
 
 def group_of(pg: dist.ProcessGroup) -> Group:
     return state_of(pg).group
+
+
+_MADE: Dict[Tuple[int, ...], dist.ProcessGroup] = {}  # the groups made here for a set of global ranks
+
+
+def group_for(ranks: Sequence[int]) -> Group:
+    """The group of these global ranks, made on first need by its members alone
+    (``new_group(..., use_local_synchronization=True)``: every member resolves it at the same call) and kept, one per
+    set of ranks for every layer that asks (a mesh's whole group, a collective over several of its axes, a grouped
+    collective's bucket)."""
+    key = tuple(sorted(ranks))
+    pg = _MADE.get(key)
+    if pg is None:
+        pg = _MADE[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return group_of(pg)
