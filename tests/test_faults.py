@@ -179,6 +179,47 @@ def test_faults_in_steady_large_backward_reach_every_rank(worlds):
     assert got == [[(v, p) for v in (0, 1) for p in PHASES_IN_STEP]] * 2
 
 
+def check_faults_in_steady_summed_backward():
+    """Training steps of ``cmap(lambda r: tanh(r @ w))`` with a 256 x 256 weight shared by every example: at P = 3 its
+    gradient (256 KiB) takes its own all-reduce, which goes right behind the backward's round once the steps repeat.
+    A fault in backward on one rank (in the step's forward, or in packing the gradient) is the same CmapError on every
+    rank, whichever rank it is, and the steps after each give vmap's gradient: the rank that fails sends a stand-in
+    all-reduce for its peers' early one."""
+    import wire_tap
+
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(256, 256, generator=gen).requires_grad_(), torch.randn(6, 256, generator=gen)
+    mapped = cm.cmap(lambda r: torch.tanh(r @ w))
+    want = torch.autograd.grad(torch.vmap(lambda r: torch.tanh(r @ w))(x).sum(), w)[0]
+
+    def step(k):
+        w.grad = None
+        mapped(x).sum().backward()
+        # the sum over ranks reorders float32 sums of 2 per-rank terms of up to 6 rows each (entries up to ~20)
+        assert (w.grad - want).abs().max() <= 6 * 20 * torch.finfo(torch.float32).eps * 4, k
+
+    for k in range(6):
+        step(k)
+    with wire_tap.counting() as log:
+        w.grad = None
+        loss = mapped(x).sum()
+    with wire_tap.counting() as log:
+        loss.backward()
+    assert log.events == [
+        ("issue", "all_gather_into_tensor"),
+        ("issue", "all_reduce"),
+        ("wait", "all_gather_into_tensor"),
+        ("wait", "all_reduce"),
+    ], log.events  # sent early
+    size = dist.get_world_size()
+    return [found for victim in sorted({0, size - 1}) for found in _faults_then_steady(step, victim, PHASES_IN_STEP)]
+
+
+def test_faults_in_steady_summed_backward_reach_every_rank(worlds):
+    got = worlds(3).run(check_faults_in_steady_summed_backward, deadline=120)
+    assert got == [[(v, p) for v in (0, 2) for p in PHASES_IN_STEP]] * 3
+
+
 def check_group_of_one():
     """P = 1: the phases before any exchange still raise CmapError, and the next call works."""
     for phase in ("args", "func"):

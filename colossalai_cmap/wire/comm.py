@@ -180,7 +180,8 @@ def issue_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, call: s
 
 
 def wait_for(pending: Pending, group: Group, call: str, timeout: Optional[float], name: str = "all_gather") -> None:
-    """Wait, with the bound, for a collective :func:`issue_all_gather` or :func:`issue_gather` left in flight."""
+    """Wait, with the bound, for a collective left in flight (:func:`issue_all_gather`, :func:`issue_gather`,
+    :func:`issue_all_reduce`)."""
     _wait(pending, group, call, name, timeout)
 
 
@@ -292,16 +293,17 @@ def broadcast(t: torch.Tensor, src: int, group: Group, call: str, timeout: Optio
 
 
 def all_reduce(t: torch.Tensor, group: Group, call: str, timeout: Optional[float], op: Any = None) -> None:
+    """``t`` summed (or reduced by ``op``) over the group, in place."""
+    wait_for(issue_all_reduce(t, group, call, "all_reduce", op), group, call, timeout, "all_reduce")
+
+
+def issue_all_reduce(t: torch.Tensor, group: Group, call: str, what: str, op: Any = None) -> Pending:
+    """:func:`all_reduce` left in flight, to wait for with :func:`wait_for` (data sent together with a round)."""
+
     def issue() -> Any:
         return dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group.pg, async_op=True)
 
-    _wait(
-        _issue("all_reduce", _nbytes(t), group, call, [], issue, what="all_reduce", reads=[t]),
-        group,
-        call,
-        "all_reduce",
-        timeout,
-    )
+    return _issue("all_reduce", _nbytes(t), group, call, [], issue, what=what, reads=[t])
 
 
 def checksum(values: Sequence[Any], start: int = 0) -> int:

@@ -4,8 +4,9 @@ One all-gather carries every gathered tensor, padded to the largest share becaus
 single one travels in its own dtype, and the receive buffer's first rows are the result); one all-reduce per
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
 failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
-A call's exit whose data phase has the shape the group's last exit agreed on sends it right behind its round
-(:func:`early`): the all-gather, or with ``dst=r`` the gather to that rank. ``src=r``'s scatter of the shares
+An exchange whose data phase has the shape the group last agreed on sends it right behind its round (:func:`early`):
+an exit's all-gather, or with ``dst=r`` its gather to that rank (a backward's gather of that shape too); or a
+backward's one all-reduce of summed gradients (:func:`agreed_after` keeps the record). ``src=r``'s scatter of the shares
 (:func:`scatter_from_source`) packs its rows the same way.
 """
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from . import comm
 from .group import Group
-from .link import Channel, DataShape, Link
+from .link import Channel, DataShape, Link, SumShape
 from .payload import Item, numel, offsets, rows_first, typed_view
 from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
 
@@ -110,12 +111,42 @@ def early_shape(prep: Prepared, link: Link, dst: int) -> Optional[DataShape]:
     return DataShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device, dst)
 
 
+def sum_shape(prep: Prepared, link: Link) -> Optional[SumShape]:
+    """What a data phase sends, when it is one all-reduce and nothing else."""
+    if prep.send is not None or len(prep.flats) != 1:
+        return None
+    (((role, _), flat),) = prep.flats.items()
+    return SumShape(flat.numel(), flat.dtype, _REDUCE_OPS[role], link.group, link.device)
+
+
+def agreed_after(last: Optional[Any], prep: Optional[Prepared], link: Link, dst: int, exit: bool) -> Optional[Any]:
+    """The channel's record after a clean exit (``exit``) or a backward exchange every rank passed, alike on every
+    rank in step: an exit's one gather replaces it, an exit of another data phase clears it, except that an exit
+    with no gather leaves a backward's sum in place (a training step whose outputs ride in the round); a backward's
+    one all-reduce takes it where no exit's gather holds it (that one stays: a forward that goes early), and any
+    other backward leaves it."""
+    if exit:
+        gather = early_shape(prep, link, dst) if prep is not None else None
+        return last if gather is None and isinstance(last, SumShape) else gather
+    summed = sum_shape(prep, link) if prep is not None else None
+    return summed if summed is not None and not isinstance(last, DataShape) else last
+
+
 def early(prep: Optional[Prepared], ch: Channel, link: Link, dst: int) -> Optional[Callable[[], Any]]:
-    """The data phase, to issue right behind the round, when its shape is the one the last exit on this group agreed
-    (so every rank in step sends the same shape). Ranks that do not send early learn from the round who did, and send
-    a stand-in of that shape (:func:`~.rounds.run_round`)."""
+    """The data phase, to issue right behind the round, when its shape is the one the group last agreed on (so every
+    rank in step sends the same shape). Ranks that do not send early learn from the round who did, and send a
+    stand-in of that shape (:func:`~.rounds.run_round`). A sum is reduced in place: where the round says a peer did not
+    send it early, the exchange makes its buffer again before its own all-reduce."""
     shape = ch.last_data
-    if prep is None or shape is None or early_shape(prep, link, dst) != shape:
+    if prep is None or shape is None:
+        return None
+    if isinstance(shape, SumShape):
+        if sum_shape(prep, link) != shape:
+            return None
+        (((role, _), flat),) = prep.flats.items()
+        op = getattr(dist.ReduceOp, shape.op)
+        return lambda: comm.issue_all_reduce(flat, link.group, link.call, shape.what(), op)
+    if early_shape(prep, link, dst) != shape:
         return None
     return lambda: comm.issue_stacked(prep.recv, prep.send, dst, link.group, link.call, shape.what())
 
@@ -125,6 +156,8 @@ def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:
     if prep.recv is not None:
         it = next(it for it in prep.items if not it.reduced)
         cut_padded(prep.recv, prep.sizes, out=prep.results[it.index])
+    for (role, dtype), flat in prep.flats.items():
+        _split_flat(prep, role, dtype, flat)
     return prep.results
 
 

@@ -230,7 +230,8 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         spec = spec._replace(link=spec.link.host_side())
     link = spec.link
     group = link.group
-    sizes = next((r.sizes for r in spec.roles if is_rows(r)), None)
+    # rows per rank: a Rows role's (None where only the round knows them); with no rows, none on any rank
+    sizes = next((r.sizes for r in spec.roles if is_rows(r)), (0,) * group.size)
     if any(t.is_meta for t in tensors):
         return _shapes_only(spec, tensors, sizes)
     ch = link.channel()
@@ -260,9 +261,8 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results, prep = _deliver(spec, rt, rnd, tensors, prep)
-    if spec.exit is not None:  # a clean exit: every rank is in step, and agrees on the data phase's shape (backward's
-        # exchanges leave it: a training step's forward stays early where its backward's data has another shape)
-        ch.last_data = data_phase.early_shape(prep, link, spec.dst) if prep is not None else None
+    if spec.exit is not None or spec.kind == Kind.SYNC:  # every rank passed the round: in step, with one data phase
+        ch.last_data = data_phase.agreed_after(ch.last_data, prep, link, spec.dst, spec.exit is not None)
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 
@@ -344,6 +344,8 @@ def _deliver(spec: JoinSpec, rt: Any, rnd: Round, tensors: Sequence[torch.Tensor
         return unpack_payload(rt, spec.dst in (-1, link.group.rank)), None
     if all(h.early for h in rnd.table):
         return data_phase.taken_early(prep), prep
+    if prep.flats and rnd.table[link.group.rank].early:  # this rank's sum went early, paired with a stand-in
+        prep = data_phase.prepare(rt.items, tensors, rt.sizes, link.group, spec.dst)
     return data_phase.run_data_phase(prep, link.group, spec.dst, link.call, link.timeout), prep
 
 

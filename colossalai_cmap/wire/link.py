@@ -24,9 +24,9 @@ a function of the tables of the rounds before it, which every rank has seen in t
 A round whose ranks were at different kinds of round (a peer still inside ``func`` or in a backward) changes
 nothing: the round a rank repeats after it has the same size, and so does the one its peer makes next.
 
-Data too large to ride in a round takes its own collective after it; an exit whose data has the shape of the last
-exit's on the group (:class:`DataShape`, agreed at that exit) issues it right behind the round, so both are in flight
-together.
+Data too large to ride in a round takes its own collective after it. An exchange whose data has the shape the group
+last agreed on (:class:`DataShape`, a gather agreed at an exit; or :class:`SumShape`, a sum agreed in a backward)
+issues it right behind the round, so both are in flight together.
 """
 
 import os
@@ -80,6 +80,25 @@ class DataShape(NamedTuple):
         return f"{self.collective()}{where} (data sent with the exit round)"
 
 
+class SumShape(NamedTuple):
+    """A data phase that is one all-reduce of a flat buffer (a backward's summed gradients: a shared weight's, a
+    module's parameters'): its element count, dtype (as it travels) and reduction, and where it runs. The channel
+    keeps it from the last backward exchange that sent it, unless an exit's gather is kept, so that the next
+    exchange of that shape sends it right behind its round, and a rank that does not sends a stand-in of it."""
+
+    numel: int
+    dtype: torch.dtype
+    op: str  # "SUM", "MAX" or "MIN"
+    group: Group
+    device: torch.device
+
+    def collective(self) -> str:
+        return "all_reduce"
+
+    def what(self) -> str:
+        return "all_reduce (data sent with a backward round)"
+
+
 class Buffers(NamedTuple):
     """A round's buffers for one payload size: views of the channel's backing store, and the routes through them."""
 
@@ -110,7 +129,7 @@ class Channel:
         self.after: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # a round's name -> (the bytes the round after it
         # needed, how many times in a row)
         self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
-        self.last_data: Optional[DataShape] = None  # what the last exit's data phase sent, when one rows tensor
+        self.last_data: Optional[Any] = None  # the data phase last agreed on: a DataShape or a SumShape
         self.stored = 0  # payload bytes the backing buffers hold
         self.written: Optional[Sequence[int]] = None  # the header in the send buffer (every size's view shares it)
         self.views: Dict[int, Buffers] = {}  # payload size -> its buffers and routes

@@ -27,12 +27,13 @@ from enum import IntEnum
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .. import stats
 from ..errors import CmapError, CollectiveAborted, RankFailure
 from . import comm
 from .group import state_of
-from .link import Link
+from .link import Link, SumShape
 
 # ---- the round: its header, and the rounds a call takes
 
@@ -197,13 +198,16 @@ def finish_round(link: Link, issued: Issued) -> Round:
 
 
 def _stand_in(shape: Any, link: Link) -> None:
-    """The all-gather or gather a peer's early data pairs with (its contents unused)."""
+    """The all-gather, gather or all-reduce a peer's early data pairs with (its contents unused)."""
     comm.wait_for(_issue_stand_in(shape, link), shape.group, link.call, link.timeout, shape.collective())
 
 
 def _issue_stand_in(shape: Any, link: Link) -> Any:
     """:func:`_stand_in`, issued and left in flight."""
     group = shape.group
+    if isinstance(shape, SumShape):
+        flat = torch.empty(shape.numel, dtype=shape.dtype, device=shape.device)
+        return comm.issue_all_reduce(flat, group, link.call, shape.what(), getattr(dist.ReduceOp, shape.op))
     send = torch.empty((shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
     recv = None
     if shape.dst in (-1, group.rank):
