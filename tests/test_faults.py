@@ -423,6 +423,53 @@ def test_a_failure_in_user_backward_on_a_2d_mesh_is_every_rank_s_error_in_that_s
             assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
 
 
+def check_user_backward_failure_with_a_replicated_weight(shape: tuple, names: tuple, spec: str, typed: bool) -> list:
+    """jax's data-parallel step: ``shard_map(f, in_specs=(spec, P()))`` on a batch that does not require grad and a
+    weight replicated on every rank, f a node whose backward raises on one rank applied to ``tanh(b @ w)``; each
+    step's outcome on this rank, and its seconds."""
+    from shard_cases import mesh
+
+    m = mesh(shape, names)
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 4, generator=gen).requires_grad_(), torch.randn(8, 4, generator=gen)
+    seen = []
+    for failing in (-1, 3, -1, 1, -1, 0, -1, 2, -1):
+
+        def f(b, v):
+            return FailsInBackward.apply(torch.tanh(b @ v), failing)
+
+        g = cm.shard_map(
+            f, mesh=m, in_specs=(MESH_SPECS[spec], cm.P()), out_specs=MESH_SPECS[spec], check_vma=typed, timeout=10
+        )
+        seen.append((failing, *timed_training_step(lambda given: g(given, w), x, failing)))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "shape, names, spec, typed",
+    [
+        ((2, 2), ("x", "y"), "P('x')", True),
+        ((2, 2), ("x", "y"), "P('x')", False),
+        ((2, 2), ("x", "y"), "P(('x', 'y'))", True),
+        ((4,), ("x",), "P('x')", True),
+    ],
+    ids=["2x2 P(x) typed", "2x2 P(x) untyped", "2x2 P((x, y)) typed", "4 P(x) typed"],
+)
+def test_a_failure_in_user_backward_with_only_a_replicated_weight_requiring_grad(worlds, shape, names, spec, typed):
+    """Only the replicated weight requires grad. With types it enters f as it is, and its gradient's sum runs inside
+    f's graph (the transpose of its ``pcast``), over x alone where the output is replicated over y. Every rank raises
+    the CmapError naming the failing rank in the failing step, promptly, and every other step runs: the guarded
+    backward ends with a round on the whole mesh. (Before, such a backward was unguarded: on 2 x 2 with ``P('x')``,
+    ranks that shared no group with the failing one returned, its partner waited for the timeout, and the group was
+    broken after; elsewhere the failing rank raised its own error and its peers a CmapError that did not name it.)"""
+    for rank, seen in enumerate(
+        worlds(4).run(check_user_backward_failure_with_a_replicated_weight, shape, names, spec, typed)
+    ):
+        for failing, outcome, seconds in seen:
+            assert seconds < 10 / 3, (rank, seen)
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, seen)
+
+
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
 @pytest.mark.parametrize("spec", ["P(('x', 'y'))", "P('x', 'y')"])
 def test_a_failure_in_user_backward_reaches_peers_whose_gradient_went_right_behind_their_round(worlds, spec, typed):

@@ -28,7 +28,10 @@ recomputed graph reaches the call's entry too.
 It guards only where nothing else owns the graph's boundary: ordinary autograd (no ``torch.func`` transform or
 forward-mode level around the call), a graph whose only ways out are the tagged nodes (the closure walk found no
 other edge), at least one of them a Split (its Join ends the backward), all on the call's own group (for shard_map,
-the whole mesh's or one of its axes'). Elsewhere the call's backward runs unguarded, as before. On a mesh of several
+the whole mesh's or one of its axes'); or, for shard_map, tagged nodes that all take their input as it is (with
+types, a replicated input: jax's data-parallel weights, whose gradient's sum is the transpose of a ``pcast`` inside
+f's graph, which may run before the failing node), where the closing round below ends the backward. Elsewhere the
+call's backward runs unguarded, as before. On a mesh of several
 axes a peer may wait in a round on one axis's group (or, on a mesh of three or more, on a group of several axes that
 func took a round on, or that a Split in func takes one on in backward), so a failure is posted on each of them too
 (:func:`~.rounds.fan_out`); where the Splits' Joins take no round on the whole mesh's group and none on some axis, a
@@ -62,7 +65,9 @@ def guard(
     ``axes``: a mesh's axes' links, where ``link`` is its whole group's (a failure is posted on each of them too)."""
     entries = tag.take_entries()
     splits = [e for e in entries or () if e.spec is not None]
-    if link.group.pg is None or not splits or not _plain_autograd():  # a Split's Join: the round a failure rides
+    # the round a failure rides: a Split's Join, or on a mesh where every input enters as it is (typed replicated
+    # inputs, whose transposes inside f's graph may run before the failing node), the closing round
+    if link.group.pg is None or not (splits or (axes and entries)) or not _plain_autograd():
         return flat
     groups = [g.round_group.pg for g in (link, *axes)]  # the Splits' Joins must take one of them
     if any(all(e.spec.link.round_group.pg is not pg for pg in groups) for e in splits):
@@ -260,7 +265,7 @@ def _transposes(graph: _Graph, at: Dict[int, torch.Tensor], along: Tuple[Tuple[L
     """Each boundary Split's backward, last first (a chain's outer Split gets its inner one's gradients): one
     ``Join`` of the transposed roles, always a round (a peer's failure may wait in it). ``along``: rounds the last
     Join's round takes in flight with it (the closing round)."""
-    last = min(i for i, e in enumerate(graph.entries) if e.spec is not None)
+    last = min((i for i, e in enumerate(graph.entries) if e.spec is not None), default=-1)
     for k in reversed(range(len(graph.entries))):
         e = graph.entries[k]
         gs = [at.pop(id(o), None) for o in e.outputs]
