@@ -24,7 +24,8 @@ from benchmarks.scaling import fit_comm, overheads
 # Where GPU numbers come from: the rows above time gloo on CPU tensors.
 GPU_CHECK = (
     "On a GPU machine, `make gpu-check` (`python -m checks.gpu`) times cmap's all_gather and all_reduce "
-    "against `torch.distributed`'s over nccl at 1, 16 and 64 MiB per rank, and writes `checks/gpu_results.json`; "
+    "against `torch.distributed`'s over nccl at 1 KiB, 64 KiB, 1 MiB, 16 MiB and 64 MiB per rank, with the "
+    "microseconds cmap adds per call, and writes `checks/gpu_results.json`; "
     "see [colossalai.md](colossalai.md#on-gpus-make-gpu-check)."
 )
 _SECTION = re.compile(r"^<!-- if (\w+) -->\n(.*?)^<!-- end \1 -->\n", re.DOTALL | re.MULTILINE)
