@@ -455,17 +455,20 @@ def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
 
 
 def count_training(
-    g: Callable[[torch.Tensor], torch.Tensor], unsharded: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    g: Callable[[torch.Tensor], torch.Tensor],
+    unsharded: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    warm: int = WARM,
 ) -> Tuple[Calls, Calls, torch.Tensor, torch.Tensor]:
-    """Training steps of ``g`` on ``x`` (the loss: its output's squares summed), counted as :func:`count` does; the
-    last step's gradient, and the unsharded function's on the same ``x``."""
+    """Training steps of ``g`` on ``x`` (the loss: its output's squares summed), counted as :func:`count` does after
+    ``warm`` steps; the last step's gradient, and the unsharded function's on the same ``x``."""
     given = x.clone().requires_grad_()
 
     def step() -> torch.Tensor:
         given.grad = None
         return g(given).pow(2).sum()
 
-    fwd, bwd = count(step, backward=True)
+    fwd, bwd = count(step, backward=True, warm=warm)
     ref = x.clone().requires_grad_()
     unsharded(ref).pow(2).sum().backward()
     return fwd, bwd, given.grad, ref.grad
@@ -514,7 +517,7 @@ def test_an_all_gather_inside_f_sends_its_rows_with_its_round(worlds, P, D, type
         assert sent <= 2 * (1.1 * native + ALLOWANCE), (names, sent, native)
 
 
-def check_data_ops_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, float]:
+def check_data_ops_inside_f(op: str, D: int, typed: bool, warm: int = WARM) -> Tuple[CaseSeen, float]:
     """Training steps of ``shard_map(f)`` on a mesh of the world, f a tiled ``psum_scatter``, ``all_to_all`` or a
     ring ``ppermute`` of its block's sine, on (2 P^2, D) float64: the counted steady steps, whether the output and
     x.grad are the unsharded function's (to the sums' rounding), and the largest relative difference."""
@@ -527,6 +530,9 @@ def check_data_ops_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, flo
     if op == "psum_scatter":
         f = lambda b: cm.psum_scatter(b.sin(), "i", tiled=True)  # noqa: E731
         want = lambda v: blocks(v).sum(0).reshape(-1, D)  # noqa: E731
+    elif op == "psum":
+        f = lambda b: cm.psum(b.sin(), "i") * b  # noqa: E731
+        want = lambda v: blocks(v).sum(0).reshape(-1, D).repeat(size, 1) * v  # noqa: E731
     elif op == "all_to_all":
         f = lambda b: cm.all_to_all(b.sin(), "i", 0, 0, tiled=True)  # noqa: E731
         want = lambda v: blocks(v).transpose(0, 1).reshape(-1, D)  # noqa: E731
@@ -534,7 +540,7 @@ def check_data_ops_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, flo
         f = lambda b: cm.ppermute(b.sin(), "i", [(i, (i + 1) % size) for i in range(size)])  # noqa: E731
         want = lambda v: blocks(v).roll(1, 0).reshape(-1, D)  # noqa: E731
     g = cm.shard_map(f, mesh=line, in_specs=cm.P("i"), out_specs=cm.P("i"), check_vma=typed)
-    fwd, bwd, grad, ref_grad = count_training(g, want, x)
+    fwd, bwd, grad, ref_grad = count_training(g, want, x, warm)
     error = max(
         ((g(x) - want(x)).abs() / want(x).abs()).max().item(), ((grad - ref_grad).abs() / ref_grad.abs()).max().item()
     )
@@ -570,6 +576,20 @@ def test_a_large_data_op_inside_f_takes_its_own_collective(worlds, op):
     seen, _ = worlds(3).run(check_data_ops_inside_f, op, 4096, True, deadline=DEADLINE)[0]
     assert seen.grad_error <= 12 * torch.finfo(torch.float64).eps, seen.grad_error
     assert all(native[op] in names and len(names) == 3 for names in seen.forward.names), seen.forward
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+def test_a_large_psum_inside_f_sends_its_sum_right_behind_its_round(worlds, typed):
+    """At P = 3 a psum of 192 KiB does not ride in its round (an all_gather would send more bytes than its
+    all_reduce): it takes its own all_reduce, issued right behind the round once the steps repeat and the exit's
+    output rides in the exit's round, before either is waited for; the exit's round follows. Untyped, the psum's
+    transpose in backward (a psum) goes behind its round too. Values and gradients are the unsharded function's, to
+    the rounding of sums over 3 ranks."""
+    seen, _ = worlds(3).run(check_data_ops_inside_f, "psum", 4096, typed, WARM + 3, deadline=DEADLINE)[0]
+    assert seen.grad_error <= 24 * torch.finfo(torch.float64).eps, seen.grad_error
+    assert seen.forward.events == [SUM_BEHIND_ROUND + ONE_ROUND] * COUNTED, seen.forward.events
+    if not typed:
+        assert all(events[:4] == SUM_BEHIND_ROUND for events in seen.backward.events), seen.backward.events
 
 
 MESH_CASES = (

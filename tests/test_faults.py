@@ -220,6 +220,56 @@ def test_faults_in_steady_summed_backward_reach_every_rank(worlds):
     assert got == [[(v, p) for v in (0, 2) for p in PHASES_IN_STEP]] * 3
 
 
+def check_failures_around_a_large_psum_sent_behind_its_round() -> list:
+    """Steps of ``shard_map(f)`` on a line of the world, f a psum of its (4, 4096) block's sine (at P = 3, too large to
+    ride in its round: its all_reduce goes right behind the round once the steps repeat), with a failure on each rank
+    in turn: f raising before the psum (a peer's early sum meets this rank's stand-in at the exit), after it, or a
+    fault injected while the psum packs or prepares its data. Each step's outcome on this rank and its seconds."""
+    import wire_tap
+    from shard_cases import mesh
+
+    size = dist.get_world_size()
+    x = torch.randn(4 * size, 4096, generator=torch.Generator().manual_seed(0))
+    want = x.view(size, 4, 4096).sin().sum(0).repeat(size, 1) * x
+    seen = []
+    for failing, how in [(-1, None)] * 5 + [
+        (r, how) for r in range(size) for how in ("before", "after", "pack", "gather")
+    ]:
+
+        def f(b):
+            if how == "before" and dist.get_rank() == failing:
+                raise ValueError("f failed before its psum")
+            total = cm.psum(b.sin(), "x")
+            if how == "after" and dist.get_rank() == failing:
+                raise ValueError("f failed after its psum")
+            return total * b
+
+        g = cm.shard_map(f, mesh=mesh((size,), ("x",)), in_specs=cm.P("x"), out_specs=cm.P("x"), timeout=10)
+        start = time.perf_counter()
+        try:
+            with inject_fault(how, [failing]) if how in PHASES_IN_PSUM else contextlib.nullcontext():
+                with wire_tap.counting() as log:
+                    got = g(x)
+            assert torch.allclose(got, want, rtol=0, atol=1e-5)  # sums of 3 sines in another order: a few ulp
+            outcome = "ok"
+            if len(seen) == 4:  # steady: the psum's all_reduce went right behind its round
+                assert log.events[:2] == [("issue", "all_gather_into_tensor"), ("issue", "all_reduce")], log.events
+        except cm.CmapError as exc:
+            outcome = "CmapError naming it" if f"group rank {failing} " in str(exc) else str(exc)
+        seen.append((failing, how, outcome, time.perf_counter() - start))
+    return seen
+
+
+PHASES_IN_PSUM = ("pack", "gather")
+
+
+def test_a_failure_around_a_large_psum_sent_behind_its_round_is_every_rank_s_error(worlds):
+    for rank, seen in enumerate(worlds(3).run(check_failures_around_a_large_psum_sent_behind_its_round, deadline=120)):
+        for failing, how, outcome, seconds in seen:
+            assert seconds < 10 / 3, (rank, failing, how, seconds)
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, failing, how, outcome)
+
+
 def check_group_of_one():
     """P = 1: the phases before any exchange still raise CmapError, and the next call works."""
     for phase in ("args", "func"):

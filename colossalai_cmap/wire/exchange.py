@@ -250,8 +250,9 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    sends_early = spec.exit is not None or spec.kind == Kind.SYNC  # an exit, or backward's: every rank in step after
-    early = data_phase.early(prep, ch, link, spec.dst) if sends_early else None  # of the shape the last exit agreed
+    # any exchange with a round sends data of the shape the group last agreed on right behind it (every rank in step
+    # after the round that agreed it sends that shape early, or a stand-in of it)
+    early = data_phase.early(prep, ch, link, spec.dst)
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
@@ -261,8 +262,8 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results, prep = _deliver(spec, rt, rnd, tensors, prep)
-    if spec.exit is not None or spec.kind == Kind.SYNC:  # every rank passed the round: in step, with one data phase
-        ch.last_data = data_phase.agreed_after(ch.last_data, prep, link, spec.dst, spec.exit is not None)
+    # every rank passed the round: in step, with one data phase
+    ch.last_data = data_phase.agreed_after(ch.last_data, prep, link, spec.dst, spec.exit is not None)
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 
