@@ -5,9 +5,9 @@ single one travels in its own dtype, and the receive buffer's first rows are the
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
 failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
 An exchange whose data phase has the shape the group last agreed on sends it right behind its round (:func:`early`):
-an exit's all-gather, or with ``dst=r`` its gather to that rank (a backward's gather of that shape too); or a
-backward's one all-reduce of summed gradients (:func:`agreed_after` keeps the record). ``src=r``'s scatter of the shares
-(:func:`scatter_from_source`) packs its rows the same way.
+an exit's all-gather, or with ``dst=r`` its gather to that rank (a backward's gather of that shape too); or one
+all-reduce (a backward's summed gradients, a ``psum`` in f); :func:`agreed_after` keeps the record. ``src=r``'s
+scatter of the shares (:func:`scatter_from_source`) packs its rows the same way.
 """
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -120,11 +120,11 @@ def sum_shape(prep: Prepared, link: Link) -> Optional[SumShape]:
 
 
 def agreed_after(last: Optional[Any], prep: Optional[Prepared], link: Link, dst: int, exit: bool) -> Optional[Any]:
-    """The channel's record after a clean exit (``exit``) or a backward exchange every rank passed, alike on every
-    rank in step: an exit's one gather replaces it, an exit of another data phase clears it, except that an exit
-    with no gather leaves a backward's sum in place (a training step whose outputs ride in the round); a backward's
-    one all-reduce takes it where no exit's gather holds it (that one stays: a forward that goes early), and any
-    other backward leaves it."""
+    """The channel's record after an exchange every rank passed (a clean exit, ``exit``; a backward's, or a
+    collective's inside f), alike on every rank in step: an exit's one gather replaces it, an exit of another data
+    phase clears it, except that an exit with no gather leaves a sum in place (a training step whose outputs ride in
+    the round); another exchange's one all-reduce takes it where no exit's gather holds it (that one stays: a forward
+    that goes early), and any other exchange leaves it."""
     if exit:
         gather = early_shape(prep, link, dst) if prep is not None else None
         return last if gather is None and isinstance(last, SumShape) else gather

@@ -25,8 +25,8 @@ A round whose ranks were at different kinds of round (a peer still inside ``func
 nothing: the round a rank repeats after it has the same size, and so does the one its peer makes next.
 
 Data too large to ride in a round takes its own collective after it. An exchange whose data has the shape the group
-last agreed on (:class:`DataShape`, a gather agreed at an exit; or :class:`SumShape`, a sum agreed in a backward)
-issues it right behind the round, so both are in flight together.
+last agreed on (:class:`DataShape`, a gather agreed at an exit; or :class:`SumShape`, a sum agreed in a backward or
+inside f) issues it right behind the round, so both are in flight together.
 """
 
 import os
@@ -82,8 +82,8 @@ class DataShape(NamedTuple):
 
 class SumShape(NamedTuple):
     """A data phase that is one all-reduce of a flat buffer (a backward's summed gradients: a shared weight's, a
-    module's parameters'): its element count, dtype (as it travels) and reduction, and where it runs. The channel
-    keeps it from the last backward exchange that sent it, unless an exit's gather is kept, so that the next
+    module's parameters'; a ``psum`` inside f): its element count, dtype (as it travels) and reduction, and where it
+    runs. The channel keeps it from the last exchange that sent it, unless an exit's gather is kept, so that the next
     exchange of that shape sends it right behind its round, and a rank that does not sends a stand-in of it."""
 
     numel: int
@@ -96,7 +96,7 @@ class SumShape(NamedTuple):
         return "all_reduce"
 
     def what(self) -> str:
-        return "all_reduce (data sent with a backward round)"
+        return "all_reduce (data sent with its round)"
 
 
 class Buffers(NamedTuple):
