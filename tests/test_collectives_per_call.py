@@ -72,10 +72,10 @@ class Seen(NamedTuple):
     exact: bool
 
 
-def count(fn: Callable[[], Any], backward: bool = False, warm: int = WARM) -> Tuple[Calls, Calls]:
-    """``fn`` ``warm`` times, then COUNTED times each counted on its own; with ``backward``, ``fn`` returns a loss
-    whose ``backward()`` is counted apart."""
-    for _ in range(warm):
+def count(fn: Callable[[], Any], backward: bool = False) -> Tuple[Calls, Calls]:
+    """``fn`` WARM times, then COUNTED times each counted on its own; with ``backward``, ``fn`` returns a loss whose
+    ``backward()`` is counted apart."""
+    for _ in range(WARM):
         out = fn()
         if backward:
             out.backward()
@@ -187,9 +187,7 @@ def check_weight_gradient(D: int) -> Tuple[Calls, Calls, float, Tuple[str, ...],
         w.grad = None
         return f(x).sum()
 
-    # the output's rows took a data phase until the exit round learned to carry them (3 steps), and the sum goes
-    # behind its round from the backward after that one
-    fwd, bwd = count(step, backward=True, warm=WARM + 2)
+    fwd, bwd = count(step, backward=True)
     with wire_tap.counting() as log:
         dist.all_reduce(torch.zeros(D, D), group=group)
     ref = torch.autograd.grad(torch.vmap(lambda r: torch.tanh(r @ w))(x).sum(), w)[0]
@@ -455,20 +453,17 @@ def test_the_exit_round_carries_every_output_it_can(worlds, P, case):
 
 
 def count_training(
-    g: Callable[[torch.Tensor], torch.Tensor],
-    unsharded: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    warm: int = WARM,
+    g: Callable[[torch.Tensor], torch.Tensor], unsharded: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 ) -> Tuple[Calls, Calls, torch.Tensor, torch.Tensor]:
-    """Training steps of ``g`` on ``x`` (the loss: its output's squares summed), counted as :func:`count` does after
-    ``warm`` steps; the last step's gradient, and the unsharded function's on the same ``x``."""
+    """Training steps of ``g`` on ``x`` (the loss: its output's squares summed), counted as :func:`count` does; the
+    last step's gradient, and the unsharded function's on the same ``x``."""
     given = x.clone().requires_grad_()
 
     def step() -> torch.Tensor:
         given.grad = None
         return g(given).pow(2).sum()
 
-    fwd, bwd = count(step, backward=True, warm=warm)
+    fwd, bwd = count(step, backward=True)
     ref = x.clone().requires_grad_()
     unsharded(ref).pow(2).sum().backward()
     return fwd, bwd, given.grad, ref.grad
@@ -517,7 +512,7 @@ def test_an_all_gather_inside_f_sends_its_rows_with_its_round(worlds, P, D, type
         assert sent <= 2 * (1.1 * native + ALLOWANCE), (names, sent, native)
 
 
-def check_data_ops_inside_f(op: str, D: int, typed: bool, warm: int = WARM) -> Tuple[CaseSeen, float]:
+def check_data_ops_inside_f(op: str, D: int, typed: bool) -> Tuple[CaseSeen, float]:
     """Training steps of ``shard_map(f)`` on a mesh of the world, f a tiled ``psum_scatter``, ``all_to_all`` or a
     ring ``ppermute`` of its block's sine, on (2 P^2, D) float64: the counted steady steps, whether the output and
     x.grad are the unsharded function's (to the sums' rounding), and the largest relative difference."""
@@ -540,7 +535,7 @@ def check_data_ops_inside_f(op: str, D: int, typed: bool, warm: int = WARM) -> T
         f = lambda b: cm.ppermute(b.sin(), "i", [(i, (i + 1) % size) for i in range(size)])  # noqa: E731
         want = lambda v: blocks(v).roll(1, 0).reshape(-1, D)  # noqa: E731
     g = cm.shard_map(f, mesh=line, in_specs=cm.P("i"), out_specs=cm.P("i"), check_vma=typed)
-    fwd, bwd, grad, ref_grad = count_training(g, want, x, warm)
+    fwd, bwd, grad, ref_grad = count_training(g, want, x)
     error = max(
         ((g(x) - want(x)).abs() / want(x).abs()).max().item(), ((grad - ref_grad).abs() / ref_grad.abs()).max().item()
     )
@@ -581,11 +576,11 @@ def test_a_large_data_op_inside_f_takes_its_own_collective(worlds, op):
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
 def test_a_large_psum_inside_f_sends_its_sum_right_behind_its_round(worlds, typed):
     """At P = 3 a psum of 192 KiB does not ride in its round (an all_gather would send more bytes than its
-    all_reduce): it takes its own all_reduce, issued right behind the round once the steps repeat and the exit's
-    output rides in the exit's round, before either is waited for; the exit's round follows. Untyped, the psum's
+    all_reduce): it takes its own all_reduce, issued right behind the round once the steps repeat, before either is
+    waited for; the exit's round follows. Untyped, the psum's
     transpose in backward (a psum) goes behind its round too. Values and gradients are the unsharded function's, to
     the rounding of sums over 3 ranks."""
-    seen, _ = worlds(3).run(check_data_ops_inside_f, "psum", 4096, typed, WARM + 3, deadline=DEADLINE)[0]
+    seen, _ = worlds(3).run(check_data_ops_inside_f, "psum", 4096, typed, deadline=DEADLINE)[0]
     assert seen.grad_error <= 24 * torch.finfo(torch.float64).eps, seen.grad_error
     assert seen.forward.events == [SUM_BEHIND_ROUND + ONE_ROUND] * COUNTED, seen.forward.events
     if not typed:
@@ -938,19 +933,21 @@ def check_shard_map_steady_exit(D: int) -> Dict[str, Any]:
 
 
 def assert_steady_exit(seen: Dict[str, Any], steady: List[Tuple[str, str]]) -> None:
-    """The steady calls (the second to fourth, and the third of the other batch) made ``steady``; every value is
-    sin's; the fault is every rank's CmapError naming the last rank, and the call after it is right."""
+    """The steady calls (the third and fourth, and the third of the other batch: each after two of the same) made
+    ``steady``; every value is sin's; the fault is every rank's CmapError naming the last rank, and the call after it
+    is right."""
     events = seen["events"]
-    assert [events[k] for k in (1, 2, 3, 6)] == [steady] * 4, events
+    assert [events[k] for k in (2, 3, 6)] == [steady] * 3, events
     assert seen["exact"] == [True] * 8, seen["exact"]
     assert "f failed on purpose" in seen["error"], seen["error"]
 
 
 @pytest.mark.parametrize("D", [4, 1 << 18], ids=["rides", "past the threshold"])
 def test_a_steady_shard_map_exit_sends_its_data_with_its_round(worlds, D):
-    """The exit's round carries the output while it fits; past the threshold, a call that repeats the block lengths
-    the last exit agreed sends the gather right behind the round. Blocks of other lengths fall back (each rank sends
-    none, every rank then learns the lengths), and the next call with those lengths is steady again."""
+    """The exit's round carries the output while it fits; past the threshold, a call whose gather has the shape the
+    exchange after the same round sent the last time (here the last call's exit's) sends it right behind the round.
+    Blocks of other lengths fall back (each rank sends none, every rank then learns the lengths), and the call after
+    the next with those lengths is steady again."""
     for seen in worlds(2).run(check_shard_map_steady_exit, D, deadline=DEADLINE):
         assert_steady_exit(seen, ONE_ROUND if D == 4 else TOGETHER)
 

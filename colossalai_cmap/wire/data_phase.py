@@ -4,10 +4,10 @@ One all-gather carries every gathered tensor, padded to the largest share becaus
 single one travels in its own dtype, and the receive buffer's first rows are the result); one all-reduce per
 reduction and dtype carries the sums. :func:`prepare` packs and allocates everything before the round, so that a
 failure there travels in the round; :func:`run_data_phase` only runs the collectives and copies into those buffers.
-An exchange whose data phase has the shape the group last agreed on sends it right behind its round (:func:`early`):
-an exit's all-gather, or with ``dst=r`` its gather to that rank (a backward's gather of that shape too); or one
-all-reduce (a backward's summed gradients, a ``psum`` in f); :func:`agreed_after` keeps the record. ``src=r``'s
-scatter of the shares (:func:`scatter_from_source`) packs its rows the same way.
+An exchange whose data phase has the shape that the exchange after the same round sent the last time sends it right
+behind its round (:func:`early`): one gather of a rows tensor (an exit's all-gather, or with ``dst=r`` its gather
+to that rank; a backward's gather of an input's gradient), or one all-reduce (a backward's summed gradients, a
+``psum`` in f). ``src=r``'s scatter of the shares (:func:`scatter_from_source`) packs its rows the same way.
 """
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import comm
 from .group import Group
-from .link import Channel, DataShape, Link, SumShape
+from .link import DataShape, Link, SumShape
 from .payload import Item, numel, offsets, rows_first, typed_view
 from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
 
@@ -119,36 +119,27 @@ def sum_shape(prep: Prepared, link: Link) -> Optional[SumShape]:
     return SumShape(flat.numel(), flat.dtype, _REDUCE_OPS[role], link.group, link.device)
 
 
-def agreed_after(last: Optional[Any], prep: Optional[Prepared], link: Link, dst: int, exit: bool) -> Optional[Any]:
-    """The channel's record after an exchange every rank passed (a clean exit, ``exit``; a backward's, or a
-    collective's inside f), alike on every rank in step: an exit's one gather replaces it, an exit of another data
-    phase clears it, except that an exit with no gather leaves a sum in place (a training step whose outputs ride in
-    the round); another exchange's one all-reduce takes it where no exit's gather holds it (that one stays: a forward
-    that goes early), and any other exchange leaves it."""
-    if exit:
-        gather = early_shape(prep, link, dst) if prep is not None else None
-        return last if gather is None and isinstance(last, SumShape) else gather
-    summed = sum_shape(prep, link) if prep is not None else None
-    return summed if summed is not None and not isinstance(last, DataShape) else last
-
-
-def early(prep: Optional[Prepared], ch: Channel, link: Link, dst: int) -> Optional[Callable[[], Any]]:
-    """The data phase, to issue right behind the round, when its shape is the one the group last agreed on (so every
-    rank in step sends the same shape). Ranks that do not send early learn from the round who did, and send a
-    stand-in of that shape (:func:`~.rounds.run_round`). A sum is reduced in place: where the round says a peer did not
-    send it early, the exchange makes its buffer again before its own all-reduce."""
-    shape = ch.last_data
-    if prep is None or shape is None:
+def shape_of(prep: Optional[Prepared], link: Link, dst: int) -> Optional[Any]:
+    """What a data phase sends, where it is one collective that may go right behind its round: a gather of one rows
+    tensor or one all-reduce (None: another data phase, or none)."""
+    if prep is None:
         return None
-    if isinstance(shape, SumShape):
-        if sum_shape(prep, link) != shape:
-            return None
+    return early_shape(prep, link, dst) or sum_shape(prep, link)
+
+
+def early(prep: Optional[Prepared], expected: Optional[Any], link: Link, dst: int) -> Optional[Callable[[], Any]]:
+    """The data phase, to issue right behind the round, when its shape is the one every rank at this point of the
+    group's rounds expects (:meth:`~.link.Channel.expected_data`), so every rank in step sends the same shape. Ranks
+    that do not send early learn from the round who did, and send a stand-in of that shape
+    (:func:`~.rounds.run_round`). A sum is reduced in place: where the round says a peer did not send it early, the
+    exchange makes its buffer again before its own all-reduce."""
+    if expected is None or shape_of(prep, link, dst) != expected:
+        return None
+    if isinstance(expected, SumShape):
         (((role, _), flat),) = prep.flats.items()
-        op = getattr(dist.ReduceOp, shape.op)
-        return lambda: comm.issue_all_reduce(flat, link.group, link.call, shape.what(), op)
-    if early_shape(prep, link, dst) != shape:
-        return None
-    return lambda: comm.issue_stacked(prep.recv, prep.send, dst, link.group, link.call, shape.what())
+        op = getattr(dist.ReduceOp, expected.op)
+        return lambda: comm.issue_all_reduce(flat, link.group, link.call, expected.what(), op)
+    return lambda: comm.issue_stacked(prep.recv, prep.send, dst, link.group, link.call, expected.what())
 
 
 def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:

@@ -250,9 +250,10 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
             prep = data_phase.prepare(rt.items, tensors, rt.sizes, group, spec.dst)
     except Exception as exc:
         failure, cause = group.failure(exc), exc
-    # any exchange with a round sends data of the shape the group last agreed on right behind it (every rank in step
-    # after the round that agreed it sends that shape early, or a stand-in of it)
-    early = data_phase.early(prep, ch, link, spec.dst)
+    # the round before this one: the data phase that followed it the last time goes right behind this round, where
+    # this one's has its shape (every rank at this point expects that shape: it sends it early, or a stand-in of it)
+    before = ch.last
+    early = data_phase.early(prep, ch.expected_data(), link, spec.dst)
     rnd = _round(spec, _header(spec, rt, failure, early is not None), early)
     if rnd.failed:
         rounds.raise_failures(rnd, failure, cause, link._replace(call=_name(spec)), in_func=spec.kind == Kind.OP)
@@ -262,8 +263,7 @@ def join_values(spec: JoinSpec, tensors: Sequence[torch.Tensor]) -> Tuple[Option
         rounds.check_agreement(rnd.table, spec.exit.agree, spec.exit.agree_nonempty)
     if rt.items:
         results, prep = _deliver(spec, rt, rnd, tensors, prep)
-    # every rank passed the round: in step, with one data phase
-    ch.last_data = data_phase.agreed_after(ch.last_data, prep, link, spec.dst, spec.exit is not None)
+    ch.note_data(before, data_phase.shape_of(prep, link, spec.dst))  # every rank passed the round: in step
     return tuple(_output(role, t, results.get(i)) for i, (role, t) in enumerate(zip(spec.roles, tensors)))
 
 

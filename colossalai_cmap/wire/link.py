@@ -24,9 +24,10 @@ a function of the tables of the rounds before it, which every rank has seen in t
 A round whose ranks were at different kinds of round (a peer still inside ``func`` or in a backward) changes
 nothing: the round a rank repeats after it has the same size, and so does the one its peer makes next.
 
-Data too large to ride in a round takes its own collective after it. An exchange whose data has the shape the group
-last agreed on (:class:`DataShape`, a gather agreed at an exit; or :class:`SumShape`, a sum agreed in a backward or
-inside f) issues it right behind the round, so both are in flight together.
+Data too large to ride in a round takes its own collective after it. An exchange whose data has the shape that the
+exchange after the same round sent the last time (:class:`DataShape`, a gather; :class:`SumShape`, a sum: the
+channel notes it per round name, as it notes the payload each round needed) issues it right behind its round, so
+both are in flight together: a training loop's forward and backward each send theirs early.
 """
 
 import os
@@ -59,9 +60,10 @@ def payload_bounds(size: int) -> Tuple[int, int]:
 
 class DataShape(NamedTuple):
     """A data phase that is one rows tensor gathered to every rank (``dst`` -1) or to group rank ``dst``: the rows
-    per rank, a row's shape and dtype, and where it goes. The channel keeps the last exit's, so that the next exit of
-    that shape sends its data right behind its round (:mod:`.data_phase`), and a rank that does not sends a stand-in
-    of it (:mod:`.rounds`)."""
+    per rank, a row's shape and dtype, and where it goes. The channel notes it after the round before the exchange
+    that sent it (:meth:`Channel.note_data`), so that the next exchange after a round of that name sends data of that
+    shape right behind its round (:mod:`.data_phase`), and a rank that does not sends a stand-in of it
+    (:mod:`.rounds`)."""
 
     rows: int
     shape: Tuple[int, ...]
@@ -83,8 +85,7 @@ class DataShape(NamedTuple):
 class SumShape(NamedTuple):
     """A data phase that is one all-reduce of a flat buffer (a backward's summed gradients: a shared weight's, a
     module's parameters'; a ``psum`` inside f): its element count, dtype (as it travels) and reduction, and where it
-    runs. The channel keeps it from the last exchange that sent it, unless an exit's gather is kept, so that the next
-    exchange of that shape sends it right behind its round, and a rank that does not sends a stand-in of it."""
+    runs. The channel notes it after the round before the exchange that sent it, as :class:`DataShape`."""
 
     numel: int
     dtype: torch.dtype
@@ -129,7 +130,8 @@ class Channel:
         self.after: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # a round's name -> (the bytes the round after it
         # needed, how many times in a row)
         self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
-        self.last_data: Optional[Any] = None  # the data phase last agreed on: a DataShape or a SumShape
+        self.data_after: Dict[Any, Any] = {}  # a round's name -> the data phase (a DataShape or a SumShape, None:
+        # another, or none) the exchange after it sent the last time, where every rank passed that exchange's round
         self.stored = 0  # payload bytes the backing buffers hold
         self.written: Optional[Sequence[int]] = None  # the header in the send buffer (every size's view shares it)
         self.views: Dict[int, Buffers] = {}  # payload size -> its buffers and routes
@@ -190,6 +192,18 @@ class Channel:
         size = self._fit(*self.after.get(name, (0, 0)))
         if size != self.payload_bytes:
             self._use(size)
+
+    def expected_data(self) -> Optional[Any]:
+        """The data phase the exchange after the last round sent the last time: what an exchange now sends right
+        behind its round where its own has that shape, and what a rank elsewhere sends a stand-in of. Alike on every
+        rank at the same point of the group's rounds (the rounds' names are)."""
+        return self.data_after.get(self.last)
+
+    def note_data(self, before: Any, shape: Optional[Any]) -> None:
+        """After an exchange's round every rank passed (in step): the data phase it sent after the round ``before``."""
+        if len(self.data_after) >= _TRANSITIONS_MAX and before not in self.data_after:
+            self.data_after.clear()
+        self.data_after[before] = shape
 
     def _fit(self, need: int, times: int) -> int:
         if need <= self.small:

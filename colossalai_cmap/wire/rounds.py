@@ -190,9 +190,9 @@ def finish_round(link: Link, issued: Issued) -> Round:
         stats.host_read()
     rnd = _read(ch.read_rows(), ch.buffers.payloads)
     if issued.early is not None:
-        comm.wait_for(issued.early, link.group, link.call, link.timeout, ch.last_data.collective())
+        comm.wait_for(issued.early, link.group, link.call, link.timeout, ch.expected_data().collective())
     elif rnd.early:
-        _stand_in(ch.last_data, link)
+        _stand_in(ch.expected_data(), link)
     ch.agree(rnd.name, rnd.need)
     return rnd
 
@@ -477,11 +477,11 @@ def fan_out(mesh: _Guarded, met: Optional[Link], what: str) -> Optional[Round]:
 
 
 def _post_failure(link: Link, what: str) -> Issued:
-    """A failure's round on ``link``'s group, issued. Where the group's last exit agreed on a data phase, a stand-in
-    of it goes right behind (its header says ``early``): a peer in a Join there may have sent its data behind its
-    round, and waits for this rank's before it can post the failure on the mesh's other groups, which this rank may
-    be waiting in first."""
-    shape = link.channel().last_data
+    """A failure's round on ``link``'s group, issued. Where an exchange at this point of the group's rounds is
+    expected to send a data phase (:meth:`~.link.Channel.expected_data`), a stand-in of it goes right behind (its
+    header says ``early``): a peer in a Join there may have sent its data behind its round, and waits for this
+    rank's before it can post the failure on the mesh's other groups, which this rank may be waiting in first."""
+    shape = link.channel().expected_data()
     if shape is None:
         return issue_round(link, FAILURE, what=what)
     return issue_round(link, FAILURE._replace(early=1), lambda: _issue_stand_in(shape, link), what)
