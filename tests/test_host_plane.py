@@ -206,6 +206,19 @@ def test_a_steady_training_step_sends_each_way_s_data_with_its_round(host_worlds
         assert seen.backward.events == [per_call.TOGETHER] * per_call.COUNTED, seen.backward.events
 
 
+def test_a_steady_training_step_sends_its_output_and_its_weight_gradient_with_their_rounds(host_worlds):
+    """With rounds on a host group and a (256, 256) weight shared by every example at P = 3, a steady training step's
+    forward issues the output's gather, and its backward the weight gradient's all_reduce, on the data's group right
+    behind their rounds on the host group: each way's round and data in flight together, as on GPUs. (Where every
+    early send had to take the one shape last agreed, the exit's gather held it and the sum waited for its round.)"""
+    import test_collectives_per_call as per_call
+
+    for fwd, bwd, _, _, diff in host_worlds(3).run(per_call.check_weight_gradient, 256, deadline=DEADLINE):
+        assert diff <= 8 * 20 * torch.finfo(torch.float32).eps * 8, diff  # as on the default layout
+        assert fwd.events == [per_call.TOGETHER] * per_call.COUNTED, fwd.events
+        assert bwd.events == [per_call.SUM_BEHIND_ROUND] * per_call.COUNTED, bwd.events
+
+
 def test_tiles_assemble_from_one_gather_on_the_host_group(host_worlds):
     """With rounds on a host group, tiles of one shape come back from one gather on the data's group, right behind
     the whole mesh's round (2 collectives); uneven tiles fall back with the same values."""
