@@ -195,14 +195,14 @@ def check_faults_in_steady_summed_backward():
     def step(k):
         w.grad = None
         mapped(x).sum().backward()
-        # the sum over ranks reorders float32 sums of 2 per-rank terms of up to 6 rows each (entries up to ~20)
+        # each entry sums 6 rows' terms x * tanh' (|x| < 4.5 for these draws, tanh' <= 1), here 2 per rank and then
+        # the 3 ranks' sums, in vmap one order: each order within 5 eps of the terms' |sum| <= 27, so within 270 eps
         assert (w.grad - want).abs().max() <= 6 * 20 * torch.finfo(torch.float32).eps * 4, k
 
     for k in range(6):
         step(k)
-    with wire_tap.counting() as log:
-        w.grad = None
-        loss = mapped(x).sum()
+    w.grad = None
+    loss = mapped(x).sum()
     with wire_tap.counting() as log:
         loss.backward()
     assert log.events == [
@@ -250,7 +250,8 @@ def check_failures_around_a_large_psum_sent_behind_its_round() -> list:
             with inject_fault(how, [failing]) if how in PHASES_IN_PSUM else contextlib.nullcontext():
                 with wire_tap.counting() as log:
                     got = g(x)
-            assert torch.allclose(got, want, rtol=0, atol=1e-5)  # sums of 3 sines in another order: a few ulp
+            # a sum of 3 sines (|sum| <= 3) in another order, within 2 eps * 3, times |x| < 5, rounded: under 40 eps
+            assert torch.allclose(got, want, rtol=0, atol=1e-5)
             outcome = "ok"
             if len(seen) == 4:  # steady: the psum's all_reduce went right behind its round
                 assert log.events[:2] == [("issue", "all_gather_into_tensor"), ("issue", "all_reduce")], log.events
