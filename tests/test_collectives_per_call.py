@@ -561,18 +561,32 @@ def test_a_small_data_op_inside_f_sends_its_data_with_its_round(worlds, P, op, t
     assert all(names == ("all_gather_into_tensor",) * 2 for names in seen.backward.names), seen.backward
 
 
+NATIVE = {"psum_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single", "ppermute": "all_to_all_single"}
+
+
+def behind_round(native: str) -> List[Tuple[str, str]]:
+    """A round and the native collective issued right behind it, then both waited for."""
+    return [
+        ("issue", "all_gather_into_tensor"),
+        ("issue", native),
+        ("wait", "all_gather_into_tensor"),
+        ("wait", native),
+    ]
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
 @pytest.mark.parametrize("op", DATA_OPS)
-def test_a_large_data_op_inside_f_takes_its_own_collective(worlds, op):
-    """Past that (at P = 3, blocks of 192 KiB), the op's status round and then its native collective, whose bytes
-    are the native algorithm's. (At P = 2 a ppermute's round sends what its own collective would: it rides.)"""
-    native = {
-        "psum_scatter": "reduce_scatter_tensor",
-        "all_to_all": "all_to_all_single",
-        "ppermute": "all_to_all_single",
-    }
-    seen, _ = worlds(3).run(check_data_ops_inside_f, op, 4096, True, deadline=DEADLINE)[0]
+def test_a_large_data_op_inside_f_sends_its_data_right_behind_its_round(worlds, op, typed):
+    """Past that (at P = 3, blocks of 192 KiB), the op takes its status round and its native collective, whose bytes
+    are the native algorithm's; once the steps repeat, the collective is issued right behind the round, before either
+    is waited for, and the exit's round follows. In backward, the transpose of an all_to_all or a ppermute (an
+    all_to_all) goes behind its round too; psum_scatter's (an all_gather) rides in its round. (At P = 2 a ppermute's
+    round sends what its own collective would: it rides.) Values and gradients are the unsharded function's."""
+    seen, _ = worlds(3).run(check_data_ops_inside_f, op, 4096, typed, deadline=DEADLINE)[0]
     assert seen.grad_error <= 12 * torch.finfo(torch.float64).eps, seen.grad_error
-    assert all(native[op] in names and len(names) == 3 for names in seen.forward.names), seen.forward
+    assert seen.forward.events == [behind_round(NATIVE[op]) + ONE_ROUND] * COUNTED, seen.forward.events
+    transpose = ONE_ROUND if op == "psum_scatter" else behind_round(NATIVE[op])
+    assert seen.backward.events == [transpose + ONE_ROUND] * COUNTED, seen.backward.events
 
 
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])

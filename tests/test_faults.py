@@ -220,55 +220,89 @@ def test_faults_in_steady_summed_backward_reach_every_rank(worlds):
     assert got == [[(v, p) for v in (0, 2) for p in PHASES_IN_STEP]] * 3
 
 
-def check_failures_around_a_large_psum_sent_behind_its_round() -> list:
-    """Steps of ``shard_map(f)`` on a line of the world, f a psum of its (4, 4096) block's sine (at P = 3, too large to
-    ride in its round: its all_reduce goes right behind the round once the steps repeat), with a failure on each rank
-    in turn: f raising before the psum (a peer's early sum meets this rank's stand-in at the exit), after it, or a
-    fault injected while the psum packs or prepares its data. Each step's outcome on this rank and its seconds."""
+def _large_op(op: str, size: int) -> Tuple[Callable, Callable, str]:
+    """f applying ``op`` to its block's sine on a line of ``size`` ranks, blocks of (2 size, 4096) float64 (too large
+    to ride in a round at P = 3); the unsharded function of x of (2 size^2, 4096); and the collective that carries
+    the op's data."""
+    blocks = lambda v: v.sin().view(size, size, 2, 4096)  # noqa: E731  [rank, chunk, rows, D]
+    if op == "psum":
+        f = lambda b: cm.psum(b.sin(), "x") * b  # noqa: E731
+        want = lambda v: blocks(v).sum(0).reshape(-1, 4096).repeat(size, 1) * v  # noqa: E731
+        return f, want, "all_reduce"
+    if op == "psum_scatter":
+        f = lambda b: cm.psum_scatter(b.sin(), "x", tiled=True)  # noqa: E731
+        return f, (lambda v: blocks(v).sum(0).reshape(-1, 4096)), "reduce_scatter_tensor"
+    if op == "all_to_all":
+        f = lambda b: cm.all_to_all(b.sin(), "x", 0, 0, tiled=True)  # noqa: E731
+        return f, (lambda v: blocks(v).transpose(0, 1).reshape(-1, 4096)), "all_to_all_single"
+    f = lambda b: cm.ppermute(b.sin(), "x", [(i, (i + 1) % size) for i in range(size)])  # noqa: E731
+    return f, (lambda v: blocks(v).roll(1, 0).reshape(-1, 4096)), "all_to_all_single"
+
+
+LARGE_OPS = ("psum", "psum_scatter", "all_to_all", "ppermute")
+# f raising before or after the op; a fault injected as the op packs (its round), or as a Join prepares its data
+# phase (psum's); a node before or after the op whose backward raises (after or before the op's transpose)
+HOWS = ("before", "after", "pack", "gather", "node before", "node after")
+
+
+def check_failures_around_a_large_op_sent_behind_its_round(op: str) -> list:
+    """Training steps of ``shard_map(f)`` on a line of the world, f a psum, psum_scatter, all_to_all or ring ppermute
+    of its block's sine (at P = 3 too large to ride in its round: its collective goes right behind the round once the
+    steps repeat, in forward and its transpose's in backward), with a failure on each rank in turn (:data:`HOWS`):
+    a peer's early data meets this rank's stand-in. Each step's outcome on this rank and its seconds."""
     import wire_tap
     from shard_cases import mesh
 
     size = dist.get_world_size()
-    x = torch.randn(4 * size, 4096, generator=torch.Generator().manual_seed(0))
-    want = x.view(size, 4, 4096).sin().sum(0).repeat(size, 1) * x
+    x = torch.rand(2 * size * size, 4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.1
+    apply, want, native = _large_op(op, size)
+    ref = x.clone().requires_grad_()
+    want(ref).pow(2).sum().backward()
     seen = []
-    for failing, how in [(-1, None)] * 5 + [
-        (r, how) for r in range(size) for how in ("before", "after", "pack", "gather")
-    ]:
+    for failing, how in [(-1, None)] * 5 + [(r, how) for r in range(size) for how in HOWS]:
+        me = dist.get_rank() == failing
 
         def f(b):
-            if how == "before" and dist.get_rank() == failing:
-                raise ValueError("f failed before its psum")
-            total = cm.psum(b.sin(), "x")
-            if how == "after" and dist.get_rank() == failing:
-                raise ValueError("f failed after its psum")
-            return total * b
+            if how == "before" and me:
+                raise ValueError("f failed before its op")
+            b = FailsInBackward.apply(b, failing) if how == "node before" else b
+            out = apply(b)
+            if how == "after" and me:
+                raise ValueError("f failed after its op")
+            return FailsInBackward.apply(out, failing) if how == "node after" else out
 
         g = cm.shard_map(f, mesh=mesh((size,), ("x",)), in_specs=cm.P("x"), out_specs=cm.P("x"), timeout=10)
+        given = x.clone().requires_grad_()
         start = time.perf_counter()
         try:
-            with inject_fault(how, [failing]) if how in PHASES_IN_PSUM else contextlib.nullcontext():
-                with wire_tap.counting() as log:
-                    got = g(x)
-            # a sum of 3 sines (|sum| <= 3) in another order, within 2 eps * 3, times |x| < 5, rounded: under 40 eps
-            assert torch.allclose(got, want, rtol=0, atol=1e-5)
+            with inject_fault(how, [failing]) if how in ("pack", "gather") else contextlib.nullcontext():
+                with wire_tap.counting() as forward:
+                    got = g(given)
+                with wire_tap.counting() as backward:
+                    got.pow(2).sum().backward()
+            # sums of 3 positive sines (2 eps relative each), a square and its derivative: within 8 eps relative
+            tolerance = 8 * torch.finfo(x.dtype).eps
+            assert ((got - want(x)).abs() <= tolerance * want(x).abs()).all()
+            assert ((given.grad - ref.grad).abs() <= 2 * tolerance * ref.grad.abs()).all()
             outcome = "ok"
-            if len(seen) == 4:  # steady: the psum's all_reduce went right behind its round
-                assert log.events[:2] == [("issue", "all_gather_into_tensor"), ("issue", "all_reduce")], log.events
+            if len(seen) == 4:  # steady: the op's collective went right behind its round, and its transpose's
+                issued = [("issue", "all_gather_into_tensor"), ("issue", native)]
+                assert forward.events[:2] == issued, forward.events
+                transpose = "all_gather_into_tensor" if op == "psum_scatter" else native  # its rows ride in its round
+                assert ("issue", transpose) in backward.events[1:3], backward.events
         except cm.CmapError as exc:
             outcome = "CmapError naming it" if f"group rank {failing} " in str(exc) else str(exc)
         seen.append((failing, how, outcome, time.perf_counter() - start))
     return seen
 
 
-PHASES_IN_PSUM = ("pack", "gather")
-
-
-def test_a_failure_around_a_large_psum_sent_behind_its_round_is_every_rank_s_error(worlds):
-    for rank, seen in enumerate(worlds(3).run(check_failures_around_a_large_psum_sent_behind_its_round, deadline=120)):
+@pytest.mark.parametrize("op", LARGE_OPS)
+def test_a_failure_around_a_large_op_sent_behind_its_round_is_every_rank_s_error(worlds, op):
+    seen_by_rank = worlds(3).run(check_failures_around_a_large_op_sent_behind_its_round, op, deadline=180)
+    for rank, seen in enumerate(seen_by_rank):
         for failing, how, outcome, seconds in seen:
-            assert seconds < 10 / 3, (rank, failing, how, seconds)
-            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, failing, how, outcome)
+            assert seconds < 10 / 3, (op, rank, failing, how, seconds)
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (op, rank, failing, how, outcome)
 
 
 def check_group_of_one():

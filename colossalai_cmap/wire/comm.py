@@ -195,17 +195,16 @@ def reduce_scatter_into(
 ) -> None:
     """``out`` gets this rank's equal share of the sum of every rank's ``inp`` (the tensor form: gloo has no list
     form)."""
+    _wait(issue_reduce_scatter(out, inp, group, call, what), group, call, "reduce_scatter", timeout)
+
+
+def issue_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, call: str, what: str) -> Pending:
+    """:func:`reduce_scatter_into` left in flight, to wait for with :func:`wait_for`."""
 
     def issue(target: torch.Tensor) -> Any:
         return dist.reduce_scatter_tensor(target, inp, group=group.pg, async_op=True)
 
-    _wait(
-        _issue("reduce_scatter", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp]),
-        group,
-        call,
-        "reduce_scatter",
-        timeout,
-    )
+    return _issue("reduce_scatter", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp])
 
 
 def all_to_all_into(
@@ -220,18 +219,19 @@ def all_to_all_into(
 ) -> None:
     """``out`` gets, from each rank in order, the rows of its ``inp`` that rank sends this one: ``splits`` is (rows
     received from each rank, rows sent to each rank)."""
+    _wait(issue_all_to_all(out, inp, splits, group, call, what), group, call, "all_to_all", timeout)
+
+
+def issue_all_to_all(
+    out: torch.Tensor, inp: torch.Tensor, splits: Tuple[List[int], List[int]], group: Group, call: str, what: str
+) -> Pending:
+    """:func:`all_to_all_into` left in flight, to wait for with :func:`wait_for`."""
     out_splits, in_splits = splits
 
     def issue(target: torch.Tensor) -> Any:
         return dist.all_to_all_single(target, inp, out_splits, in_splits, group=group.pg, async_op=True)
 
-    _wait(
-        _issue("all_to_all", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp]),
-        group,
-        call,
-        "all_to_all",
-        timeout,
-    )
+    return _issue("all_to_all", _nbytes(inp), group, call, [out], issue, what=what, reads=[inp])
 
 
 def gather_to(

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .data_shapes import GatherShape, SumShape
 from .group import Group
-from .link import DataShape, Link, SumShape
+from .link import Link
 from .payload import Item, numel, offsets, rows_first, typed_view
 from .roles import COPY, MAX, MIN, Role, Rows, cut_padded, cut_target, first_row, is_rows, padded_rows
 
@@ -103,12 +104,12 @@ def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------ data sent early
-def early_shape(prep: Prepared, link: Link, dst: int) -> Optional[DataShape]:
+def gather_shape(prep: Prepared, link: Link, dst: int) -> Optional[GatherShape]:
     """What a data phase sends, when it is one rows tensor in its own dtype gathered to every rank or to ``dst``."""
     gathered = [it for it in prep.items if not it.reduced]
     if prep.flats or len(gathered) != 1 or not is_rows(gathered[0].role):
         return None
-    return DataShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device, dst)
+    return GatherShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device, dst)
 
 
 def sum_shape(prep: Prepared, link: Link) -> Optional[SumShape]:
@@ -124,7 +125,7 @@ def shape_of(prep: Optional[Prepared], link: Link, dst: int) -> Optional[Any]:
     tensor or one all-reduce (None: another data phase, or none)."""
     if prep is None:
         return None
-    return early_shape(prep, link, dst) or sum_shape(prep, link)
+    return gather_shape(prep, link, dst) or sum_shape(prep, link)
 
 
 def early(prep: Optional[Prepared], expected: Optional[Any], link: Link, dst: int) -> Optional[Callable[[], Any]]:
@@ -136,10 +137,9 @@ def early(prep: Optional[Prepared], expected: Optional[Any], link: Link, dst: in
     if expected is None or shape_of(prep, link, dst) != expected:
         return None
     if isinstance(expected, SumShape):
-        (((role, _), flat),) = prep.flats.items()
-        op = getattr(dist.ReduceOp, expected.op)
-        return lambda: comm.issue_all_reduce(flat, link.group, link.call, expected.what(), op)
-    return lambda: comm.issue_stacked(prep.recv, prep.send, dst, link.group, link.call, expected.what())
+        ((_, flat),) = prep.flats.items()
+        return lambda: expected.issue(flat, link.call)
+    return lambda: expected.issue(prep.recv, prep.send, link.call)
 
 
 def taken_early(prep: Prepared) -> Dict[int, torch.Tensor]:

@@ -25,9 +25,9 @@ A round whose ranks were at different kinds of round (a peer still inside ``func
 nothing: the round a rank repeats after it has the same size, and so does the one its peer makes next.
 
 Data too large to ride in a round takes its own collective after it. An exchange whose data has the shape that the
-exchange after the same round sent the last time (:class:`DataShape`, a gather; :class:`SumShape`, a sum: the
-channel notes it per round name, as it notes the payload each round needed) issues it right behind its round, so
-both are in flight together: a training loop's forward and backward each send theirs early.
+exchange after the same round sent the last time (a record of :mod:`.data_shapes`: the channel notes it per round
+name, as it notes the payload each round needed) issues it right behind its round, so both are in flight together:
+a training loop's forward and backward, and the collectives inside f, each send theirs early.
 """
 
 import os
@@ -56,48 +56,6 @@ def payload_bounds(size: int) -> Tuple[int, int]:
     :data:`PAYLOAD_MAX`, capped so that a round sends at most :data:`ROUND_BUDGET` bytes per rank (16 at least)."""
     fit = max(16, (ROUND_BUDGET // max(size - 1, 1) - HEADER_BYTES) // 16 * 16)
     return min(PAYLOAD_BASE, fit), min(PAYLOAD_MAX, fit)
-
-
-class DataShape(NamedTuple):
-    """A data phase that is one rows tensor gathered to every rank (``dst`` -1) or to group rank ``dst``: the rows
-    per rank, a row's shape and dtype, and where it goes. The channel notes it after the round before the exchange
-    that sent it (:meth:`Channel.note_data`), so that the next exchange after a round of that name sends data of that
-    shape right behind its round (:mod:`.data_phase`), and a rank that does not sends a stand-in of it
-    (:mod:`.rounds`)."""
-
-    rows: int
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    group: Group
-    device: torch.device
-    dst: int = -1
-
-    def collective(self) -> str:
-        """The collective that carries it, as :mod:`.comm` names it."""
-        return "all_gather" if self.dst == -1 else "gather"
-
-    def what(self) -> str:
-        """What a peer's error says this rank was last in, should it stop there."""
-        where = "" if self.dst == -1 else f" to group rank {self.dst}"
-        return f"{self.collective()}{where} (data sent with the exit round)"
-
-
-class SumShape(NamedTuple):
-    """A data phase that is one all-reduce of a flat buffer (a backward's summed gradients: a shared weight's, a
-    module's parameters'; a ``psum`` inside f): its element count, dtype (as it travels) and reduction, and where it
-    runs. The channel notes it after the round before the exchange that sent it, as :class:`DataShape`."""
-
-    numel: int
-    dtype: torch.dtype
-    op: str  # "SUM", "MAX" or "MIN"
-    group: Group
-    device: torch.device
-
-    def collective(self) -> str:
-        return "all_reduce"
-
-    def what(self) -> str:
-        return "all_reduce (data sent with its round)"
 
 
 class Buffers(NamedTuple):
@@ -130,7 +88,7 @@ class Channel:
         self.after: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # a round's name -> (the bytes the round after it
         # needed, how many times in a row)
         self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
-        self.data_after: Dict[Any, Any] = {}  # a round's name -> the data phase (a DataShape or a SumShape, None:
+        self.data_after: Dict[Any, Any] = {}  # a round's name -> the data phase (a record of .data_shapes, None:
         # another, or none) the exchange after it sent the last time, where every rank passed that exchange's round
         self.stored = 0  # payload bytes the backing buffers hold
         self.written: Optional[Sequence[int]] = None  # the header in the send buffer (every size's view shares it)

@@ -19,7 +19,8 @@ Collective          this rank's result                              native colle
 
 With ``checked=True`` (cmap's own exchanges) each is one status round (:mod:`.rounds`: a peer that failed or left
 meets this rank there, and every rank raises together), then the native collective on the data: only the rows the
-destination needs move. Small data rides in the round instead, which is an all-gather, as a ``Join``'s
+destination needs move. Once the steps repeat (the collective has the shape that followed a round of the same name
+the last time), the collective goes right behind its round, both in flight together (:mod:`.data_shapes`). Small data rides in the round instead, which is an all-gather, as a ``Join``'s
 (:func:`~.exchange.join_values`): one collective. An all-gather's rows always may; a reduce-scatter's whole value (a
 sum's ``Join``, this rank's rows cut) and an all-to-all's (every rank's rows, where every rank knows every rank's
 row counts, ``sent``) while the round's bytes cost little more than the native collective's
@@ -27,7 +28,7 @@ row counts, ``sent``) while the round's bytes cost little more than the native c
 parallelism, in ``shard_model``) the collective runs alone, as Megatron's, and so does its transpose. Megatron's *f* and *g* are
 ``Split`` and ``Join`` of role ``COPY`` with ``checked=False`` (:mod:`.exchange`). Uneven row counts are padded to
 the largest for the first two (gloo needs equal sizes: :func:`~.roles.gather_padded`,
-:func:`~.roles.scatter_padded`); the all-to-all takes them as they are. Every rule is written with ``apply`` of
+:func:`~.roles.padded_shares`); the all-to-all takes them as they are. Every rule is written with ``apply`` of
 :class:`Native`, so double backward, ``torch.func`` transforms and an outer ``torch.vmap`` compose (the vmap dim
 rides along as a data dim after ``dim``).
 """
@@ -40,10 +41,11 @@ import torch
 from .. import faults
 from ..digests import digest
 from . import comm, rounds
+from .data_shapes import DataShape, ScatterShape, SwapShape
 from .exchange import JoinSpec, all_reduce, join_values, through
 from .link import Link
 from .payload import costs_little
-from .roles import COPY, Rows, first_row, first_rows, scatter_padded
+from .roles import COPY, Rows, first_row, first_rows, padded_shares
 from .rounds import Header, Kind, Status
 from .traced import traced_join, traced_split
 
@@ -78,21 +80,53 @@ class NativeSpec(NamedTuple):
         return spec._replace(sizes=self.recv, recv=self.sizes, sent=tuple(zip(*self.sent)))
 
 
-def _meet(spec: NativeSpec, x: torch.Tensor, op: str) -> None:
-    """The status round before the data: every rank at the same collective, or every rank raises."""
-    group, failure, cause = spec.link.group, None, None
+class _Ready(NamedTuple):
+    """A native collective made ready before its round (a failure there travels in the round): its buffers' shape as
+    the channel notes it, the collective on them (left in flight), and the buffer it writes this rank's result to."""
+
+    shape: DataShape
+    issue: Callable[[], comm.Pending]
+    out: torch.Tensor
+
+
+def _meet(spec: NativeSpec, x: torch.Tensor, op: str, prepare: Callable[[], _Ready]) -> _Ready:
+    """The collective ``prepare`` makes ready, behind its status round: every rank at the same collective, or every
+    rank raises. Where its shape is the one that followed a round of the last round's name the last time
+    (:meth:`~.link.Channel.expected_data`), it is issued right behind the round, both in flight together; a peer that
+    does not send it sends a stand-in (:mod:`.data_shapes`), and then every rank runs it after the round."""
+    link = spec.link
+    group, failure, cause, ready = link.group, None, None, None
     try:
         if faults.ACTIVE:
             faults.check("backward" if spec.kind == Kind.SYNC else "pack", group)
+        ready = prepare()
     except Exception as exc:
         failure, cause = group.failure(exc), exc
     # what every rank of the group shares (an all-to-all's row counts are this rank's own)
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
-    header = Header(kind=spec.kind, status=Status.FAILED if failure else Status.OK, digest=sig, inline=1)
-    rnd = rounds.checked_round(spec.link, header, spec.what)
+    ch = link.channel()
+    before = ch.last
+    early = ready.issue if ready is not None and ready.shape == ch.expected_data() else None
+    status = Status.FAILED if failure else Status.OK
+    header = Header(kind=spec.kind, status=status, digest=sig, inline=1, early=int(early is not None))
+    rnd = rounds.checked_round(link, header, spec.what, early)
     if rnd.failed:
-        link = spec.link._replace(call=f"{spec.link.call}: {spec.what}")
-        rounds.raise_failures(rnd, failure, cause, link, in_func=spec.kind == Kind.OP)
+        rounds.raise_failures(
+            rnd, failure, cause, link._replace(call=f"{link.call}: {spec.what}"), spec.kind == Kind.OP
+        )
+    ch.note_data(before, ready.shape)  # every rank passed the round: in step
+    if not all(h.early for h in rnd.table):  # sent early by every rank, it has arrived; else it goes now
+        comm.wait_for(ready.issue(), group, link.call, link.timeout, ready.shape.collective())
+    return ready
+
+
+def _run(spec: NativeSpec, x: torch.Tensor, op: str, prepare: Callable[[], _Ready]) -> torch.Tensor:
+    """The collective ``prepare`` makes ready, checked (:func:`_meet`) or alone; this rank's result buffer."""
+    if spec.checked:
+        return _meet(spec, x, op, prepare).out
+    ready = prepare()
+    comm.wait_for(ready.issue(), spec.link.group, spec.link.call, spec.link.timeout, ready.shape.collective())
+    return ready.out
 
 
 def _first(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -116,22 +150,22 @@ def _rides(spec: "NativeSpec", x: torch.Tensor, fused_rows: int, own_rows: int) 
 
 def _reduce_scatter(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """This rank's rows of the sum. Small, it is a ``Join`` of the sum (psum's), whose round carries it, then this
-    rank's rows cut: one collective, the status with the data; else the status round, then the reduce-scatter."""
+    rank's rows cut: one collective, the status with the data; else the status round and the reduce-scatter
+    (:func:`_meet`)."""
     (x,) = tensors
     sizes, rank = spec.sizes, spec.link.group.rank
     if _rides(spec, x, sum(sizes), sum(sizes) - min(sizes)):
         (total,) = join_values(JoinSpec(spec.link, (COPY,), spec.what, kind=spec.kind), [x])
         return total.narrow(spec.dim, first_row(sizes, rank), sizes[rank])
-    if spec.checked:
-        _meet(spec, x, "reduce_scatter")
-    link, what = spec.link, f"reduce_scatter ({spec.what})"
+    link = spec.link
 
-    def reduce_scatter(rows: torch.Tensor) -> torch.Tensor:
-        out = rows.new_empty((rows.shape[0] // link.group.size, *rows.shape[1:]))
-        comm.reduce_scatter_into(out, rows, link.group, link.call, link.timeout, what)
-        return out
+    def prepare() -> _Ready:
+        rows = padded_shares(_first(x, spec.dim), sizes)
+        out = rows.new_empty((max(sizes), *rows.shape[1:]))
+        shape = ScatterShape(max(sizes), tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
+        return _Ready(shape, lambda: shape.issue(out, rows, link.call), out)
 
-    return _back(scatter_padded(_first(x, spec.dim), spec.sizes, link.group.rank, reduce_scatter), spec.dim)
+    return _back(_run(spec, x, "reduce_scatter", prepare).narrow(0, 0, sizes[rank]), spec.dim)
 
 
 def _all_gather(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -145,7 +179,7 @@ def _all_gather(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Te
 def _all_to_all(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """From each rank, the rows it sent this rank, in rank order. Small, where every rank knows what every rank sends
     (``sent``), every rank's rows are a ``Join``'s, whose round carries them, and this rank's are cut from each: one
-    collective; else the status round, then the all-to-all."""
+    collective; else the status round and the all-to-all (:func:`_meet`)."""
     (x,) = tensors
     link = spec.link
     rows = _first(x, spec.dim)
@@ -156,12 +190,13 @@ def _all_to_all(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Te
             me, starts = link.group.rank, first_rows(totals)
             parts = [every.narrow(0, starts[r] + first_row(s, me), s[me]) for r, s in enumerate(spec.sent)]
             return _back(torch.cat(parts), spec.dim)
-    if spec.checked:
-        _meet(spec, x, "all_to_all")
-    out = rows.new_empty((sum(spec.recv), *rows.shape[1:]))
-    splits = (list(spec.recv), list(spec.sizes))
-    comm.all_to_all_into(out, rows, splits, link.group, link.call, link.timeout, what=f"all_to_all ({spec.what})")
-    return _back(out, spec.dim)
+
+    def prepare() -> _Ready:
+        out = rows.new_empty((sum(spec.recv), *rows.shape[1:]))
+        shape = SwapShape(spec.sizes, spec.recv, tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
+        return _Ready(shape, lambda: shape.issue(out, rows, link.call), out)
+
+    return _back(_run(spec, x, "all_to_all", prepare), spec.dim)
 
 
 def _all_gather_traced(x: torch.Tensor, sizes: Tuple[int, ...], pg: Any, rank: int) -> torch.Tensor:

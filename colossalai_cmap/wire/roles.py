@@ -124,18 +124,16 @@ def _is_prefix(sizes: Sequence[int]) -> bool:
     return all(n == cap for n in sizes[:last])
 
 
-def scatter_padded(
-    rows: torch.Tensor, sizes: Sequence[int], rank: int, reduce_scatter: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """This rank's rows (``sizes[rank]`` of dim 0) of the sum over ranks: each rank's rows padded to the largest
-    share, ``reduce_scatter`` of them (``[largest, ...]``), the padding cut."""
+def padded_shares(rows: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """``rows`` (dim 0, every rank's share in order) with each share padded to the largest, contiguous: a
+    reduce-scatter's input (gloo needs equal shares); this rank's rows are the first ``sizes[rank]`` of its result."""
     cap = max(sizes)
     if any(n != cap for n in sizes):
         padded = rows.new_zeros((cap * len(sizes), *rows.shape[1:]))
         for r, (start, n) in enumerate(zip(first_rows(sizes), sizes)):
             padded.narrow(0, r * cap, n).copy_(rows.narrow(0, start, n))
         rows = padded
-    return reduce_scatter(rows.contiguous()).narrow(0, 0, sizes[rank])
+    return rows.contiguous()
 
 
 COPY, KEEP, FIRST, SAME, MAX, MIN = "copy", "keep", "first", "same", "max", "min"

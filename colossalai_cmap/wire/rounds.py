@@ -27,13 +27,13 @@ from enum import IntEnum
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import stats
 from ..errors import CmapError, CollectiveAborted, RankFailure
 from . import comm
+from .data_shapes import DataShape
 from .group import state_of
-from .link import Link, SumShape
+from .link import Link
 
 # ---- the round: its header, and the rounds a call takes
 
@@ -197,22 +197,9 @@ def finish_round(link: Link, issued: Issued) -> Round:
     return rnd
 
 
-def _stand_in(shape: Any, link: Link) -> None:
-    """The all-gather, gather or all-reduce a peer's early data pairs with (its contents unused)."""
-    comm.wait_for(_issue_stand_in(shape, link), shape.group, link.call, link.timeout, shape.collective())
-
-
-def _issue_stand_in(shape: Any, link: Link) -> Any:
-    """:func:`_stand_in`, issued and left in flight."""
-    group = shape.group
-    if isinstance(shape, SumShape):
-        flat = torch.empty(shape.numel, dtype=shape.dtype, device=shape.device)
-        return comm.issue_all_reduce(flat, group, link.call, shape.what(), getattr(dist.ReduceOp, shape.op))
-    send = torch.empty((shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
-    recv = None
-    if shape.dst in (-1, group.rank):
-        recv = torch.empty((group.size, shape.rows, *shape.shape), dtype=shape.dtype, device=shape.device)
-    return comm.issue_stacked(recv, send, shape.dst, group, link.call, shape.what())
+def _stand_in(shape: DataShape, link: Link) -> None:
+    """The collective a peer's early data pairs with (its contents unused), waited for."""
+    comm.wait_for(shape.stand_in(link.call), shape.group, link.call, link.timeout, shape.collective())
 
 
 # ---- rounds on part of a mesh, while a call's f runs on the whole of it
@@ -484,7 +471,7 @@ def _post_failure(link: Link, what: str) -> Issued:
     shape = link.channel().expected_data()
     if shape is None:
         return issue_round(link, FAILURE, what=what)
-    return issue_round(link, FAILURE._replace(early=1), lambda: _issue_stand_in(shape, link), what)
+    return issue_round(link, FAILURE._replace(early=1), lambda: shape.stand_in(link.call), what)
 
 
 def told(err: CmapError, link: Link) -> CmapError:
