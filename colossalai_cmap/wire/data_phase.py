@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .data_shapes import GatherShape, SumShape
+from .data_shapes import GatherShape, SumShape, matches
 from .group import Group
 from .link import Link
 from .payload import Item, numel, offsets, rows_first, typed_view
@@ -134,7 +134,7 @@ def early(prep: Optional[Prepared], expected: Optional[Any], link: Link, dst: in
     that do not send early learn from the round who did, and send a stand-in of that shape
     (:func:`~.rounds.run_round`). A sum is reduced in place: where the round says a peer did not send it early, the
     exchange makes its buffer again before its own all-reduce."""
-    if expected is None or shape_of(prep, link, dst) != expected:
+    if not matches(shape_of(prep, link, dst), expected):
         return None
     if isinstance(expected, SumShape):
         ((_, flat),) = prep.flats.items()

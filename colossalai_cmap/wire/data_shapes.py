@@ -145,4 +145,10 @@ class SwapShape(NamedTuple):
 DataShape = Union[GatherShape, SumShape, ScatterShape, SwapShape]
 
 
-__all__ = ["GatherShape", "SumShape", "ScatterShape", "SwapShape", "DataShape"]
+def matches(shape: Optional[DataShape], expected: Optional[DataShape]) -> bool:
+    """Whether ``shape`` is the ``expected`` one: the same collective (records are tuples, which compare by their
+    fields alone) with the same fields."""
+    return shape is not None and type(shape) is type(expected) and shape == expected
+
+
+__all__ = ["GatherShape", "SumShape", "ScatterShape", "SwapShape", "DataShape", "matches"]

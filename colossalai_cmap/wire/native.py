@@ -41,7 +41,7 @@ import torch
 from .. import faults
 from ..digests import digest
 from . import comm, rounds
-from .data_shapes import DataShape, ScatterShape, SwapShape
+from .data_shapes import DataShape, ScatterShape, SwapShape, matches
 from .exchange import JoinSpec, all_reduce, join_values, through
 from .link import Link
 from .payload import costs_little
@@ -106,7 +106,7 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str, prepare: Callable[[], _Rea
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
     ch = link.channel()
     before = ch.last
-    early = ready.issue if ready is not None and ready.shape == ch.expected_data() else None
+    early = ready.issue if ready is not None and matches(ready.shape, ch.expected_data()) else None
     status = Status.FAILED if failure else Status.OK
     header = Header(kind=spec.kind, status=status, digest=sig, inline=1, early=int(early is not None))
     rnd = rounds.checked_round(link, header, spec.what, early)
