@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 from typing import Any, Dict, Tuple
 
+import pytest
 import shard_cases as sc
 import test_collectives
 import test_core
@@ -217,6 +218,23 @@ def test_a_steady_training_step_sends_its_output_and_its_weight_gradient_with_th
         assert diff <= 8 * 20 * torch.finfo(torch.float32).eps * 8, diff  # as on the default layout
         assert fwd.events == [per_call.TOGETHER] * per_call.COUNTED, fwd.events
         assert bwd.events == [per_call.SUM_BEHIND_ROUND] * per_call.COUNTED, bwd.events
+
+
+@pytest.mark.parametrize("op", ["psum_scatter", "all_to_all", "ppermute"])
+def test_a_data_op_inside_f_sends_its_collective_with_its_round(host_worlds, op):
+    """With rounds on a host group, a ``psum_scatter``, ``all_to_all`` or ring ``ppermute`` inside ``f`` (data never
+    rides in a host round) issues its native collective on the data's group right behind its round once the steps
+    repeat, as does the exit's gather; in backward, the op's transpose and the input gradient's gather do the same
+    (on GPUs: the host round and the nccl collective in flight together). Values and gradients are the unsharded
+    function's."""
+    import test_collectives_per_call as per_call
+
+    for seen, _ in host_worlds(3).run(per_call.check_data_ops_inside_f, op, 4, True, deadline=DEADLINE):
+        assert seen.grad_error <= 12 * torch.finfo(torch.float64).eps, seen.grad_error
+        native = per_call.behind_round(per_call.NATIVE[op])
+        assert seen.forward.events == [native + per_call.TOGETHER] * per_call.COUNTED, seen.forward.events
+        transpose = per_call.TOGETHER if op == "psum_scatter" else native  # psum_scatter's: an all_gather
+        assert seen.backward.events == [transpose + per_call.TOGETHER] * per_call.COUNTED, seen.backward.events
 
 
 def test_tiles_assemble_from_one_gather_on_the_host_group(host_worlds):
