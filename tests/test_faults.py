@@ -305,6 +305,107 @@ def test_a_failure_around_a_large_op_sent_behind_its_round_is_every_rank_s_error
             assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (op, rank, failing, how, outcome)
 
 
+CHAIN_OPS = ("psum", "psum_scatter", "all_to_all", "ppermute", "all_gather")
+
+
+def _chain_step(op: str, h: torch.Tensor, size: int) -> torch.Tensor:
+    """One op of a chain on this rank's block ``h`` (rows, D), over the line's axis "x"."""
+    if op == "psum":
+        return cm.psum(h, "x")
+    if op == "psum_scatter":
+        return cm.psum_scatter(h, "x", tiled=True)
+    if op == "all_to_all":
+        return cm.all_to_all(h, "x", 0, 0, tiled=True)
+    if op == "ppermute":
+        return cm.ppermute(h, "x", [(i, (i + 1) % size) for i in range(size)])
+    return cm.all_gather(h, "x", tiled=True).view(size, *h.shape).sum(0)  # every block, summed: psum by a gather
+
+
+def _chain_step_unsharded(op: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The same op on every rank's block at once, ``blocks`` of (P, rows, D): what the line computes."""
+    size, rows, width = blocks.shape
+    if op in ("psum", "all_gather"):
+        return blocks.sum(0, keepdim=True).expand(size, rows, width)
+    if op == "psum_scatter":  # rank r: chunk r of the sum
+        return blocks.sum(0).view(size, rows // size, width)
+    if op == "all_to_all":  # rank r: chunk r of every rank's block, in rank order
+        return blocks.view(size, size, rows // size, width).transpose(0, 1).reshape(size, rows, width)
+    return blocks.roll(1, 0)  # the ring: rank r gets rank r - 1's
+
+
+def check_random_chains_of_large_ops_with_failures(steps: int, seed: int) -> list:
+    """Training steps of ``shard_map(f)`` on a line of the world, f a chain of one to three collectives drawn from
+    :data:`CHAIN_OPS` on blocks of (2 P^2, 512) float64 (4 KiB rows: at P = 3 past what rides in a round, so each takes
+    its own collective, right behind its round once a chain repeats; a chain is kept for 6 steps), typed or not, and
+    in most steps a failure on a random rank: f raising before an op, a node before an op whose backward raises, or
+    a fault injected in forward's rounds ("pack") or backward's ("backward"). Each step's outcome on this rank, its
+    seconds, and for a clean step whether the output and the gradient are the unsharded chain's."""
+    import random
+
+    from shard_cases import mesh
+
+    size, me = dist.get_world_size(), dist.get_rank()
+    line = mesh((size,), ("x",))
+    rng = random.Random(seed)
+    x = torch.rand(2 * size**3, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) + 0.1
+    seen = []
+    for step in range(steps):
+        if step % 6 == 0:
+            ops = [rng.choice(CHAIN_OPS) for _ in range(rng.randint(1, 3))]
+            typed = rng.random() < 0.5
+        how = rng.choice((None, None, "raise", "node", "pack", "backward"))
+        failing, at = (rng.randrange(size) if how else -1), rng.randrange(len(ops))
+
+        def f(b: torch.Tensor) -> torch.Tensor:
+            h = b.sin()
+            for k, op in enumerate(ops):
+                if k == at and how == "raise" and me == failing:
+                    raise ValueError("f failed before an op")
+                h = FailsInBackward.apply(h, failing) if k == at and how == "node" else h
+                h = _chain_step(op, h, size)
+            return h
+
+        g = cm.shard_map(f, mesh=line, in_specs=cm.P("x"), out_specs=cm.P("x"), check_vma=typed, timeout=10)
+        given = x.clone().requires_grad_()
+        start = time.perf_counter()
+        try:
+            with inject_fault(how, [failing]) if how in ("pack", "backward") else contextlib.nullcontext():
+                out = g(given)
+                out.pow(2).sum().backward()
+            outcome = "ok"
+        except cm.CmapError as exc:
+            outcome = "CmapError naming it" if f"group rank {failing} " in str(exc) else str(exc)
+        seconds = time.perf_counter() - start
+        right = None
+        if outcome == "ok":
+            ref = x.clone().requires_grad_()
+            blocks = ref.sin().view(size, -1, 512)
+            for op in ops:
+                blocks = _chain_step_unsharded(op, blocks)
+            want = blocks.reshape(-1, 512)
+            want.pow(2).sum().backward()
+            # up to three sums of 3 positive terms (2 eps relative each), a square, its derivative and cos > 0: every
+            # value and gradient positive, within 16 eps relative; 32 allowed
+            close = lambda a, b: bool(((a - b).abs() <= 32 * torch.finfo(b.dtype).eps * b.abs()).all())  # noqa: E731
+            right = close(out.detach(), want.detach()) and close(given.grad, ref.grad)
+        seen.append((step, tuple(ops), how, failing, outcome, seconds, right))
+    return seen
+
+
+def test_random_chains_of_large_ops_with_failures_are_every_rank_s_error(worlds):
+    """Failures among chains of collectives that send their data behind their rounds: every rank's outcome is the
+    same, a failure is every rank's CmapError naming the failing rank within a third of the timeout, and every clean
+    step gives the unsharded chain's values and gradients."""
+    seen_by_rank = worlds(3).run(check_random_chains_of_large_ops_with_failures, 48, 7, deadline=240)
+    for steps in zip(*seen_by_rank):
+        step, ops, how, failing, _, _, _ = steps[0]
+        for _, _, _, _, outcome, seconds, right in steps:
+            assert outcome == ("ok" if how is None else "CmapError naming it"), (step, ops, how, failing, outcome)
+            assert seconds < 10 / 3, (step, ops, how, failing, seconds)
+            assert right in (None, True), (step, ops)
+    assert sum(1 for steps in zip(*seen_by_rank) if steps[0][2] is None) >= 8  # enough clean steps to check values
+
+
 def check_group_of_one():
     """P = 1: the phases before any exchange still raise CmapError, and the next call works."""
     for phase in ("args", "func"):
