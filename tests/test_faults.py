@@ -5,6 +5,7 @@ Faults come from the public testing aid ``colossalai_cmap.faults.inject_fault``;
 """
 
 import contextlib
+import math
 import time
 from typing import Any, Callable, Tuple
 
@@ -308,95 +309,120 @@ def test_a_failure_around_a_large_op_sent_behind_its_round_is_every_rank_s_error
 CHAIN_OPS = ("psum", "psum_scatter", "all_to_all", "ppermute", "all_gather")
 
 
-def _chain_step(op: str, h: torch.Tensor, size: int) -> torch.Tensor:
-    """One op of a chain on this rank's block ``h`` (rows, D), over the line's axis "x"."""
+def _chain_step(op: str, h: torch.Tensor, axis: Any, size: int) -> torch.Tensor:
+    """One op of a chain on this rank's block ``h`` (rows, D), over ``axis`` (a name or a tuple) of ``size`` ranks."""
     if op == "psum":
-        return cm.psum(h, "x")
+        return cm.psum(h, axis)
     if op == "psum_scatter":
-        return cm.psum_scatter(h, "x", tiled=True)
+        return cm.psum_scatter(h, axis, tiled=True)
     if op == "all_to_all":
-        return cm.all_to_all(h, "x", 0, 0, tiled=True)
+        return cm.all_to_all(h, axis, 0, 0, tiled=True)
     if op == "ppermute":
-        return cm.ppermute(h, "x", [(i, (i + 1) % size) for i in range(size)])
-    return cm.all_gather(h, "x", tiled=True).view(size, *h.shape).sum(0)  # every block, summed: psum by a gather
+        return cm.ppermute(h, axis, [(i, (i + 1) % size) for i in range(size)])
+    return cm.all_gather(h, axis, tiled=True).view(size, *h.shape).sum(0)  # every block, summed: psum by a gather
 
 
 def _chain_step_unsharded(op: str, blocks: torch.Tensor) -> torch.Tensor:
-    """The same op on every rank's block at once, ``blocks`` of (P, rows, D): what the line computes."""
-    size, rows, width = blocks.shape
+    """The same op on every block at once: ``blocks`` of (n, m, rows, D), the op over the n ranks of each of m
+    groups (the axis's ranks along dim 0, in axis-index order): what the mesh computes."""
+    n, m, rows, width = blocks.shape
     if op in ("psum", "all_gather"):
-        return blocks.sum(0, keepdim=True).expand(size, rows, width)
-    if op == "psum_scatter":  # rank r: chunk r of the sum
-        return blocks.sum(0).view(size, rows // size, width)
-    if op == "all_to_all":  # rank r: chunk r of every rank's block, in rank order
-        return blocks.view(size, size, rows // size, width).transpose(0, 1).reshape(size, rows, width)
-    return blocks.roll(1, 0)  # the ring: rank r gets rank r - 1's
+        return blocks.sum(0, keepdim=True).expand(n, m, rows, width)
+    if op == "psum_scatter":  # axis index r: chunk r of the sum
+        return blocks.sum(0).view(m, n, rows // n, width).transpose(0, 1)
+    if op == "all_to_all":  # axis index r: chunk r of every block of its group, in axis-index order
+        return blocks.view(n, m, n, rows // n, width).transpose(0, 2).reshape(n, m, rows, width)
+    return blocks.roll(1, 0)  # the ring: index r gets index r - 1's
 
 
-def check_random_chains_of_large_ops_with_failures(steps: int, seed: int) -> list:
-    """Training steps of ``shard_map(f)`` on a line of the world, f a chain of one to three collectives drawn from
-    :data:`CHAIN_OPS` on blocks of (2 P^2, 512) float64 (4 KiB rows: at P = 3 past what rides in a round, so each takes
-    its own collective, right behind its round once a chain repeats; a chain is kept for 6 steps), typed or not, and
-    in most steps a failure on a random rank: f raising before an op, a node before an op whose backward raises, or
-    a fault injected in forward's rounds ("pack") or backward's ("backward"). Each step's outcome on this rank, its
-    seconds, and for a clean step whether the output and the gradient are the unsharded chain's."""
+def _over(blocks: torch.Tensor, axis: Any, names: Tuple[str, ...], op: str) -> torch.Tensor:
+    """``op`` over ``axis`` of a mesh whose blocks are ``blocks`` (one dim per mesh axis, then rows and D)."""
+    axes = [names.index(a) for a in ((axis,) if isinstance(axis, str) else axis)]
+    rest = [d for d in range(len(names)) if d not in axes]
+    order = axes + rest + [len(names), len(names) + 1]
+    moved = blocks.permute(order)
+    shape = moved.shape
+    n = math.prod(shape[: len(axes)])
+    done = _chain_step_unsharded(op, moved.reshape(n, -1, *shape[-2:]))
+    back = done.reshape(*shape[: len(names)], *done.shape[-2:])
+    return back.permute([order.index(d) for d in range(len(order))])
+
+
+def check_random_chains_of_large_ops_with_failures(shape: Tuple[int, ...], steps: int, seed: int) -> list:
+    """Training steps of ``shard_map(f)`` on a mesh of the world (a line of 3, or 2 x 2 with its rows over both axes),
+    f a chain of one to three collectives drawn from :data:`CHAIN_OPS`, each over a random axis (or on 2 x 2 both), on
+    blocks of (2 P^2, 512) float64 (4 KiB rows: past what rides in a round, so each takes its own collective, right
+    behind its round once a chain repeats; a chain is kept for 6 steps), typed or not, and in most steps a failure on
+    a random rank: f raising before an op, a node before an op whose backward raises, or a fault injected in forward's
+    rounds ("pack") or backward's ("backward"). Each step's outcome on this rank, its seconds, and for a clean step
+    whether the output and the gradient are the unsharded chain's."""
     import random
 
     from shard_cases import mesh
 
     size, me = dist.get_world_size(), dist.get_rank()
-    line = mesh((size,), ("x",))
+    names = ("x", "y")[: len(shape)]
+    grid = mesh(shape, names)
+    axes = list(names) + ([names] if len(names) > 1 else [])
     rng = random.Random(seed)
     x = torch.rand(2 * size**3, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) + 0.1
     seen = []
     for step in range(steps):
         if step % 6 == 0:
-            ops = [rng.choice(CHAIN_OPS) for _ in range(rng.randint(1, 3))]
+            ops = [(rng.choice(CHAIN_OPS), rng.choice(axes)) for _ in range(rng.randint(1, 3))]
             typed = rng.random() < 0.5
         how = rng.choice((None, None, "raise", "node", "pack", "backward"))
         failing, at = (rng.randrange(size) if how else -1), rng.randrange(len(ops))
 
         def f(b: torch.Tensor) -> torch.Tensor:
             h = b.sin()
-            for k, op in enumerate(ops):
+            for k, (op, axis) in enumerate(ops):
                 if k == at and how == "raise" and me == failing:
                     raise ValueError("f failed before an op")
                 h = FailsInBackward.apply(h, failing) if k == at and how == "node" else h
-                h = _chain_step(op, h, size)
+                h = _chain_step(op, h, axis, math.prod(grid.size(names.index(a)) for a in cm_names(axis)))
             return h
 
-        g = cm.shard_map(f, mesh=line, in_specs=cm.P("x"), out_specs=cm.P("x"), check_vma=typed, timeout=10)
+        g = cm.shard_map(f, mesh=grid, in_specs=cm.P(names), out_specs=cm.P(names), check_vma=typed, timeout=10)
         given = x.clone().requires_grad_()
         start = time.perf_counter()
         try:
-            with inject_fault(how, [failing]) if how in ("pack", "backward") else contextlib.nullcontext():
+            injected = how in ("pack", "backward") and me == failing  # in every group this rank is in
+            with inject_fault(how, range(size)) if injected else contextlib.nullcontext():
                 out = g(given)
                 out.pow(2).sum().backward()
             outcome = "ok"
         except cm.CmapError as exc:
-            outcome = "CmapError naming it" if f"group rank {failing} " in str(exc) else str(exc)
+            outcome = "CmapError naming it" if f"(global rank {failing})" in str(exc) else str(exc)
         seconds = time.perf_counter() - start
         right = None
         if outcome == "ok":
             ref = x.clone().requires_grad_()
-            blocks = ref.sin().view(size, -1, 512)
-            for op in ops:
-                blocks = _chain_step_unsharded(op, blocks)
+            blocks = ref.sin().view(*shape, -1, 512)
+            for op, axis in ops:
+                blocks = _over(blocks, axis, names, op)
             want = blocks.reshape(-1, 512)
             want.pow(2).sum().backward()
-            # up to three sums of 3 positive terms (2 eps relative each), a square, its derivative and cos > 0: every
-            # value and gradient positive, within 16 eps relative; 32 allowed
-            close = lambda a, b: bool(((a - b).abs() <= 32 * torch.finfo(b.dtype).eps * b.abs()).all())  # noqa: E731
+            # up to three sums of up to 4 positive terms (3 eps relative each), a square, its derivative and cos > 0:
+            # every value and gradient positive, within about 24 eps relative; 48 allowed
+            close = lambda a, b: bool(((a - b).abs() <= 48 * torch.finfo(b.dtype).eps * b.abs()).all())  # noqa: E731
             right = close(out.detach(), want.detach()) and close(given.grad, ref.grad)
         seen.append((step, tuple(ops), how, failing, outcome, seconds, right))
     return seen
 
 
-def test_random_chains_of_large_ops_with_failures_are_every_rank_s_error(worlds):
+def cm_names(axis: Any) -> Tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 2)], ids=["line of 3", "2 x 2"])
+def test_random_chains_of_large_ops_with_failures_are_every_rank_s_error(worlds, shape):
     """Failures among chains of collectives that send their data behind their rounds: every rank's outcome is the
     same, a failure is every rank's CmapError naming the failing rank within a third of the timeout, and every clean
     step gives the unsharded chain's values and gradients."""
-    seen_by_rank = worlds(3).run(check_random_chains_of_large_ops_with_failures, 48, 7, deadline=240)
+    seen_by_rank = worlds(math.prod(shape)).run(
+        check_random_chains_of_large_ops_with_failures, shape, 48, 7, deadline=240
+    )
     for steps in zip(*seen_by_rank):
         step, ops, how, failing, _, _, _ = steps[0]
         for _, _, _, _, outcome, seconds, right in steps:
@@ -404,6 +430,47 @@ def test_random_chains_of_large_ops_with_failures_are_every_rank_s_error(worlds)
             assert seconds < 10 / 3, (step, ops, how, failing, seconds)
             assert right in (None, True), (step, ops)
     assert sum(1 for steps in zip(*seen_by_rank) if steps[0][2] is None) >= 8  # enough clean steps to check values
+
+
+def check_failure_before_a_large_op_over_both_axes(op: str) -> list:
+    """Steps of ``shard_map(f)`` on a 2 x 2 mesh, f a ``psum`` over "x" (small: it rides in its round) and then
+    ``op`` over ("x", "y") of 128 KiB blocks (its own collective on the group of both axes, right behind its round
+    once the steps repeat), with f raising between the two on each rank in turn. The raising rank's exit posts the
+    failure on the whole mesh's group, on x's and on both axes' group, and waits on x's first; its partner on x waits
+    in the op's collective for the raising rank's data, so the post on both axes' group must carry a stand-in of it.
+    Each step's outcome on this rank and its seconds."""
+    from shard_cases import mesh
+
+    grid, me = mesh((2, 2), ("x", "y")), dist.get_rank()
+    x = torch.rand(32, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.1
+    seen = []
+    for failing in (-1, -1, -1, 0, -1, -1, 1, -1, -1, 2, -1, -1, 3):
+
+        def f(b: torch.Tensor) -> torch.Tensor:
+            h = cm.psum(b.sin(), "x")
+            if me == failing:
+                raise ValueError("f failed between its ops")
+            return _chain_step(op, h, ("x", "y"), 4)
+
+        g = cm.shard_map(f, mesh=grid, in_specs=cm.P(("x", "y")), out_specs=cm.P(("x", "y")), timeout=10)
+        start = time.perf_counter()
+        try:
+            g(x.clone().requires_grad_()).pow(2).sum().backward()
+            outcome = "ok"
+        except cm.CmapError as exc:
+            outcome = "CmapError naming it" if f"(global rank {failing})" in str(exc) else str(exc)
+        seen.append((failing, outcome, time.perf_counter() - start))
+    return seen
+
+
+@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_to_all", "ppermute"])
+def test_a_failure_before_a_large_op_over_both_axes_is_every_rank_s_error_at_once(worlds, op):
+    """Before, every rank raised the CmapError only after the timeout (10 s), and the mesh's groups were out of step
+    after it."""
+    for rank, seen in enumerate(worlds(4).run(check_failure_before_a_large_op_over_both_axes, op, deadline=180)):
+        for failing, outcome, seconds in seen:
+            assert outcome == ("ok" if failing < 0 else "CmapError naming it"), (rank, failing, outcome)
+            assert seconds < 10 / 3, (rank, failing, seconds)
 
 
 def check_group_of_one():

@@ -294,11 +294,16 @@ def status_round(
     ``along``: other groups (a mesh's axes) where a peer may be waiting, each given a status round of its own (this
     header's status, nothing else), repeated on its own as this one is. Every first round is issued, this one last,
     before any is waited for, so a peer waiting on one group is told while this rank waits on another, and the rounds
-    cost about one round's time; they are waited for in the order issued."""
+    cost about one round's time; they are waited for in the order issued. A failure's rounds carry right behind them
+    a stand-in of the data an exchange at that point of each group's rounds sends early (:func:`_issue_standing_in`):
+    this rank skipped the rest of its ``f``, so a peer may be in that exchange, waiting for this rank's data before
+    it can reach the groups this rank waits on first. (A rank that finished ``f`` meets peers at the same point, at
+    this exit, where none sends data on these groups.)"""
     if along:
         plain = Header(kind=Kind.STATUS, status=header.status, inline=1)
-        issued = [(other, issue_round(other, plain)) for other in along]
-        first = issue_round(link, header, also)
+        issue = _issue_standing_in if header.status == Status.FAILED else issue_round
+        issued = [(other, issue(other, plain)) for other in along]
+        first = issue(link, header) if also is None else issue_round(link, header, also)
         for other, pending in issued:
             if finish_round(other, pending).kind != Kind.STATUS:
                 status_round(other, plain)
@@ -464,14 +469,20 @@ def fan_out(mesh: _Guarded, met: Optional[Link], what: str) -> Optional[Round]:
 
 
 def _post_failure(link: Link, what: str) -> Issued:
-    """A failure's round on ``link``'s group, issued. Where an exchange at this point of the group's rounds is
-    expected to send a data phase (:meth:`~.link.Channel.expected_data`), a stand-in of it goes right behind (its
-    header says ``early``): a peer in a Join there may have sent its data behind its round, and waits for this
-    rank's before it can post the failure on the mesh's other groups, which this rank may be waiting in first."""
+    """A failure's round on ``link``'s group, issued, with a stand-in behind it (:func:`_issue_standing_in`): a peer
+    in a Join there may have sent its data behind its round, and waits for this rank's before it can post the failure
+    on the mesh's other groups, which this rank may be waiting in first."""
+    return _issue_standing_in(link, FAILURE, what)
+
+
+def _issue_standing_in(link: Link, header: Header, what: Optional[str] = None) -> Issued:
+    """A round on ``link``'s group, issued; where an exchange at this point of the group's rounds is expected to send
+    a data phase (:meth:`~.link.Channel.expected_data`), a stand-in of it goes right behind (the header says
+    ``early``), for a round this rank waits for only after rounds on other groups."""
     shape = link.channel().expected_data()
     if shape is None:
-        return issue_round(link, FAILURE, what=what)
-    return issue_round(link, FAILURE._replace(early=1), lambda: shape.stand_in(link.call), what)
+        return issue_round(link, header, what=what)
+    return issue_round(link, header._replace(early=1), lambda: shape.stand_in(link.call), what)
 
 
 def told(err: CmapError, link: Link) -> CmapError:
