@@ -104,9 +104,10 @@ class ScatterShape(NamedTuple):
     def what(self) -> str:
         return "reduce_scatter (data sent with its round)"
 
-    def issue(self, out: torch.Tensor, rows: torch.Tensor, call: str) -> comm.Pending:
-        """``out`` (``rows`` rows) gets this rank's rows of the sum of every rank's ``rows`` (P times as many)."""
-        return comm.issue_reduce_scatter(out, rows, self.group, call, self.what())
+    def issue(self, out: torch.Tensor, rows: torch.Tensor, call: str, what: Optional[str] = None) -> comm.Pending:
+        """``out`` (``rows`` rows) gets this rank's rows of the sum of every rank's ``rows`` (P times as many);
+        ``what`` names it for a peer's error (by default, as a stand-in)."""
+        return comm.issue_reduce_scatter(out, rows, self.group, call, what or self.what())
 
     def stand_in(self, call: str) -> comm.Pending:
         out = torch.empty((self.rows, *self.shape), dtype=self.dtype, device=self.device)
@@ -131,10 +132,11 @@ class SwapShape(NamedTuple):
     def what(self) -> str:
         return "all_to_all (data sent with its round)"
 
-    def issue(self, out: torch.Tensor, rows: torch.Tensor, call: str) -> comm.Pending:
-        """``out`` gets from each rank in order the rows of its ``rows`` it sends this one."""
+    def issue(self, out: torch.Tensor, rows: torch.Tensor, call: str, what: Optional[str] = None) -> comm.Pending:
+        """``out`` gets from each rank in order the rows of its ``rows`` it sends this one; ``what`` as
+        :meth:`ScatterShape.issue`'s."""
         splits = (list(self.received), list(self.sent))
-        return comm.issue_all_to_all(out, rows, splits, self.group, call, self.what())
+        return comm.issue_all_to_all(out, rows, splits, self.group, call, what or self.what())
 
     def stand_in(self, call: str) -> comm.Pending:
         out = torch.empty((sum(self.received), *self.shape), dtype=self.dtype, device=self.device)

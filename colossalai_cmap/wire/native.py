@@ -163,7 +163,7 @@ def _reduce_scatter(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torc
         rows = padded_shares(_first(x, spec.dim), sizes)
         out = rows.new_empty((max(sizes), *rows.shape[1:]))
         shape = ScatterShape(max(sizes), tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
-        return _Ready(shape, lambda: shape.issue(out, rows, link.call), out)
+        return _Ready(shape, lambda: shape.issue(out, rows, link.call, f"reduce_scatter ({spec.what})"), out)
 
     return _back(_run(spec, x, "reduce_scatter", prepare).narrow(0, 0, sizes[rank]), spec.dim)
 
@@ -194,7 +194,7 @@ def _all_to_all(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Te
     def prepare() -> _Ready:
         out = rows.new_empty((sum(spec.recv), *rows.shape[1:]))
         shape = SwapShape(spec.sizes, spec.recv, tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
-        return _Ready(shape, lambda: shape.issue(out, rows, link.call), out)
+        return _Ready(shape, lambda: shape.issue(out, rows, link.call, f"all_to_all ({spec.what})"), out)
 
     return _back(_run(spec, x, "all_to_all", prepare), spec.dim)
 
