@@ -4,8 +4,8 @@ One module per concept, imports going down:
 
 1. :mod:`.group` (process groups and their per-process state), :mod:`.roles` (what each tensor of an exchange is),
    :mod:`.presence` (this process's count of collectives, read when a peer does not arrive);
-2. :mod:`.comm` (bounded waits, whose errors name the ranks that did not arrive), :mod:`.data_shapes` (the shape of
-   a data phase's collective, as a group notes it to send the next one right behind its round, and its stand-in),
+2. :mod:`.comm` (bounded waits, whose errors name the ranks that did not arrive; the shape of a data phase's
+   collective, as a group notes it to send the next one right behind its round, and its stand-in),
    :mod:`.link` (where an exchange communicates: the ``Link``, and the group's round buffers), :mod:`.traced`
    (``Split`` and ``Join`` inside ``torch.compile``);
 3. :mod:`.payload` (the route of what rides in a round's payload), :mod:`.rounds` (a round of the status protocol:

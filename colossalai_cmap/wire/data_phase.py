@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .data_shapes import GatherShape, SumShape, matches
 from .group import Group
 from .link import Link
 from .payload import Item, numel, offsets, rows_first, typed_view
@@ -104,20 +103,20 @@ def _flat(items: Sequence[Item], tensors: Sequence[torch.Tensor]) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------ data sent early
-def gather_shape(prep: Prepared, link: Link, dst: int) -> Optional[GatherShape]:
+def gather_shape(prep: Prepared, link: Link, dst: int) -> Optional[comm.GatherShape]:
     """What a data phase sends, when it is one rows tensor in its own dtype gathered to every rank or to ``dst``."""
     gathered = [it for it in prep.items if not it.reduced]
     if prep.flats or len(gathered) != 1 or not is_rows(gathered[0].role):
         return None
-    return GatherShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device, dst)
+    return comm.GatherShape(max(prep.sizes), gathered[0].shape, gathered[0].dtype, link.group, link.device, dst)
 
 
-def sum_shape(prep: Prepared, link: Link) -> Optional[SumShape]:
+def sum_shape(prep: Prepared, link: Link) -> Optional[comm.SumShape]:
     """What a data phase sends, when it is one all-reduce and nothing else."""
     if prep.send is not None or len(prep.flats) != 1:
         return None
     (((role, _), flat),) = prep.flats.items()
-    return SumShape(flat.numel(), flat.dtype, _REDUCE_OPS[role], link.group, link.device)
+    return comm.SumShape(flat.numel(), flat.dtype, _REDUCE_OPS[role], link.group, link.device)
 
 
 def shape_of(prep: Optional[Prepared], link: Link, dst: int) -> Optional[Any]:
@@ -134,9 +133,9 @@ def early(prep: Optional[Prepared], expected: Optional[Any], link: Link, dst: in
     that do not send early learn from the round who did, and send a stand-in of that shape
     (:func:`~.rounds.run_round`). A sum is reduced in place: where the round says a peer did not send it early, the
     exchange makes its buffer again before its own all-reduce."""
-    if not matches(shape_of(prep, link, dst), expected):
+    if not comm.matches(shape_of(prep, link, dst), expected):
         return None
-    if isinstance(expected, SumShape):
+    if isinstance(expected, comm.SumShape):
         ((_, flat),) = prep.flats.items()
         return lambda: expected.issue(flat, link.call)
     return lambda: expected.issue(prep.recv, prep.send, link.call)

@@ -25,7 +25,7 @@ A round whose ranks were at different kinds of round (a peer still inside ``func
 nothing: the round a rank repeats after it has the same size, and so does the one its peer makes next.
 
 Data too large to ride in a round takes its own collective after it. An exchange whose data has the shape that the
-exchange after the same round sent the last time (a record of :mod:`.data_shapes`: the channel notes it per round
+exchange after the same round sent the last time (a shape record of :mod:`.comm`: the channel notes it per round
 name, as it notes the payload each round needed) issues it right behind its round, so both are in flight together:
 a training loop's forward and backward, and the collectives inside f, each send theirs early.
 """
@@ -88,7 +88,7 @@ class Channel:
         self.after: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # a round's name -> (the bytes the round after it
         # needed, how many times in a row)
         self.last: Optional[Tuple[int, ...]] = None  # the name of the last round
-        self.data_after: Dict[Any, Any] = {}  # a round's name -> the data phase (a record of .data_shapes, None:
+        self.data_after: Dict[Any, Any] = {}  # a round's name -> the data phase (a shape record of .comm, None:
         # another, or none) the exchange after it sent the last time, where every rank passed that exchange's round
         self.stored = 0  # payload bytes the backing buffers hold
         self.written: Optional[Sequence[int]] = None  # the header in the send buffer (every size's view shares it)

@@ -20,7 +20,7 @@ Collective          this rank's result                              native colle
 With ``checked=True`` (cmap's own exchanges) each is one status round (:mod:`.rounds`: a peer that failed or left
 meets this rank there, and every rank raises together), then the native collective on the data: only the rows the
 destination needs move. Once the steps repeat (the collective has the shape that followed a round of the same name
-the last time), the collective goes right behind its round, both in flight together (:mod:`.data_shapes`). Small data rides in the round instead, which is an all-gather, as a ``Join``'s
+the last time), the collective goes right behind its round, both in flight together (:mod:`.comm`'s shape records). Small data rides in the round instead, which is an all-gather, as a ``Join``'s
 (:func:`~.exchange.join_values`): one collective. An all-gather's rows always may; a reduce-scatter's whole value (a
 sum's ``Join``, this rank's rows cut) and an all-to-all's (every rank's rows, where every rank knows every rank's
 row counts, ``sent``) while the round's bytes cost little more than the native collective's
@@ -41,7 +41,6 @@ import torch
 from .. import faults
 from ..digests import digest
 from . import comm, rounds
-from .data_shapes import DataShape, ScatterShape, SwapShape, matches
 from .exchange import JoinSpec, all_reduce, join_values, through
 from .link import Link
 from .payload import costs_little
@@ -84,7 +83,7 @@ class _Ready(NamedTuple):
     """A native collective made ready before its round (a failure there travels in the round): its buffers' shape as
     the channel notes it, the collective on them (left in flight), and the buffer it writes this rank's result to."""
 
-    shape: DataShape
+    shape: comm.DataShape
     issue: Callable[[], comm.Pending]
     out: torch.Tensor
 
@@ -93,7 +92,7 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str, prepare: Callable[[], _Rea
     """The collective ``prepare`` makes ready, behind its status round: every rank at the same collective, or every
     rank raises. Where its shape is the one that followed a round of the last round's name the last time
     (:meth:`~.link.Channel.expected_data`), it is issued right behind the round, both in flight together; a peer that
-    does not send it sends a stand-in (:mod:`.data_shapes`), and then every rank runs it after the round."""
+    does not send it sends a stand-in (:mod:`.comm`'s shape records), and then every rank runs it after the round."""
     link = spec.link
     group, failure, cause, ready = link.group, None, None, None
     try:
@@ -106,7 +105,7 @@ def _meet(spec: NativeSpec, x: torch.Tensor, op: str, prepare: Callable[[], _Rea
     sig = digest((op, spec.dim, x.dtype, tuple(x.shape[spec.dim + 1 :])))
     ch = link.channel()
     before = ch.last
-    early = ready.issue if ready is not None and matches(ready.shape, ch.expected_data()) else None
+    early = ready.issue if ready is not None and comm.matches(ready.shape, ch.expected_data()) else None
     status = Status.FAILED if failure else Status.OK
     header = Header(kind=spec.kind, status=status, digest=sig, inline=1, early=int(early is not None))
     rnd = rounds.checked_round(link, header, spec.what, early)
@@ -162,7 +161,7 @@ def _reduce_scatter(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torc
     def prepare() -> _Ready:
         rows = padded_shares(_first(x, spec.dim), sizes)
         out = rows.new_empty((max(sizes), *rows.shape[1:]))
-        shape = ScatterShape(max(sizes), tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
+        shape = comm.ScatterShape(max(sizes), tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
         return _Ready(shape, lambda: shape.issue(out, rows, link.call, f"reduce_scatter ({spec.what})"), out)
 
     return _back(_run(spec, x, "reduce_scatter", prepare).narrow(0, 0, sizes[rank]), spec.dim)
@@ -193,7 +192,7 @@ def _all_to_all(spec: "NativeSpec", tensors: Sequence[torch.Tensor]) -> torch.Te
 
     def prepare() -> _Ready:
         out = rows.new_empty((sum(spec.recv), *rows.shape[1:]))
-        shape = SwapShape(spec.sizes, spec.recv, tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
+        shape = comm.SwapShape(spec.sizes, spec.recv, tuple(rows.shape[1:]), rows.dtype, link.group, link.device)
         return _Ready(shape, lambda: shape.issue(out, rows, link.call, f"all_to_all ({spec.what})"), out)
 
     return _back(_run(spec, x, "all_to_all", prepare), spec.dim)

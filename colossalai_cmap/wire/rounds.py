@@ -31,7 +31,6 @@ import torch
 from .. import stats
 from ..errors import CmapError, CollectiveAborted, RankFailure
 from . import comm
-from .data_shapes import DataShape
 from .group import state_of
 from .link import Link
 
@@ -197,7 +196,7 @@ def finish_round(link: Link, issued: Issued) -> Round:
     return rnd
 
 
-def _stand_in(shape: DataShape, link: Link) -> None:
+def _stand_in(shape: comm.DataShape, link: Link) -> None:
     """The collective a peer's early data pairs with (its contents unused), waited for."""
     comm.wait_for(shape.stand_in(link.call), shape.group, link.call, link.timeout, shape.collective())
 
