@@ -175,6 +175,12 @@ class _MachineWords:
         if self.throughput:
             each = " and ".join(f"{c:.2g} (P = {p})" for p, c in sorted(self.throughput.items()))
             text += f"; a probe at the start, P processes spinning a loop at once, got {each} cores' worth of work done"
+        for c in m.get("collective_cpu", []):
+            text += (
+                f"; a 16-byte all_gather alone at P = {c['processes']} took {c['wall_us']:.0f} us per call, the "
+                f"calling thread {c['caller_cpu_us']:.0f} us of CPU and gloo's threads {c['other_cpu_us']:.0f} us, "
+                f"per rank: {c['cores_busy']:.2g} of the {m['usable_cpus']} usable CPUs busy with collectives alone"
+            )
         return text
 
     @property
