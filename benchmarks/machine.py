@@ -5,23 +5,23 @@ that the report describes the machine it was measured on.
 result (how many cores' worth of work P processes get done at once) is what tells whether the ranks of a world of P
 had a core each, whatever the CPU count says (SMT siblings, CPU quotas and other jobs all lower it).
 
-``collective_cpu`` is the other probe: what a tiny all_gather costs the host's CPUs in a gloo world of P, split into
-the calling thread's CPU time and the rest of the process's (gloo's own threads). Where the world keeps most of the
+``collective_cpu`` is the other probe, which every benchmark world runs first (``suite.py``): what a tiny all_gather
+costs the host's CPUs in a gloo world of P, split into the calling thread's CPU time and the rest of the process's
+(gloo's own threads). Where the world keeps most of the
 usable CPUs busy with nothing but collectives, every microsecond of the callers' Python waits for a CPU too.
 """
 
 import multiprocessing as mp
 import os
 import platform
-import statistics
 import subprocess
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 from benchmarks.paths import ROOT
 
 SPIN = 3_000_000  # loop iterations of one probe: about 0.1-0.3 s of one core
-COLLECTIVE_CALLS, COLLECTIVE_WARMUP = 1000, 100  # all_gathers timed by collective_cpu (about 0.5-5 s), and before
+COLLECTIVE_CALLS, COLLECTIVE_WARMUP = 1000, 100  # all_gathers timed by collective_cpu (0.5-5 s here), and before
 
 
 def cpu_model() -> str:
@@ -84,31 +84,16 @@ def parallel_throughput(processes: int, n: int = SPIN) -> float:
     return processes * alone / together
 
 
-def collective_cpu(processes: int, calls: int = COLLECTIVE_CALLS) -> Dict[str, float]:
-    """What one 16-byte ``all_gather_into_tensor`` costs this host in a fresh gloo world of ``processes``, per call
-    and as medians over the ranks: ``wall_us``, ``caller_cpu_us`` (the calling thread's CPU time), ``other_cpu_us``
-    (the process's other threads', gloo's), and ``cores_busy``: the CPUs the world kept busy (its CPU time over the
-    wall time), to set against the usable CPUs."""
-    from benchmarks import world  # it starts the ranks; imported here so that importing this module starts nothing
-
-    ranks = world.spawn(_collective_cpu_rank, processes, (calls,))
-    wall, caller, other = (statistics.median(r[i] for r in ranks) for i in range(3))
-    return {
-        "processes": processes,
-        "wall_us": round(wall, 1),
-        "caller_cpu_us": round(caller, 1),
-        "other_cpu_us": round(other, 1),
-        "cores_busy": round(sum(r[1] + r[2] for r in ranks) / max(r[0] for r in ranks), 2),
-    }
-
-
-def _collective_cpu_rank(calls: int) -> Tuple[float, float, float]:
-    """One rank of :func:`collective_cpu`: per call, microseconds of wall time, of this thread's CPU time, and of
-    the process's other threads' CPU time."""
+def collective_cpu(calls: int = COLLECTIVE_CALLS) -> Dict[str, float]:
+    """What one 16-byte ``all_gather_into_tensor`` costs this host in the running gloo world (every rank calls it),
+    per call, as medians over the ranks: ``wall_us``, ``caller_cpu_us`` (the calling thread's CPU time),
+    ``other_cpu_us`` (the process's other threads', gloo's), and ``cores_busy``: the CPUs the world kept busy (its
+    CPU time over the wall time), to set against the usable CPUs."""
     import torch
     import torch.distributed as dist
 
-    inp, out = torch.zeros(4), torch.empty(4 * dist.get_world_size())
+    world = dist.get_world_size()
+    inp, out = torch.zeros(4), torch.empty(4 * world)
     for _ in range(COLLECTIVE_WARMUP):
         dist.all_gather_into_tensor(out, inp)
     dist.barrier()
@@ -116,7 +101,18 @@ def _collective_cpu_rank(calls: int) -> Tuple[float, float, float]:
     for _ in range(calls):
         dist.all_gather_into_tensor(out, inp)
     wall, thread, process = time.perf_counter() - wall, time.thread_time() - thread, time.process_time() - process
-    return wall / calls * 1e6, thread / calls * 1e6, (process - thread) / calls * 1e6
+    mine = torch.tensor([wall, thread, process - thread], dtype=torch.float64) / calls * 1e6
+    ranks = torch.empty(world * 3, dtype=torch.float64)
+    dist.all_gather_into_tensor(ranks, mine)
+    ranks = ranks.view(world, 3)
+    medians = ranks.median(dim=0).values.tolist()  # the lower median where P is even
+    return {
+        "processes": world,
+        "wall_us": round(medians[0], 1),
+        "caller_cpu_us": round(medians[1], 1),
+        "other_cpu_us": round(medians[2], 1),
+        "cores_busy": round(float((ranks[:, 1] + ranks[:, 2]).sum() / ranks[:, 0].max()), 2),
+    }
 
 
 def gpus() -> List[str]:
@@ -129,7 +125,7 @@ def gpus() -> List[str]:
 
 
 def describe(worlds: Sequence[int]) -> Dict[str, Any]:
-    """The machine and the software, for results.json's ``meta`` (the probes run once per world size above 1)."""
+    """The machine and the software, for results.json's ``meta`` (the probe runs once per world size above 1)."""
     import torch
 
     import colossalai_cmap
@@ -148,7 +144,6 @@ def describe(worlds: Sequence[int]) -> Dict[str, Any]:
         "parallel_throughput": [
             {"processes": p, "cores": parallel_throughput(p)} for p in sorted(set(worlds)) if p > 1
         ],
-        "collective_cpu": [collective_cpu(p) for p in sorted(set(worlds)) if p > 1],
         "gpus": gpus(),
         "load_average_at_start": list(os.getloadavg()),
     }

@@ -46,7 +46,7 @@ def render(results_path: str, docs_dir: str, template_path: Optional[str] = None
     with open(results_path) as f:
         res = json.load(f)
     meta, timing, memory = res["meta"], res["timing"], res["memory"]
-    machine = _MachineWords(meta, timing, res.get("gpu_note"))
+    machine = _MachineWords(meta, timing, res.get("gpu_note"), res.get("collective_cpu", []))
     img = os.path.join(docs_dir, "img")
     os.makedirs(img, exist_ok=True)
     alpha, beta, resid = fit_comm(timing)
@@ -143,12 +143,18 @@ def _load(meta: Dict[str, Any], key: str) -> str:
 
 
 class _MachineWords:
-    """What the report says about the machine, from what the run measured (``machine.describe``): the CPUs, the
-    probe's parallel throughput, the GPUs. Older results files lack these fields; then it says less, and nothing
-    that was not measured."""
+    """What the report says about the machine, from what the run measured (``machine.describe``, and each world's
+    ``machine.collective_cpu``): the CPUs, the probe's parallel throughput, what a tiny collective alone costs the
+    host, the GPUs. Older results files lack these fields; then it says less, and nothing that was not measured."""
 
-    def __init__(self, meta: Dict[str, Any], timing: Sequence[Dict[str, Any]], gpu_note: Optional[str]) -> None:
-        self.meta, self.note = meta, gpu_note
+    def __init__(
+        self,
+        meta: Dict[str, Any],
+        timing: Sequence[Dict[str, Any]],
+        gpu_note: Optional[str],
+        collectives: Sequence[Dict[str, Any]] = (),
+    ) -> None:
+        self.meta, self.note, self.collectives = meta, gpu_note, collectives
         self.ps = sorted({r["P"] for r in timing if r["P"] > 1})
         self.top = max(self.ps, default=1)
         self.throughput = {e["processes"]: e["cores"] for e in meta.get("parallel_throughput", [])}
@@ -175,7 +181,7 @@ class _MachineWords:
         if self.throughput:
             each = " and ".join(f"{c:.2g} (P = {p})" for p, c in sorted(self.throughput.items()))
             text += f"; a probe at the start, P processes spinning a loop at once, got {each} cores' worth of work done"
-        for c in m.get("collective_cpu", []):
+        for c in self.collectives:
             text += (
                 f"; a 16-byte all_gather alone at P = {c['processes']} took {c['wall_us']:.0f} us per call, the "
                 f"calling thread {c['caller_cpu_us']:.0f} us of CPU and gloo's threads {c['other_cpu_us']:.0f} us, "

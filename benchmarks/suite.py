@@ -1,4 +1,5 @@
-"""What every rank of one world runs: the chosen cases' timings, then the overhead profiles, then the memory checks.
+"""What every rank of one world runs: the cost of its collectives alone (``machine.collective_cpu``), the chosen
+cases' timings, then the overhead profiles, then the memory checks.
 
 ``run_world`` is the target that ``run.py`` spawns in each world (see ``world.spawn``).
 """
@@ -12,11 +13,12 @@ import torch.distributed as dist
 
 from benchmarks.attribution import profile_case
 from benchmarks.cases import CASES
+from benchmarks.machine import collective_cpu
 from benchmarks.measure import mmap_large_allocations
 from benchmarks.memory import bench_chunk, bench_memory, bench_zero_copy
 from benchmarks.timing import bench_time
 
-SECTIONS = ("timing", "memory", "zero_copy", "chunk", "profile")  # the lists of results.json, filled per world
+SECTIONS = ("collective_cpu", "timing", "memory", "zero_copy", "chunk", "profile")  # results.json's lists, per world
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ def run_world(config: Config) -> Dict[str, Any]:
     names = config.cases if world > 1 else [n for n in config.cases if n in config.p1_cases]
     cases = [c for c in CASES if c.name in names]  # in the order of CASES
     results: Dict[str, Any] = {key: [] for key in SECTIONS}
+    if world > 1:  # what the world's collectives alone cost the host, before anything else ran in it
+        results["collective_cpu"].append(collective_cpu())
     for case in cases:
         t0 = time.time()
         r = bench_time(case, config.reps_scale, config.min_reps)
