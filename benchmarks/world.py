@@ -7,6 +7,7 @@ Every benchmark starts its processes here (``spawn``); the port and each rank's 
 import multiprocessing as mp
 import os
 import queue
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -107,8 +108,13 @@ def _join(job: _Job, rank: int) -> None:
 
 
 def _collect(procs: List[Any], results: Any) -> List[Any]:
-    """Every rank's result, read before the ranks are joined (a rank exits only once its result is sent)."""
+    """Every rank's result, read before the ranks are joined (a rank exits only once its result is sent).
+
+    A rank that exited cleanly passed the closing barrier, so every rank had sent its result by then: one still
+    missing :data:`_LOST_AFTER_S` later never arrives (seen once, a rank hung in ``destroy_process_group``), and this
+    raises instead of waiting for it forever."""
     got: Dict[int, Any] = {}
+    closed_at: Optional[float] = None  # when a rank was first seen to have exited cleanly
     while len(got) < len(procs):
         dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
         try:  # after a death, one last wait for what the rank may have sent just before it
@@ -118,12 +124,24 @@ def _collect(procs: List[Any], results: Any) -> List[Any]:
                 _kill(procs)
                 codes = {r: procs[r].exitcode for r in dead}
                 raise RuntimeError(f"ranks {dead} of {len(procs)} died (exit codes {codes})") from None
+            if closed_at is None and any(p.exitcode == 0 for p in procs):
+                closed_at = time.monotonic()
+            if closed_at is not None and time.monotonic() - closed_at > _LOST_AFTER_S:
+                _kill(procs)
+                missing = [r for r in range(len(procs)) if r not in got]
+                raise RuntimeError(
+                    f"the results of ranks {missing} of {len(procs)} never arrived, though a rank passed the closing "
+                    f"barrier (which every rank reaches after sending its result) {_LOST_AFTER_S:.0f} s ago"
+                ) from None
             continue
         if status == "err":
             _kill(procs)
             raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{value}")
         got[rank] = value
     return [got[r] for r in range(len(procs))]
+
+
+_LOST_AFTER_S = 60.0
 
 
 def _kill(procs: List[Any]) -> None:
