@@ -68,6 +68,7 @@ def render(results_path: str, docs_dir: str, template_path: Optional[str] = None
     }
     sections = {
         "ceil": bool(ceil),
+        "threshold": bool(res.get("threshold")),
         "profile": bool(profile),
         "memory": bool(memory),
         "zero_copy": bool(res.get("zero_copy")),
@@ -114,6 +115,7 @@ def _result_fields(
         "max_abs_diff": f"{max(r['max_abs_diff'] for r in timing):.3g}",
         "status_vs_fused": tables.status_vs_fused(timing),
         "ceil_plan": tables.ceil_plan(ceil),
+        "threshold_table": "\n".join(tables.threshold_table(res.get("threshold", []))),
         "timing_method": _as_markdown(meta["timing_method"]),
         "profile_summary": "\n".join(tables.profile_summary(profile)),
         "profile_details": "\n".join(tables.profile_details(profile)),

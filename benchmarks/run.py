@@ -49,6 +49,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--reps-scale", type=float, default=1.0, help="scale repetitions (never below 10)")
     parser.add_argument("--no-profile", action="store_true", help="skip the overhead profile")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory checks")
+    parser.add_argument(
+        "--no-threshold", action="store_true", help="skip timing cmap's two ways of gathering around the threshold"
+    )
     parser.add_argument("--no-render", action="store_true", help="do not render docs/performance.md")
     parser.add_argument(
         "--quick",
@@ -87,6 +90,7 @@ def config_of(opts: argparse.Namespace) -> Config:
         quick=opts.quick,
         profile=not opts.no_profile,
         memory=not opts.no_memory,
+        threshold=not opts.no_threshold,
     )
 
 

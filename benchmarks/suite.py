@@ -1,5 +1,6 @@
 """What every rank of one world runs: the cost of its collectives alone (``machine.collective_cpu``), the chosen
-cases' timings, then the overhead profiles, then the memory checks.
+cases' timings, the threshold between cmap's two ways of gathering (``threshold.py``), then the overhead profiles,
+then the memory checks.
 
 ``run_world`` is the target that ``run.py`` spawns in each world (see ``world.spawn``).
 """
@@ -16,9 +17,10 @@ from benchmarks.cases import CASES
 from benchmarks.machine import collective_cpu
 from benchmarks.measure import mmap_large_allocations
 from benchmarks.memory import bench_chunk, bench_memory, bench_zero_copy
+from benchmarks.threshold import REPS, bench_threshold
 from benchmarks.timing import bench_time
 
-SECTIONS = ("collective_cpu", "timing", "memory", "zero_copy", "chunk", "profile")  # results.json's lists, per world
+SECTIONS = ("collective_cpu", "timing", "threshold", "memory", "zero_copy", "chunk", "profile")  # results.json lists
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Config:
         quick: the smoke test's profile lengths (``Case.profile_calls``).
         profile: profile where cmap's overhead goes.
         memory: run the memory checks (worlds of P >= 2).
+        threshold: time cmap's two ways of gathering output around the size between them (worlds of P >= 2).
     """
 
     cases: Tuple[str, ...]
@@ -42,6 +45,7 @@ class Config:
     quick: bool = False
     profile: bool = True
     memory: bool = True
+    threshold: bool = True
 
 
 def run_world(config: Config) -> Dict[str, Any]:
@@ -59,6 +63,11 @@ def run_world(config: Config) -> Dict[str, Any]:
         if rank == 0:
             results["timing"].append(r)
             print(f"  [P={world}] {case.name:7s} timed in {time.time() - t0:5.1f} s", flush=True)
+    if world > 1 and config.threshold:
+        t0 = time.time()
+        results["threshold"] += bench_threshold(3 if config.quick else REPS)
+        if rank == 0:
+            print(f"  [P={world}] threshold timed in {time.time() - t0:5.1f} s", flush=True)
     if config.profile:
         for case in cases:
             if case.profile_calls is not None:

@@ -199,6 +199,24 @@ def status_vs_fused(timing: Sequence[Dict[str, Any]]) -> str:
     )
 
 
+def threshold_table(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """cmap's two ways of gathering a repeated call's output, per (P, size): each against the baseline, and against
+    each other (paired)."""
+    lines = [
+        "| P | output | baseline ms | rows in the round / baseline | round + all_gather / baseline "
+        "| rows in the round / round + all_gather (paired) | collectives / call |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        q, n = r["ratios"], r["collectives_per_call"]
+        lines.append(
+            f"| {r['P']} | {fmt_bytes(r['out_bytes'])} | {r['times_ms']['baseline']:.3g} | {q['rows in the round']:.3f} "
+            f"| {q['round + all_gather']:.3f} | **{r['fused/two']:.3f}** "
+            f"| {n['rows in the round']} / {n['round + all_gather']} |"
+        )
+    return lines
+
+
 def ceil_plan(ceil: Sequence[Dict[str, Any]]) -> str:
     """Per P of the rows timed with ``baseline_ceil_plan``: its time, against the baseline and against cmap."""
     return "; ".join(
