@@ -6,8 +6,9 @@ A repeated call whose output goes to every rank carries its rows in its status r
 into the result together (two collectives), because cutting the rows out of the round's buffer costs more there.
 Here two cmaps of the same function run on groups of their own, one whose rounds carry rows at every size measured
 (``rows in the round``) and one whose rounds carry none (``round + all_gather``), interleaved with the hand-written
-baseline. A group's rounds read the threshold when they are first set up, so it is set around each group's first
-call.
+baseline. A group's rounds read the threshold (``colossalai_cmap.wire.link.FUSE_BYTES``) when they are first set
+up, so it is set around each group's first call, alike on every rank: the one place the benchmarks reach past the
+package's public API, since no public setting picks the way at a given size.
 """
 
 import statistics
