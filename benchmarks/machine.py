@@ -7,8 +7,8 @@ had a core each, whatever the CPU count says (SMT siblings, CPU quotas and other
 
 ``collective_cpu`` is the other probe, which every benchmark world runs first (``suite.py``): what a tiny all_gather
 costs the host's CPUs in a gloo world of P, split into the calling thread's CPU time and the rest of the process's
-(gloo's own threads). Where the world keeps most of the
-usable CPUs busy with nothing but collectives, every microsecond of the callers' Python waits for a CPU too.
+(gloo's own threads). Where the world keeps most of the usable CPUs busy with nothing but collectives, every
+microsecond of the callers' Python waits for a CPU too.
 """
 
 import multiprocessing as mp
