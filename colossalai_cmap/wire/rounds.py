@@ -327,13 +327,13 @@ def checked_round(
 
     ``along``: rounds on other groups, inside a guarded backward (a guarded mesh's closing round), issued before this
     one and waited for after it, so that they are in flight together; each carries its header, or where this rank
-    fails here, the failure as any post of it goes (:func:`_post_failure`). Their readings are kept for the guarded
+    fails here, the failure as any post of it goes (:func:`_issue_standing_in`). Their readings are kept for the guarded
     backward (:func:`taken_along`): a failure's fan-out posts nothing more there, and the guard checks them
     (:func:`check_round`)."""
     if not along:
         return check_round(link, header, what, run_round(link, header, also, what=what))
     failed = header.status != Status.OK
-    issued = [(g, _post_failure(g, what) if failed else issue_round(g, h, what=what)) for g, h in along]
+    issued = [(g, _issue_standing_in(g, FAILURE, what) if failed else issue_round(g, h, what=what)) for g, h in along]
     rnd = finish_round(link, issue_round(link, header, also, what))
     for g, pending in issued:
         _note_along(g, finish_round(g, pending))
@@ -454,7 +454,7 @@ def fan_out(mesh: _Guarded, met: Optional[Link], what: str) -> Optional[Round]:
     ``met`` is the whole group)."""
     skip = None if met is None else met.round_group.pg
     issued = [
-        (g, _post_failure(g, what))
+        (g, _issue_standing_in(g, FAILURE, what))
         for g in (*mesh.axes, mesh.whole)
         if g.round_group.pg is not skip and g.round_group.pg not in mesh.along
     ]
@@ -467,17 +467,12 @@ def fan_out(mesh: _Guarded, met: Optional[Link], what: str) -> Optional[Round]:
     return found
 
 
-def _post_failure(link: Link, what: str) -> Issued:
-    """A failure's round on ``link``'s group, issued, with a stand-in behind it (:func:`_issue_standing_in`): a peer
-    in a Join there may have sent its data behind its round, and waits for this rank's before it can post the failure
-    on the mesh's other groups, which this rank may be waiting in first."""
-    return _issue_standing_in(link, FAILURE, what)
-
-
 def _issue_standing_in(link: Link, header: Header, what: Optional[str] = None) -> Issued:
-    """A round on ``link``'s group, issued; where an exchange at this point of the group's rounds is expected to send
-    a data phase (:meth:`~.link.Channel.expected_data`), a stand-in of it goes right behind (the header says
-    ``early``), for a round this rank waits for only after rounds on other groups."""
+    """A round on ``link``'s group, issued (a failure's, where this rank waits for it only after rounds on other
+    groups); where an exchange at this point of the group's rounds is expected to send a data phase
+    (:meth:`~.link.Channel.expected_data`), a stand-in of it goes right behind (the header says ``early``): a peer in
+    a Join there may have sent its data behind its round, and waits for this rank's before it can post the failure on
+    the mesh's other groups, which this rank may be waiting in first."""
     shape = link.channel().expected_data()
     if shape is None:
         return issue_round(link, header, what=what)
